@@ -1,0 +1,3 @@
+from mlxlocal.cli import main
+
+main()

@@ -1,0 +1,450 @@
+"""`mlxlocal chat`: a terminal REPL over the engine (like `ollama run` / `mlx_lm.chat`).
+
+Front end only: it renders the conversation through the model's chat template, hands the
+token ids to `Engine.generate` with one `Session` per conversation (so each new turn
+prefills only its new tokens), and streams the reply as Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.segment import Segment
+from rich.text import Text
+
+from mlxlocal.engine import Engine, GenerationStats, SamplingParams
+from mlxlocal.errors import ContextLengthError, MlxLocalError
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+BLOCK = '"""'
+REFRESH_S = 0.25  # re-render Markdown 4x a second, not per token: parsing it is not free
+COMMANDS = {
+    "/help": "show this help",
+    "/clear": "forget the conversation (and its cached tokens)",
+    "/system TEXT": "set the system prompt (clears the conversation)",
+    "/save FILE": "save the conversation as JSON",
+    "/load FILE": "restore a conversation saved with /save",
+    "/stats": "model info, cached tokens, last reply's stats",
+    "/model SPEC": "switch to another model",
+    "/exit": "leave (also /quit, /bye, Ctrl-D)",
+}
+EXIT_COMMANDS = ("/exit", "/quit", "/bye")
+
+
+# --- small helpers (unit tested) ------------------------------------------------------
+def default_history_file() -> Path:
+    home = os.environ.get("MLXLOCAL_HOME")
+    if home:
+        return Path(home) / "chat_history"
+    return Path.home() / ".local" / "state" / "mlxlocal" / "chat_history"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def human_count(n: int) -> str:
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(n)
+
+
+def format_seconds(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def format_footer(stats: GenerationStats) -> str:
+    parts = [
+        f"{stats.decode_tps:.1f} tok/s",
+        f"prompt {stats.prefill_tps:.1f} tok/s",
+        f"{stats.prompt_tokens} prompt tokens ({stats.cached_tokens} cached)",
+        f"{stats.completion_tokens} tokens",
+        f"TTFT {format_seconds(stats.ttft_s)}",
+        f"peak {human_bytes(stats.peak_memory_bytes)}",
+    ]
+    if stats.finish_reason and stats.finish_reason != "stop":
+        parts.append(f"finish: {stats.finish_reason}")
+    return " · ".join(parts)
+
+
+def block_is_open(text: str) -> bool:
+    """True while the input is a `\"\"\"` block that has not seen its closing line."""
+    lines = text.split("\n")
+    return lines[0].strip() == BLOCK and (len(lines) == 1 or lines[-1].strip() != BLOCK)
+
+
+def unwrap_block(text: str) -> str:
+    """The body of a `\"\"\"` block; any other input unchanged."""
+    lines = text.split("\n")
+    if lines[0].strip() != BLOCK:
+        return text
+    body = lines[1:]
+    if body and body[-1].strip() == BLOCK:
+        body = body[:-1]
+    return "\n".join(body)
+
+
+def parse_saved(data: Any) -> tuple[str | None, list[dict[str, str]]]:
+    """Validate a /save file's JSON; return (system, messages) or raise ValueError."""
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        raise ValueError("expected an object with a 'messages' list")
+    system = data.get("system")
+    if system is not None and not isinstance(system, str):
+        raise ValueError("'system' must be a string or null")
+    messages = []
+    for i, m in enumerate(data["messages"]):
+        ok = isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
+        if not ok or not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i} needs a role (user/assistant/system) and string content")
+        messages.append({"role": m["role"], "content": m["content"]})
+    return system, messages
+
+
+@contextlib.contextmanager
+def sigint_sets(event: threading.Event) -> Iterator[None]:
+    """While generating, Ctrl-C stops the reply (sets `event`) instead of raising."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: event.set())
+    try:
+        yield
+    finally:
+        # None means a handler installed outside Python: the default is the closest we can restore.
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+class _Tail:
+    """Markdown cut to its last screenful: a Live region cannot scroll, so show the newest text."""
+
+    def __init__(self, text: str):
+        self.markdown = Markdown(text)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        lines = console.render_lines(self.markdown, options.update(height=None), pad=False)
+        for line in lines[-max(console.size.height - 2, 1):]:
+            yield from line
+            yield Segment.line()
+
+
+class ReplyView:
+    """Shows a streaming reply: Markdown in a Live region on a terminal, plain text otherwise."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.parts: list[str] = []
+        self.live: Live | None = None
+        self.last_refresh = 0.0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def __enter__(self) -> ReplyView:
+        if self.console.is_terminal:
+            self.live = Live(Text("…", style="dim"), console=self.console, auto_refresh=False,
+                             transient=True, vertical_overflow="visible")
+            self.live.start(refresh=True)
+        return self
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+        if self.live is None:
+            self.console.file.write(text)
+            self.console.file.flush()
+        elif time.monotonic() - self.last_refresh >= REFRESH_S:
+            self.live.update(_Tail(self.text), refresh=True)
+            self.last_refresh = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.stop()  # transient: clears the cropped view, then print the reply in full
+            if self.text.strip():
+                self.console.print(Markdown(self.text))
+        elif self.parts:
+            self.console.file.write("\n")
+            self.console.file.flush()
+
+
+# --- the REPL ---------------------------------------------------------------------------
+class ChatRepl:
+    def __init__(self, engine: Engine, console: Console, *, system: str | None = None,
+                 params: SamplingParams | None = None, history: History | None = None):
+        self.engine = engine
+        self.console = console
+        self.system = system
+        self.params = params or SamplingParams(max_tokens=1024)
+        self.messages: list[dict[str, str]] = []
+        self.session = engine.new_session()
+        self.last_stats: GenerationStats | None = None
+        self.history = history or InMemoryHistory()
+        self._prompt: PromptSession[str] | None = None
+
+    # output helpers: user text (errors, file names) must never be read as Rich markup
+    def say(self, text: str, style: str | None = None) -> None:
+        self.console.print(text, style=style, markup=False, highlight=False)
+
+    def error(self, text: str) -> None:
+        self.say(f"error: {text}", "red")
+
+    def banner(self) -> None:
+        info = self.engine.info
+        self.say(f"mlxlocal chat · {info.name} · {human_count(info.n_params)} params · "
+                 f"quantization {info.quantization} · context {info.context_length} tokens", "bold")
+        self.say(f'Type /help for commands. Esc+Enter or a {BLOCK} line for multi-line input; '
+                 "Ctrl-C stops a reply, Ctrl-D exits.", "dim")
+
+    # input ----------------------------------------------------------------------------
+    def _prompt_session(self) -> PromptSession[str]:
+        if self._prompt is None:
+            keys = KeyBindings()
+
+            @keys.add("escape", "enter")  # Alt+Enter arrives as Esc, Enter
+            def _newline(event: Any) -> None:
+                event.current_buffer.insert_text("\n")
+
+            @keys.add("enter")
+            def _enter(event: Any) -> None:
+                buffer = event.current_buffer
+                if block_is_open(buffer.text):  # inside a """ block Enter adds a line
+                    buffer.insert_text("\n")
+                else:
+                    buffer.validate_and_handle()
+
+            self._prompt = PromptSession(history=self.history, key_bindings=keys,
+                                         prompt_continuation=CONTINUATION)
+        return self._prompt
+
+    def read(self) -> str | None:
+        """One user input (a whole \"\"\" block counts as one); None at end of input."""
+        if not sys.stdin.isatty():  # piped input: plain lines, no line editor
+            lines: list[str] = []
+            try:
+                lines.append(input())
+                while block_is_open("\n".join(lines)):
+                    lines.append(input())
+            except EOFError:
+                if not lines:
+                    return None
+            return unwrap_block("\n".join(lines))
+        while True:
+            try:
+                return unwrap_block(self._prompt_session().prompt(PROMPT))
+            except KeyboardInterrupt:
+                continue  # Ctrl-C at the prompt clears the line, like a shell
+            except EOFError:
+                return None
+
+    def run(self) -> int:
+        self.banner()
+        while True:
+            text = self.read()
+            if text is None:
+                return 0
+            if not text.strip():
+                continue
+            try:
+                if text.lstrip().startswith("/"):
+                    if not self.command(text.strip()):
+                        return 0
+                else:
+                    self.turn(text)
+            except KeyboardInterrupt:  # a Ctrl-C outside generation (e.g. during /model)
+                self.say("[interrupted]", "yellow")
+
+    # commands ---------------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means leave the REPL."""
+        name, _, arg = line.partition(" ")
+        name, arg = name.lower(), arg.strip()
+        if name in EXIT_COMMANDS:
+            return False
+        handlers = {
+            "/help": self.cmd_help, "/clear": self.cmd_clear, "/system": self.cmd_system,
+            "/save": self.cmd_save, "/load": self.cmd_load, "/stats": self.cmd_stats,
+            "/model": self.cmd_model,
+        }
+        handler = handlers.get(name)
+        if handler is None:
+            names = " ".join(c.split()[0] for c in COMMANDS)
+            self.error(f"unknown command {name}. Commands: {names}")
+        else:
+            handler(arg)
+        return True
+
+    def cmd_help(self, arg: str) -> None:
+        for usage, what in COMMANDS.items():
+            self.say(f"  {usage:<14} {what}")
+        self.say(f'  Multi-line input: Esc+Enter (or Alt+Enter) for a new line, or wrap it in {BLOCK} '
+                 "lines. Ctrl-C stops a reply; Ctrl-D exits.", "dim")
+
+    def reset(self) -> None:
+        self.messages = []
+        self.session = self.engine.new_session()  # drop the KV: nothing left to reuse
+
+    def cmd_clear(self, arg: str) -> None:
+        self.reset()
+        self.say("conversation cleared", "dim")
+
+    def cmd_system(self, arg: str) -> None:
+        if not arg:
+            self.say(f"system prompt: {self.system!r}" if self.system else "no system prompt")
+            self.say("usage: /system TEXT", "dim")
+            return
+        self.system = arg
+        self.reset()
+        self.say("system prompt set; conversation cleared", "dim")
+
+    def cmd_save(self, arg: str) -> None:
+        if not arg:
+            return self.error("usage: /save FILE")
+        path = Path(arg).expanduser()
+        data = {"model": self.engine.info.name, "system": self.system, "messages": self.messages}
+        try:
+            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        except OSError as e:
+            return self.error(f"cannot write {path}: {e.strerror or e}")
+        self.say(f"saved {len(self.messages)} messages to {path}", "dim")
+
+    def cmd_load(self, arg: str) -> None:
+        if not arg:
+            return self.error("usage: /load FILE")
+        path = Path(arg).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            system, messages = parse_saved(data)
+        except FileNotFoundError:
+            return self.error(f"no such file: {path}")
+        except (OSError, UnicodeDecodeError) as e:
+            return self.error(f"cannot read {path}: {e}")
+        except ValueError as e:  # json.JSONDecodeError is a ValueError too
+            return self.error(f"{path} is not a saved chat: {e}")
+        self.system = system
+        self.reset()
+        self.messages = messages
+        self.say(f"loaded {len(messages)} messages from {path}", "dim")
+
+    def cmd_stats(self, arg: str) -> None:
+        info = self.engine.info
+        path = "native" if info.native else "mlx-lm"
+        self.say(f"model    {info.name} ({info.model_type}, {path}), {human_count(info.n_params)} "
+                 f"params, quantization {info.quantization}, {info.dtype}, "
+                 f"context {info.context_length} tokens")
+        self.say(f"weights  {info.weights.describe()}")
+        self.say(f"session  {self.session.cached_len} tokens cached, {len(self.messages)} messages")
+        self.say(f"last     {format_footer(self.last_stats) if self.last_stats else 'no reply yet'}")
+
+    def cmd_model(self, arg: str) -> None:
+        if not arg:
+            return self.error("usage: /model SPEC")
+        from mlxlocal.loader import load
+
+        try:
+            with self.console.status(f"loading {arg}…"):
+                engine = Engine(load(arg))
+        except MlxLocalError as e:
+            return self.error(f"{e} (still using {self.engine.info.name})")
+        except Exception as e:  # a failed switch must not end the chat
+            return self.error(f"{type(e).__name__}: {e} (still using {self.engine.info.name})")
+        self.engine = engine
+        self.session = engine.new_session()  # another tokenizer: the old KV means nothing
+        self.banner()
+
+    # a chat turn ------------------------------------------------------------------------
+    def conversation(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.messages
+
+    def turn(self, text: str) -> None:
+        user = {"role": "user", "content": text}
+        cancel = threading.Event()
+        stats: GenerationStats | None = None
+        try:
+            ids = self.engine.encode_chat(self.conversation() + [user])
+            with sigint_sets(cancel), ReplyView(self.console) as view:
+                for chunk in self.engine.generate(ids, self.params, session=self.session, cancel=cancel):
+                    if chunk.text:
+                        view.add(chunk.text)
+                    if chunk.stats is not None:
+                        stats = chunk.stats
+        except ContextLengthError as e:
+            return self.error(f"{e}. Use /clear to start a new conversation.")
+        # Keep even a cut-off reply: the next turn then continues from what the user saw.
+        self.messages += [user, {"role": "assistant", "content": view.text}]
+        if stats is None:
+            return
+        self.last_stats = stats
+        if stats.finish_reason == "cancelled":
+            self.say("[interrupted]", "yellow")
+        self.say(format_footer(stats), "dim")
+
+
+def _history(path: Path) -> History:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(exist_ok=True)
+        return FileHistory(str(path))
+    except OSError:
+        return InMemoryHistory()  # e.g. a read-only home: chat still works, without history
+
+
+def run_chat(model: str, *, system: str | None = None, params: SamplingParams | None = None,
+             history_file: Path | None = None, console: Console | None = None) -> int:
+    """Load `model` and run the REPL until /exit or Ctrl-D; return the exit code."""
+    from mlxlocal.loader import load
+
+    console = console or Console()
+    try:
+        with console.status(f"loading {model}…"):
+            engine = Engine(load(model))
+    except MlxLocalError as e:
+        console.print(f"error: {e}", style="bold red", markup=False, highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    history = _history(history_file or default_history_file())
+    return ChatRepl(engine, console, system=system, params=params, history=history).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlxlocal.chat", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", "-m", required=True)
+    parser.add_argument("--system")
+    parser.add_argument("--max-tokens", "-n", type=int, default=1024)
+    parser.add_argument("--temp", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--history-file", type=Path)
+    args = parser.parse_args(argv)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    return run_chat(args.model, system=args.system, params=params, history_file=args.history_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

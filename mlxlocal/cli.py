@@ -1,0 +1,240 @@
+"""The `mlxlocal` command line (Typer). Front end only: it talks to the loader and the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mlxlocal import __version__
+from mlxlocal.errors import MlxLocalError
+
+app = typer.Typer(
+    name="mlxlocal",
+    help="Local LLM inference on Apple Silicon, built on MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+MODEL_HELP = "Local HF-layout directory, catalog alias (models.toml), Hugging Face repo id, or synthetic:NAME"
+
+
+def fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def load_engine(model: str):
+    from mlxlocal.engine import Engine
+    from mlxlocal.loader import load
+
+    return Engine(load(model))
+
+
+@app.command()
+def generate(
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; '-' or omitted reads stdin"),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum tokens to generate"),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 disables top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Encode the prompt as plain text"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming"),
+) -> None:
+    """Generate a completion for one prompt, streamed to the terminal."""
+    from mlxlocal.engine import SamplingParams
+
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            fail("no prompt: pass --prompt or pipe text on stdin", 2)
+        prompt = sys.stdin.read()
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        fail(str(e), 2)
+    try:
+        engine = load_engine(model)
+        if no_chat_template:
+            text = (system + "\n\n" + prompt) if system else prompt
+            ids = engine.encode_text(text)
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            ids = engine.encode_chat(messages)
+        pieces: list[str] = []
+        tokens: list[int] = []
+        stats = None
+        for chunk in engine.generate(ids, params):
+            pieces.append(chunk.text)
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            if chunk.stats is not None:
+                stats = chunk.stats
+            if not as_json and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except MlxLocalError as e:
+        fail(str(e))
+    assert stats is not None
+    if as_json:
+        result = {"model": engine.info.name, "text": "".join(pieces), "tokens": tokens, **stats.as_dict()}
+        print(json.dumps(result))
+        return
+    sys.stdout.write("\n")
+    err.print(
+        f"[dim]prompt: {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), "
+        f"{stats.prefill_tps:.1f} tok/s | generation: {stats.completion_tokens} tokens, "
+        f"{stats.decode_tps:.1f} tok/s | ttft {stats.ttft_s * 1000:.0f} ms | "
+        f"peak memory {human_bytes(stats.peak_memory_bytes)} | {stats.finish_reason}[/]",
+        highlight=False,
+    )
+
+
+@app.command()
+def chat(
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", "-n"),
+    temp: float = typer.Option(0.0, "--temp"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    history_file: Optional[Path] = typer.Option(None, "--history-file", help="Input history (default under ~/.local/state/mlxlocal)"),
+) -> None:
+    """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
+    from mlxlocal.chat import run_chat
+    from mlxlocal.engine import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, seed=seed,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        fail(str(e), 2)
+    raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file))
+
+
+@app.command()
+def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
+    """Load a model and print its architecture, size, quantization and how it was loaded."""
+    from mlxlocal.loader import load
+
+    try:
+        loaded = load(model)
+    except MlxLocalError as e:
+        fail(str(e))
+    info, cfg = loaded.info, loaded.model_config
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold cyan")
+    table.add_column()
+    rows = [
+        ("model", info.name),
+        ("source", f"{info.source}: {info.path}"),
+        ("architecture", f"{info.model_type} ({'native mlxlocal' if info.native else 'mlx-lm compatibility path'})"),
+        ("parameters", f"{human_count(info.n_params)} ({info.n_params:,})"),
+        ("quantization", info.quantization),
+        ("dtype", info.dtype),
+        ("context length", f"{info.context_length:,}"),
+    ]
+    if cfg is not None:
+        rows += [
+            ("layers", str(cfg.num_hidden_layers)),
+            ("hidden / intermediate", f"{cfg.hidden_size} / {cfg.intermediate_size}"),
+            ("heads (q / kv) x dim", f"{cfg.num_attention_heads} / {cfg.num_key_value_heads} x {cfg.head_dim}"),
+            ("vocab", f"{cfg.vocab_size:,}"),
+            ("rope", f"theta {cfg.rope_theta:g}" + (f", {cfg.rope_scaling['rope_type']} x{cfg.rope_scaling.get('factor')}" if cfg.rope_scaling else "")),
+            ("tied embeddings", str(cfg.tie_word_embeddings).lower()),
+        ]
+        if cfg.sliding_window:
+            rows.append(("sliding window", f"{cfg.sliding_window} ({cfg.layer_types.count('sliding_attention')} layers)"))
+    for name, size in info.weights.files:
+        rows.append(("file", f"{name}  {human_bytes(size)}"))
+    rows += [
+        ("weights", f"{human_bytes(info.weights.total_bytes)} in {len(info.weights.files)} file(s), {info.weights.n_tensors} tensors"),
+        ("loaded by", info.weights.load_path),
+        ("load time", f"{info.load_seconds:.2f} s"),
+    ]
+    rows += [("note", note) for note in info.notes]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+@app.command()
+def version() -> None:
+    """Print versions of mlxlocal, MLX and mlx-lm."""
+    import mlx.core as mx
+    import mlx_lm
+
+    metal = mx.metal.is_available()
+    print(f"mlxlocal {__version__}\nmlx {mx.__version__} ({'Metal' if metal else 'CPU backend'})\nmlx-lm {mlx_lm.__version__}")
+
+
+def _register_model_commands() -> None:
+    from mlxlocal import cli_models
+
+    cli_models.register(app)
+
+
+try:
+    _register_model_commands()
+except ImportError:
+    pass
+
+
+def main() -> None:
+    try:
+        app()
+    except MlxLocalError as e:  # anything a command did not catch itself
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # a bug of ours: one line by default, the traceback on request
+        if os.environ.get("MLXLOCAL_DEBUG"):
+            raise
+        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (MLXLOCAL_DEBUG=1 for the traceback)", highlight=False)
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()

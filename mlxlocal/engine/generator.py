@@ -1,0 +1,213 @@
+"""The engine: prompt in, streamed tokens out, with a session that keeps the KV between turns.
+
+Front ends (cli, chat, server, bench) call Engine and never touch MLX arrays.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from mlxlocal.engine.stop import StopMatcher
+from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
+from mlxlocal.errors import ContextLengthError
+from mlxlocal.loader import LoadedModel, ModelInfo
+
+
+class Session:
+    """A conversation's KV cache and the tokens it holds, reused across turns."""
+
+    def __init__(self, cache: list[Any]):
+        self.cache = cache
+        self.tokens: list[int] = []
+
+    @property
+    def cached_len(self) -> int:
+        # After an interrupted step, layers may disagree: trust the shortest.
+        return min(int(c.offset) for c in self.cache) if self.cache else 0
+
+    def reuse(self, prompt: list[int]) -> int:
+        """Trim the cache to the longest common prefix with `prompt`; return its length.
+
+        At least one prompt token is always left to prefill: its logits start decoding.
+        """
+        held = self.tokens[: self.cached_len]
+        common = 0
+        limit = min(len(held), len(prompt) - 1)
+        while common < limit and held[common] == prompt[common]:
+            common += 1
+        drop = self.cached_len - common
+        if drop and not self._trim(drop):
+            common = 0
+        self.tokens = held[:common]
+        return common
+
+    def _trim(self, n: int) -> bool:
+        if all(hasattr(c, "trim") and getattr(c, "is_trimmable", lambda: True)() for c in self.cache):
+            for c in self.cache:
+                c.trim(n)
+            return True
+        return False
+
+    def reset(self) -> None:
+        self._trim(self.cached_len)
+        self.tokens = []
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, prefill_step: int = 512):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.prefill_step = prefill_step
+        self._native = loaded.info.native
+        # One generation at a time per engine (issue: continuous batching replaces this).
+        self._lock = threading.Lock()
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.loaded.info
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.info.context_length
+
+    # --- prompts -------------------------------------------------------------------
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            text = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
+            return self.encode_text(text + ("\nassistant:" if add_generation_prompt else ""))
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def new_session(self) -> Session:
+        return Session(self.loaded.make_cache())
+
+    # --- generation ----------------------------------------------------------------
+    def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        if self._native:
+            logits = self.model(tokens[None], cache, last_only=True)
+        else:
+            logits = self.model(tokens[None], cache=cache)
+        return logits[:, -1, :]
+
+    def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        session: Session | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Chunk]:
+        params = params or SamplingParams()
+        params.validate()
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) > self.context_length:
+            raise ContextLengthError(len(prompt), self.context_length)
+        with self._lock:
+            yield from self._generate(prompt, params, session or self.new_session(), cancel)
+
+    def _generate(
+        self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None
+    ) -> Iterator[Chunk]:
+        t_start = time.perf_counter()
+        mx.reset_peak_memory()
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        sampler = make_sampler(params.temperature, params.top_p, params.min_p, 1, params.top_k)
+        processors = make_logits_processors(None, params.repetition_penalty if params.repetition_penalty != 1.0 else None)
+        eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        stats.cached_tokens = session.reuse(prompt)
+        cache = session.cache
+        history = mx.array(prompt, mx.uint32)
+
+        # Prefill what the cache does not hold, in chunks; only the last chunk's logits matter.
+        todo = prompt[stats.cached_tokens :]
+        while len(todo) > self.prefill_step:
+            self._forward(mx.array(todo[: self.prefill_step], mx.uint32), cache)
+            mx.eval([c.state for c in cache])
+            session.tokens.extend(todo[: self.prefill_step])
+            todo = todo[self.prefill_step :]
+            if cancel is not None and cancel.is_set():
+                stats.finish_reason = "cancelled"
+                yield Chunk("", None, "cancelled", stats)
+                return
+        session.tokens.extend(todo)
+
+        def sample(logits: mx.array, history: mx.array) -> mx.array:
+            for proc in processors:
+                logits = proc(history, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return sampler(logprobs)
+
+        y = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
+        mx.async_eval(y)
+        room = self.context_length - len(prompt)
+        max_tokens = min(params.max_tokens, room)
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        stops = StopMatcher(params.stop)
+        generated: list[int] = []
+        t_first = time.perf_counter()
+        finish, hit = "length", False
+        while True:
+            token = int(y.item())
+            if not generated:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t_start
+                stats.prefill_tps = (len(prompt) - stats.cached_tokens) / max(stats.ttft_s, 1e-9)
+            if token in eos:
+                finish = "stop"
+                break
+            generated.append(token)
+            cancelled = cancel is not None and cancel.is_set()
+            more = len(generated) < max_tokens and not cancelled
+            if more:
+                # Queue the next step before handing this token out, so the device keeps working.
+                history = mx.concatenate([history, y.astype(mx.uint32).reshape(1)])
+                next_y = sample(self._forward(y.reshape(1), cache), history)
+                mx.async_eval(next_y)
+                session.tokens.append(token)
+            detok.add_token(token)
+            text, hit = stops.feed(detok.last_segment)
+            yield Chunk(text, token)
+            if hit:
+                finish = "stop"
+                break
+            if not more:
+                finish = "cancelled" if cancelled else "length"
+                break
+            y = next_y
+
+        tail = ""
+        if not hit:
+            detok.finalize()
+            tail, hit = stops.feed(detok.last_segment)
+            tail += "" if hit else stops.flush()
+        elapsed = time.perf_counter() - t_first
+        stats.completion_tokens = len(generated)
+        stats.decode_tps = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
+        stats.peak_memory_bytes = int(mx.get_peak_memory())
+        stats.finish_reason = "stop" if hit else finish
+        yield Chunk(tail, None, stats.finish_reason, stats)

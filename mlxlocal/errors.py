@@ -1,0 +1,37 @@
+"""Errors a user can act on. Each message names the file, field or limit at fault."""
+
+
+class MlxLocalError(Exception):
+    """Base class: the CLI prints these as one clean line, never a traceback."""
+
+
+class ModelNotFoundError(MlxLocalError):
+    """A --model spec that is no local dir, alias, cached/downloadable repo or preset."""
+
+
+class ModelLoadError(MlxLocalError):
+    """A model directory that cannot be loaded (bad config, missing files)."""
+
+
+class WeightFileError(ModelLoadError):
+    """A weight file that is malformed; the message names the file and the tensor."""
+
+
+class ConfigError(ModelLoadError):
+    """A config.json field that is missing, malformed, or changes the math in a way we do not implement."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """A model_type neither the native models nor mlx-lm support."""
+
+
+class ContextLengthError(MlxLocalError):
+    """A prompt (plus requested tokens) that does not fit the model's context."""
+
+    def __init__(self, prompt_tokens: int, context_length: int, what: str = "prompt"):
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"{what} is {prompt_tokens} tokens, over the model's context length of "
+            f"{context_length} tokens"
+        )

@@ -1,0 +1,156 @@
+"""Load a model by spec: resolve where it lives, read weights, build the model and tokenizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxlocal.errors import ModelLoadError
+from mlxlocal.models import build_model, is_native, quantize_for_checkpoint
+from mlxlocal.models.config import ModelConfig, read_config_file
+from mlxlocal.weights import WeightsReport, load_model_weights
+
+
+@dataclass
+class ModelInfo:
+    """What `show` and the stats footers report about a loaded model."""
+
+    name: str
+    path: Path
+    source: str
+    model_type: str
+    native: bool
+    n_params: int
+    quantization: str
+    context_length: int
+    dtype: str
+    weights: WeightsReport
+    load_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict[str, Any]
+    model_config: ModelConfig | None
+    info: ModelInfo
+
+    def make_cache(self) -> list:
+        if hasattr(self.model, "make_cache"):
+            return self.model.make_cache()
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+
+def count_parameters(model: nn.Module, config: dict[str, Any]) -> int:
+    """Parameters as the checkpoint means them (packed quantized weights unpacked)."""
+    total = 0
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith((".scales", ".biases")) and "quantization" in config:
+            continue
+        if p.dtype == mx.uint32 and name.endswith(".weight"):
+            bits = _bits_of(model, name.rsplit(".", 1)[0]) or 4
+            total += p.size * 32 // bits
+        else:
+            total += p.size
+    return total
+
+
+def _bits_of(model: nn.Module, path: str) -> int | None:
+    module = dict(model.named_modules()).get(path)
+    return getattr(module, "bits", None)
+
+
+def describe_quantization(config: dict[str, Any]) -> str:
+    q = config.get("quantization")
+    if not q:
+        return "none"
+    overrides = sum(1 for v in q.values() if isinstance(v, (dict, bool)))
+    text = f"{q.get('mode', 'affine')} {q['bits']}-bit, group size {q['group_size']}"
+    return text + (f", {overrides} per-layer overrides" if overrides else "")
+
+
+def load_from_dir(path: Path, name: str | None = None, source: str = "local") -> LoadedModel:
+    t0 = time.perf_counter()
+    config = read_config_file(path)
+    weights, report = load_model_weights(path)
+    model, model_config = build_model(config, weights, str(path / "config.json"))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if config.get("quantization_config", {}).get("quant_method") in ("awq", "gptq") and "quantization" not in config:
+        raise ModelLoadError(f"{path}: AWQ/GPTQ checkpoints must be converted first")
+    quantize_for_checkpoint(model, config, weights)
+    model.eval()
+    _load_weights_strict(model, weights, path)
+    mx.eval(model.parameters())
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    eos = config.get("eos_token_id")
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=eos)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
+
+    native = is_native(config.get("model_type"))
+    dtypes = sorted({str(p.dtype).removeprefix("mlx.core.") for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)})
+    notes = [] if native else [
+        f"model_type '{config.get('model_type')}' runs through mlx-lm's model code "
+        "(compatibility path: dense mlx-lm caches, no mlxlocal kernels)"
+    ]
+    info = ModelInfo(
+        name=name or path.name,
+        path=path,
+        source=source,
+        model_type=str(config.get("model_type")),
+        native=native,
+        n_params=count_parameters(model, config),
+        quantization=describe_quantization(config),
+        context_length=int(
+            (model_config.context_length if model_config else None)
+            or config.get("max_position_embeddings")
+            or 4096
+        ),
+        dtype=",".join(dtypes),
+        weights=report,
+        load_seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
+    return LoadedModel(model, tokenizer, config, model_config, info)
+
+
+def _load_weights_strict(model: nn.Module, weights: dict[str, mx.array], path: Path) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
+        if extra:
+            parts.append(f"{len(extra)} unexpected tensors (e.g. {', '.join(extra[:3])})")
+        raise ModelLoadError(f"{path}: weights do not match the model: " + "; ".join(parts))
+    for key, value in weights.items():
+        if value.shape != expected[key].shape:
+            raise ModelLoadError(
+                f"{path}: tensor '{key}' has shape {tuple(value.shape)}, the config implies "
+                f"{tuple(expected[key].shape)}"
+            )
+    model.load_weights(list(weights.items()), strict=True)
+
+
+def load(spec: str) -> LoadedModel:
+    """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME."""
+    from mlxlocal import hub  # imported here: huggingface_hub is slow to import
+
+    resolved = hub.resolve(spec)
+    return load_from_dir(resolved.path, name=resolved.name, source=resolved.source)

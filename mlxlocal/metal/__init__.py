@@ -1,0 +1,12 @@
+"""Decode ops and their single dispatch points.
+
+Each op has a plain-MLX reference. The dispatch function is the one place a Metal
+kernel (registered with mx.fast.metal_kernel) is chosen when Metal is available and
+the shape is supported; everywhere else the reference runs.
+"""
+
+from mlxlocal.metal.attention import sdpa
+from mlxlocal.metal.gemv_wide import linear
+from mlxlocal.metal.qgemv_wide import quantized_linear
+
+__all__ = ["linear", "quantized_linear", "sdpa"]

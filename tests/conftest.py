@@ -1,0 +1,62 @@
+"""Tiny random-weight models in the HF layout, built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Never reach for the network from tests; keep state out of the user's home.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    vocab_size=384,
+    max_position_embeddings=512,
+)
+
+# One config per native family, each exercising the family's distinct math.
+FAMILY_CONFIGS = {
+    # llama3 rope scaling, untied head. Written transformers-4 style (top-level rope_theta /
+    # rope_scaling) because mlx-lm 0.32's llama ignores transformers-5 `rope_parameters`.
+    "llama": dict(
+        BASE, model_type="llama", tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+    ),
+    "mistral": dict(BASE, model_type="mistral", tie_word_embeddings=False, rope_theta=1e6, sliding_window=None),
+    # q/k/v biases.
+    "qwen2": dict(BASE, model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6),
+    # per-head q/k norms, tied embeddings; transformers-5 style rope_parameters.
+    "qwen3": dict(BASE, model_type="qwen3", tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+}
+TEMPLATES = {"llama": "llama3", "mistral": "mistral", "qwen2": "chatml", "qwen3": "chatml"}
+
+
+def build_tiny(path: Path, config: dict, *, template: str = "chatml", bits: int | None = None, seed: int = 0) -> Path:
+    from mlxlocal.synthetic import write_model_dir
+
+    return write_model_dir(path, dict(config), seed=seed, dtype="float32", quantize_bits=bits, chat_template=template)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        family: build_tiny(root / family, cfg, template=TEMPLATES[family])
+        for family, cfg in FAMILY_CONFIGS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models) -> Path:
+    return tiny_models["qwen3"]

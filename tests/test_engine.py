@@ -1,0 +1,129 @@
+"""Engine behaviour: sessions, stop strings, limits, sampling, cancellation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mlxlocal.engine import Engine, SamplingParams
+from mlxlocal.engine.stop import StopMatcher
+from mlxlocal.errors import ContextLengthError
+from mlxlocal.loader import load_from_dir
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return Engine(load_from_dir(tiny_model))
+
+
+def run(engine, prompt, session=None, cancel=None, **kw):
+    chunks = list(engine.generate(prompt, SamplingParams(**kw), session=session, cancel=cancel))
+    tokens = [c.token for c in chunks if c.token is not None]
+    return "".join(c.text for c in chunks), tokens, chunks[-1].stats
+
+
+def test_session_reuses_prefix_and_matches_fresh_run(engine):
+    messages = [{"role": "user", "content": "hello there, how are you today?"}]
+    session = engine.new_session()
+    prompt1 = engine.encode_chat(messages)
+    text1, _, stats1 = run(engine, prompt1, session, max_tokens=8, ignore_eos=True)
+    assert stats1.cached_tokens == 0
+    messages += [{"role": "assistant", "content": text1}, {"role": "user", "content": "and then?"}]
+    prompt2 = engine.encode_chat(messages)
+    _, tokens2, stats2 = run(engine, prompt2, session, max_tokens=8, ignore_eos=True)
+    # The second turn prefills only what is new: the first turn's prompt came from the cache.
+    assert stats2.cached_tokens >= len(prompt1) - 1
+    assert stats2.cached_tokens < len(prompt2)
+    _, fresh_tokens, fresh_stats = run(engine, prompt2, max_tokens=8, ignore_eos=True)
+    assert fresh_stats.cached_tokens == 0
+    assert tokens2 == fresh_tokens
+
+
+def test_session_diverging_prompt_trims_cache(engine):
+    session = engine.new_session()
+    a = engine.encode_text("one two three four five six seven")
+    b = engine.encode_text("one two three nine")
+    run(engine, a, session, max_tokens=4, ignore_eos=True)
+    _, tokens_b, stats = run(engine, b, session, max_tokens=6, ignore_eos=True)
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert stats.cached_tokens == common
+    assert tokens_b == run(engine, b, max_tokens=6, ignore_eos=True)[1]
+
+
+def test_identical_prompt_reprefills_last_token(engine):
+    session = engine.new_session()
+    p = engine.encode_text("repeat after me")
+    first = run(engine, p, session, max_tokens=5, ignore_eos=True)[1]
+    again, stats = run(engine, p, session, max_tokens=5, ignore_eos=True)[1:]
+    assert stats.cached_tokens == len(p) - 1
+    assert again == first
+
+
+def test_stop_string_cuts_text(engine):
+    p = engine.encode_text("the quick brown fox")
+    text, tokens, _ = run(engine, p, max_tokens=20, ignore_eos=True)
+    assert len(text) > 6
+    stop = text[3:6]
+    cut_text, _, stats = run(engine, p, max_tokens=20, ignore_eos=True, stop=[stop])
+    assert stats.finish_reason == "stop"
+    assert cut_text == text[: text.index(stop)]
+    assert stop not in cut_text
+
+
+@pytest.mark.parametrize(
+    "pieces, stops, expected",
+    [
+        (["hel", "lo wor", "ld"], ["lo w"], ("hel", True)),
+        (["abc", "de"], ["xyz"], ("abcde", False)),
+        (["ab", "cX", "Y"], ["XYZ"], ("abc", False)),  # "XY" held back, still could become XYZ
+        (["foo<", "/s", ">bar"], ["</s>"], ("foo", True)),
+    ],
+)
+def test_stop_matcher(pieces, stops, expected):
+    m = StopMatcher(stops)
+    out, hit = "", False
+    for p in pieces:
+        text, hit = m.feed(p)
+        out += text
+        if hit:
+            break
+    assert (out, hit) == expected
+
+
+def test_prompt_over_context_is_clear_error(engine):
+    too_long = [5] * (engine.context_length + 1)
+    with pytest.raises(ContextLengthError) as e:
+        list(engine.generate(too_long, SamplingParams(max_tokens=1)))
+    assert str(engine.context_length + 1) in str(e.value) and str(engine.context_length) in str(e.value)
+
+
+def test_generation_stops_at_context_end(engine):
+    n = engine.context_length - 3
+    _, tokens, stats = run(engine, [7] * n, max_tokens=50, ignore_eos=True)
+    assert len(tokens) == 3 and stats.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    p = engine.encode_text("sample something")
+    a = run(engine, p, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)[1]
+    b = run(engine, p, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)[1]
+    c = run(engine, p, max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)[1]
+    assert a == b and a != c
+
+
+def test_cancel_stops_generation(engine):
+    cancel = threading.Event()
+    chunks = []
+    for chunk in engine.generate(engine.encode_text("go on"), SamplingParams(max_tokens=200, ignore_eos=True), cancel=cancel):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            cancel.set()
+    assert chunks[-1].finish_reason == "cancelled"
+    assert chunks[-1].stats.completion_tokens <= 4
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(stop=[""])])
+def test_bad_sampling_params_rejected(engine, bad):
+    with pytest.raises(ValueError):
+        list(engine.generate([1, 2], SamplingParams(**bad)))
