@@ -204,7 +204,9 @@ class ChatRepl:
 
     # output helpers: user text (errors, file names) must never be read as Rich markup
     def say(self, text: str, style: str | None = None) -> None:
-        self.console.print(text, style=style, markup=False, highlight=False)
+        # Off a terminal, leave long lines whole (logs, pipes) instead of wrapping at 80 columns.
+        self.console.print(text, style=style, markup=False, highlight=False,
+                           soft_wrap=not self.console.is_terminal)
 
     def error(self, text: str) -> None:
         self.say(f"error: {text}", "red")

@@ -215,10 +215,7 @@ def _register_model_commands() -> None:
     cli_models.register(app)
 
 
-try:
-    _register_model_commands()
-except ImportError:
-    pass
+_register_model_commands()
 
 
 def main() -> None:

@@ -32,6 +32,6 @@ class ContextLengthError(MlxLocalError):
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
         super().__init__(
-            f"{what} is {prompt_tokens} tokens, over the model's context length of "
-            f"{context_length} tokens"
+            f"{what} is {prompt_tokens} tokens but the model's context length is "
+            f"{context_length} tokens (at least one must stay free for the reply)"
         )

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import FAMILY_CONFIGS, build_tiny
 from rich.console import Console
 
 from mlxlocal.chat import (
@@ -33,53 +34,16 @@ from mlxlocal.engine import Engine, GenerationStats, SamplingParams
 
 pexpect = pytest.importorskip("pexpect")
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 FOOTER = re.compile(r"(\d+) prompt tokens \((\d+) cached\) · (\d+) tokens")
 PROMPT = ">>>"  # prompt_toolkit draws the trailing space as a cursor move
 TIMEOUT = 60
 
 
-def build_chat_model(path: Path) -> Path:
-    """A tiny random qwen3 (hidden 64, 2 layers, float32) with a trained BPE and ChatML."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    config = dict(
-        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-        vocab_size=400, tie_word_embeddings=True, rope_theta=10000.0,
-        max_position_embeddings=4096,  # room for a reply long enough to interrupt
-    )
-    path.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(0)
-    model_cls, args_cls = _get_classes(config)
-    model = model_cls(args_cls.from_dict(config))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=config["vocab_size"] - 3,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["hello world this is a small corpus of text for the tokenizer " * 5,
-              "the quick brown fox jumps over the lazy dog " * 5]
-    tok.train_from_iterator(corpus, trainer)
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML,
-    }))
-    return path
-
-
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory) -> Path:
-    return build_chat_model(tmp_path_factory.mktemp("chat_model") / "tiny-chat")
+    # A long context: a reply must run long enough to be interrupted with Ctrl-C.
+    cfg = dict(FAMILY_CONFIGS["qwen3"], max_position_embeddings=4096)
+    return build_tiny(tmp_path_factory.mktemp("chat_model") / "tiny-chat", cfg)
 
 
 # --- driving the real program ---------------------------------------------------------------
@@ -289,7 +253,7 @@ def test_context_overflow_is_reported_and_forgotten(engine, monkeypatch):
     repl, out = make_repl(engine)
     monkeypatch.setattr(engine.loaded.info, "context_length", 40)
     repl.turn("the quick brown fox jumps over the lazy dog " * 10)
-    assert "context length of 40" in out.getvalue() and "/clear" in out.getvalue()
+    assert "context length is 40" in out.getvalue() and "/clear" in out.getvalue()
     assert repl.messages == []  # the message that did not fit is not kept
 
 

@@ -66,8 +66,6 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.prefill_step = prefill_step
         self._native = loaded.info.native
-        # One generation at a time per engine (issue: continuous batching replaces this).
-        self._lock = threading.Lock()
 
     @property
     def info(self) -> ModelInfo:
@@ -118,14 +116,15 @@ class Engine:
         session: Session | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
+        """Validate now (errors raise here, before any chunk), then stream Chunks."""
         params = params or SamplingParams()
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
-        if len(prompt) > self.context_length:
+        if len(prompt) >= self.context_length:
+            # At least one position must stay free for the first generated token.
             raise ContextLengthError(len(prompt), self.context_length)
-        with self._lock:
-            yield from self._generate(prompt, params, session or self.new_session(), cancel)
+        return self._generate(prompt, params, session or self.new_session(), cancel)
 
     def _generate(
         self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None
@@ -185,7 +184,8 @@ class Engine:
             more = len(generated) < max_tokens and not cancelled
             if more:
                 # Queue the next step before handing this token out, so the device keeps working.
-                history = mx.concatenate([history, y.astype(mx.uint32).reshape(1)])
+                if processors:
+                    history = mx.concatenate([history, y.astype(mx.uint32).reshape(1)])
                 next_y = sample(self._forward(y.reshape(1), cache), history)
                 mx.async_eval(next_y)
                 session.tokens.append(token)
