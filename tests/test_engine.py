@@ -127,3 +127,13 @@ def test_cancel_stops_generation(engine):
 def test_bad_sampling_params_rejected(engine, bad):
     with pytest.raises(ValueError):
         list(engine.generate([1, 2], SamplingParams(**bad)))
+
+
+def test_chat_template_renders_tools(engine):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    with_tools = engine.decode(engine.encode_chat(messages, tools=tools))
+    without = engine.decode(engine.encode_chat(messages))
+    assert "get_weather" in with_tools and "get_weather" not in without
+    assert with_tools.rstrip().endswith(without.rstrip().rsplit("\n", 1)[-1])

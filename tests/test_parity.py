@@ -151,3 +151,35 @@ def test_other_model_types_run_through_mlx_lm(tmp_path):
     got = [c.token for c in Engine(ours).generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
            if c.token is not None]
     assert got == mlx_lm_tokens(ref, prompt, 10)
+
+
+def test_mixed_precision_checkpoint_with_per_layer_overrides(tmp_path):
+    """mlx-community mixed recipes: some layers 8-bit, some kept in full precision."""
+    import shutil
+
+    from conftest import FAMILY_CONFIGS, build_tiny
+    from mlx_lm.utils import load_config, quantize_model, save_config, save_model
+
+    cfg = dict(FAMILY_CONFIGS["llama"], hidden_size=128, intermediate_size=256)
+    src = build_tiny(tmp_path / "fp", cfg, template="llama3")
+    model, _ = mlx_lm.load(str(src))
+
+    def predicate(path, module):
+        if "down_proj" in path:
+            return {"group_size": 32, "bits": 8}
+        return "lm_head" not in path
+
+    model, qconfig = quantize_model(model, load_config(src), group_size=64, bits=4, quant_predicate=predicate)
+    dst = tmp_path / "mixed"
+    save_model(dst, model)
+    save_config(qconfig, dst / "config.json")
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, dst / f.name)
+    ours, ref = load_from_dir(dst), mlx_lm.load(str(dst))[0]
+    layers = ours.model.layers
+    assert layers[0].mlp.down_proj.bits == 8 and layers[0].mlp.up_proj.bits == 4
+    assert "lm_head" in ours.model and not hasattr(ours.model.lm_head, "bits")
+    assert "per-layer overrides" in ours.info.quantization
+    tokens = mx.array(prompt_of(10))[None]
+    expected = ref(tokens, cache=make_prompt_cache(ref))
+    assert mx.allclose(ours.model(tokens, ours.make_cache()), expected, atol=1e-4, rtol=1e-4).item()
