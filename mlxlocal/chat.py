@@ -28,7 +28,7 @@ from rich.markdown import Markdown
 from rich.segment import Segment
 from rich.text import Text
 
-from mlxlocal.engine import Engine, GenerationStats, SamplingParams
+from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, SimpleEngine, open_engine
 from mlxlocal.errors import ContextLengthError, MlxLocalError
 
 PROMPT = ">>> "
@@ -190,7 +190,7 @@ class ReplyView:
 
 # --- the REPL ---------------------------------------------------------------------------
 class ChatRepl:
-    def __init__(self, engine: Engine, console: Console, *, system: str | None = None,
+    def __init__(self, engine: PagedEngine | SimpleEngine, console: Console, *, system: str | None = None,
                  params: SamplingParams | None = None, history: History | None = None):
         self.engine = engine
         self.console = console
@@ -365,7 +365,7 @@ class ChatRepl:
 
         try:
             with self.console.status(f"loading {arg}…"):
-                engine = Engine(load(arg))
+                engine = open_engine(load(arg))
         except MlxLocalError as e:
             return self.error(f"{e} (still using {self.engine.info.name})")
         except Exception as e:  # a failed switch must not end the chat
@@ -420,7 +420,7 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
     console = console or Console()
     try:
         with console.status(f"loading {model}…"):
-            engine = Engine(load(model))
+            engine = open_engine(load(model))
     except MlxLocalError as e:
         console.print(f"error: {e}", style="bold red", markup=False, highlight=False)
         return 1

@@ -48,10 +48,10 @@ def human_count(n: int) -> str:
 
 
 def load_engine(model: str):
-    from mlxlocal.engine import Engine
+    from mlxlocal.engine import open_engine
     from mlxlocal.loader import load
 
-    return Engine(load(model))
+    return open_engine(load(model))
 
 
 @app.command()

@@ -92,6 +92,9 @@ def load_from_dir(path: Path, name: str | None = None, source: str = "local") ->
     model.eval()
     _load_weights_strict(model, weights, path)
     mx.eval(model.parameters())
+    # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
+    # graphs built on this thread's stream.
+    mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 

@@ -15,7 +15,7 @@ import mlx_lm
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxlocal.engine import Engine, SamplingParams
+from mlxlocal.engine import SamplingParams, open_engine
 from mlxlocal.hub import resolve
 from mlxlocal.loader import load_from_dir
 
@@ -23,7 +23,7 @@ from mlxlocal.loader import load_from_dir
 def check(spec: str, lengths: list[int], n_tokens: int) -> list[dict]:
     path = resolve(spec).path
     ours, (ref, _) = load_from_dir(path), mlx_lm.load(str(path))
-    engine = Engine(ours)
+    engine = open_engine(ours)
     vocab = ours.model_config.vocab_size if ours.model_config else 1000
     rows = []
     for n in lengths:

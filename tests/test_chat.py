@@ -30,7 +30,7 @@ from mlxlocal.chat import (
     sigint_sets,
     unwrap_block,
 )
-from mlxlocal.engine import Engine, GenerationStats, SamplingParams
+from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, open_engine
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -142,7 +142,7 @@ def test_system_save_load_roundtrip(chat, tmp_path):
     c.command("/stats", "2 messages")
     # The restored conversation is what the model sees: the next prompt holds all of it.
     prompt, cached, _ = c.ask("and then?")
-    assert cached == 0 and prompt > 20
+    assert prompt > 20 and cached < prompt  # the prefix cache may still hold its first blocks
     c.command(f"/save {saved}", "saved 4 messages")
     again = json.loads(saved.read_text())
     assert again["system"] == data["system"] and again["messages"][:2] == data["messages"]
@@ -225,13 +225,13 @@ def test_unknown_model_is_a_clean_error(chat):
 
 # --- the REPL in process, on a console that is not a terminal ---------------------------------
 @pytest.fixture(scope="module")
-def engine(chat_model_dir) -> Engine:
+def engine(chat_model_dir) -> PagedEngine:
     from mlxlocal.loader import load_from_dir
 
-    return Engine(load_from_dir(chat_model_dir))
+    return open_engine(load_from_dir(chat_model_dir))
 
 
-def make_repl(engine: Engine, **kw) -> tuple[ChatRepl, io.StringIO]:
+def make_repl(engine: PagedEngine, **kw) -> tuple[ChatRepl, io.StringIO]:
     out = io.StringIO()
     repl = ChatRepl(engine, Console(file=out, width=200), params=SamplingParams(max_tokens=8), **kw)
     return repl, out

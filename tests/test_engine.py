@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from mlxlocal.engine import Engine, SamplingParams
+from mlxlocal.engine import SamplingParams, open_engine
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.loader import load_from_dir
@@ -14,7 +14,7 @@ from mlxlocal.loader import load_from_dir
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return Engine(load_from_dir(tiny_model))
+    return open_engine(load_from_dir(tiny_model))
 
 
 def run(engine, prompt, session=None, cancel=None, **kw):
@@ -35,8 +35,7 @@ def test_session_reuses_prefix_and_matches_fresh_run(engine):
     # The second turn prefills only what is new: the first turn's prompt came from the cache.
     assert stats2.cached_tokens >= len(prompt1) - 1
     assert stats2.cached_tokens < len(prompt2)
-    _, fresh_tokens, fresh_stats = run(engine, prompt2, max_tokens=8, ignore_eos=True)
-    assert fresh_stats.cached_tokens == 0
+    _, fresh_tokens, _ = run(engine, prompt2, max_tokens=8, ignore_eos=True)
     assert tokens2 == fresh_tokens
 
 
@@ -47,7 +46,9 @@ def test_session_diverging_prompt_trims_cache(engine):
     run(engine, a, session, max_tokens=4, ignore_eos=True)
     _, tokens_b, stats = run(engine, b, session, max_tokens=6, ignore_eos=True)
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    assert stats.cached_tokens == common
+    # A block the prefix cache also holds is never written into (copy on write): the
+    # session then keeps only the whole blocks before the divergence.
+    assert stats.cached_tokens in (common, common // 16 * 16)
     assert tokens_b == run(engine, b, max_tokens=6, ignore_eos=True)[1]
 
 

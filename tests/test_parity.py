@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxlocal.engine import Engine, SamplingParams
+from mlxlocal.engine import SamplingParams, open_engine
 from mlxlocal.loader import load_from_dir
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -55,7 +55,7 @@ def test_greedy_tokens_match_mlx_lm(pairs, family, n):
     ours, ref = pairs[family]
     prompt = prompt_of(n)
     expected = mlx_lm_tokens(ref, prompt, 24)
-    chunks = list(Engine(ours).generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)))
+    chunks = list(open_engine(ours).generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)))
     got = [c.token for c in chunks if c.token is not None]
     assert got == expected
     assert chunks[-1].stats.completion_tokens == 24
@@ -78,8 +78,8 @@ def test_chunked_prefill_gives_same_tokens(pairs):
     ours, _ = pairs["llama"]
     prompt = prompt_of(100)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    whole = [c.token for c in Engine(ours, prefill_step=512).generate(prompt, params) if c.token is not None]
-    chunked = [c.token for c in Engine(ours, prefill_step=16).generate(prompt, params) if c.token is not None]
+    whole = [c.token for c in open_engine(ours, max_step_tokens=512).generate(prompt, params) if c.token is not None]
+    chunked = [c.token for c in open_engine(ours, max_step_tokens=16).generate(prompt, params) if c.token is not None]
     assert whole == chunked
 
 
@@ -94,7 +94,7 @@ def test_sliding_window_matches_mlx_lm(tmp_path):
     assert ours.model_config.sliding_window == 8
     prompt = prompt_of(30)
     expected = mlx_lm_tokens(ref, prompt, 16)
-    got = [c.token for c in Engine(ours).generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    got = [c.token for c in open_engine(ours).generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
            if c.token is not None]
     assert got == expected
 
@@ -111,7 +111,7 @@ def test_quantized_checkpoint_matches_mlx_lm(tmp_path):
     got = ours.model(tokens, ours.make_cache())
     assert mx.allclose(got, expected, atol=1e-4, rtol=1e-4).item()
     prompt = prompt_of(9)
-    got_tokens = [c.token for c in Engine(ours).generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    got_tokens = [c.token for c in open_engine(ours).generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
                   if c.token is not None]
     assert got_tokens == mlx_lm_tokens(ref, prompt, 10)
 
@@ -148,7 +148,7 @@ def test_other_model_types_run_through_mlx_lm(tmp_path):
     ours, ref = load_from_dir(path), mlx_lm.load(str(path))[0]
     assert not ours.info.native and "mlx-lm" in ours.info.notes[0]
     prompt = prompt_of(12)
-    got = [c.token for c in Engine(ours).generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    got = [c.token for c in open_engine(ours).generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
            if c.token is not None]
     assert got == mlx_lm_tokens(ref, prompt, 10)
 

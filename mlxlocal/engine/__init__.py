@@ -1,6 +1,25 @@
-"""The engine: requests in, streamed tokens out. Front ends use only this package."""
+"""The engine: requests in, streamed tokens out. Front ends use only this package.
 
-from mlxlocal.engine.generator import Engine, Session
+Native models run on the paged engine (paged KV, prefix cache, continuous batching);
+models that run on mlx-lm's code use the simple one-sequence engine. Both offer
+generate / new_session / encode_chat / encode_text / decode.
+"""
+
+from __future__ import annotations
+
+from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine, RequestHandle
+from mlxlocal.engine.simple import SimpleEngine
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
+from mlxlocal.loader import LoadedModel
 
-__all__ = ["Chunk", "Engine", "GenerationStats", "SamplingParams", "Session"]
+__all__ = [
+    "CapacityError", "Chunk", "EngineConfig", "GenerationStats", "PagedEngine", "RequestHandle",
+    "SamplingParams", "SimpleEngine", "open_engine",
+]
+
+
+def open_engine(loaded: LoadedModel, **config) -> PagedEngine | SimpleEngine:
+    """The engine for a loaded model; keyword arguments are EngineConfig fields."""
+    if loaded.info.native:
+        return PagedEngine(loaded, EngineConfig(**config))
+    return SimpleEngine(loaded, **config)

@@ -1,6 +1,6 @@
-"""The engine: prompt in, streamed tokens out, with a session that keeps the KV between turns.
+"""The simple engine: one sequence on dense caches, a session keeping the KV between turns.
 
-Front ends (cli, chat, server, bench) call Engine and never touch MLX arrays.
+Used for models that run on mlx-lm's model code (no paged attention there).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from mlxlocal.engine.base import EngineBase
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
-from mlxlocal.errors import ContextLengthError
-from mlxlocal.loader import LoadedModel, ModelInfo
+from mlxlocal.loader import LoadedModel
 
 
 class Session:
@@ -59,44 +59,13 @@ class Session:
         self.tokens = []
 
 
-class Engine:
-    def __init__(self, loaded: LoadedModel, prefill_step: int = 512):
-        self.loaded = loaded
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
-        self.prefill_step = prefill_step
+class SimpleEngine(EngineBase):
+    """One sequence at a time on dense caches: the path for models mlx-lm runs for us."""
+
+    def __init__(self, loaded: LoadedModel, max_step_tokens: int = 512, **_ignored: Any):
+        super().__init__(loaded)
+        self.prefill_step = max_step_tokens
         self._native = loaded.info.native
-
-    @property
-    def info(self) -> ModelInfo:
-        return self.loaded.info
-
-    @property
-    def context_length(self) -> int:
-        return self.loaded.info.context_length
-
-    # --- prompts -------------------------------------------------------------------
-    def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            text = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
-            return self.encode_text(text + ("\nassistant:" if add_generation_prompt else ""))
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens)
 
     def new_session(self) -> Session:
         return Session(self.loaded.make_cache())
@@ -118,12 +87,7 @@ class Engine:
     ) -> Iterator[Chunk]:
         """Validate now (errors raise here, before any chunk), then stream Chunks."""
         params = params or SamplingParams()
-        params.validate()
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) >= self.context_length:
-            # At least one position must stay free for the first generated token.
-            raise ContextLengthError(len(prompt), self.context_length)
+        self.validate(prompt, params)
         return self._generate(prompt, params, session or self.new_session(), cancel)
 
     def _generate(

@@ -1,0 +1,99 @@
+"""Block allocation: free list, reference counts, and the prefix cache on top.
+
+A block is in exactly one state: free (in the free list), referenced (ref > 0, by one
+or more sequences), or cached (ref == 0 but held by the radix tree, reclaimable).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from mlxlocal.cache.radix import RadixCache
+
+
+class OutOfBlocks(Exception):
+    """Not enough free or reclaimable blocks: the scheduler preempts and retries."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free: deque[int] = deque(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.radix = RadixCache(block_size) if prefix_cache else None
+
+    # --- counts ------------------------------------------------------------------
+    @property
+    def num_referenced(self) -> int:
+        return sum(1 for r in self.refs if r > 0)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks only the prefix cache holds (reclaimable)."""
+        if self.radix is None:
+            return 0
+        return sum(1 for b in self.radix.by_block if self.refs[b] == 0)
+
+    def can_allocate(self, n: int) -> bool:
+        return len(self.free) + self.num_cached >= n
+
+    # --- allocation ----------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if len(self.free) < n and self.radix is not None:
+            self.free.extend(self.radix.evict(n - len(self.free), self._unreferenced))
+        if len(self.free) < n:
+            raise OutOfBlocks(n)
+        blocks = [self.free.popleft() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            assert self.refs[b] >= 0, f"block {b} released twice"
+            if self.refs[b] == 0 and not (self.radix and self.radix.contains(b)):
+                self.free.append(b)
+
+    def _unreferenced(self, block: int) -> bool:
+        return self.refs[block] == 0
+
+    # --- prefix cache -------------------------------------------------------------
+    def match_prefix(self, tokens: list[int]) -> list[int]:
+        """Shared blocks for the longest cached prefix; the caller now references them."""
+        if self.radix is None:
+            return []
+        blocks = self.radix.match(tokens)
+        self.share(blocks)
+        return blocks
+
+    def cache_prefix(self, tokens: list[int], blocks: list[int]) -> list[int]:
+        """Put the full blocks of a sequence into the prefix cache.
+
+        Where the tree already holds a block with the same content, the sequence switches
+        to that block (its own copy is released), so equal prefixes share one copy.
+        Returns the sequence's updated block table.
+        """
+        if self.radix is None:
+            return blocks
+        n_full = len(tokens) // self.block_size
+        held = self.radix.insert(tokens[: n_full * self.block_size], blocks[:n_full])
+        table = list(blocks)
+        for i, (mine, kept) in enumerate(zip(blocks, held)):
+            if mine != kept:
+                self.share([kept])
+                self.release([mine])
+                table[i] = kept
+        return table
+
+    def clear_prefix_cache(self) -> int:
+        if self.radix is None:
+            return 0
+        freed = self.radix.clear(self._unreferenced)
+        self.free.extend(freed)
+        return len(freed)

@@ -1,0 +1,68 @@
+"""Paged K/V storage in MLX arrays, and the per-step LayerKV views the models attend through."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxlocal.metal import paged_attention
+
+
+class KVPools:
+    """Per layer, K and V pools of shape [num_blocks, block_size, n_kv_heads, head_dim]."""
+
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
+                 head_dim: int, dtype: mx.Dtype):
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = [mx.zeros(shape, dtype) for _ in range(n_layers)]
+        self.v = [mx.zeros(shape, dtype) for _ in range(n_layers)]
+        mx.eval(self.k, self.v)
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
+        return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k + self.v)
+
+    def state(self) -> list[mx.array]:
+        return self.k + self.v
+
+
+@dataclass
+class StepBatch:
+    """Where one forward's tokens go and what each sequence sees.
+
+    B sequences, each with L new tokens (decode: L = 1; a prefill chunk: B = 1).
+    """
+
+    positions: int | mx.array  # rope offset of the first new token: int, or [B]
+    slot_blocks: mx.array  # [B * L] block id of each new token
+    slot_offsets: mx.array  # [B * L] offset inside that block
+    block_tables: mx.array  # [B, max_blocks] int32 (padded with a valid id; masked)
+    context_lens: mx.array  # [B] tokens in context after this step
+
+
+class PagedLayerView:
+    """LayerKV for one layer and one step: scatter new K/V into the pools, then attend."""
+
+    def __init__(self, pools: KVPools, layer: int, batch: StepBatch, window: int | None):
+        self.pools, self.layer, self.batch, self.window = pools, layer, batch, window
+
+    @property
+    def offset(self) -> int | mx.array:
+        return self.batch.positions
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        b, pools = self.batch, self.pools
+        _, H, _, D = k.shape
+        # [B, H, L, D] -> [B*L, H, D], in the order of the slot mapping.
+        new_k = k.transpose(0, 2, 1, 3).reshape(-1, H, D)
+        new_v = v.transpose(0, 2, 1, 3).reshape(-1, H, D)
+        pools.k[self.layer][b.slot_blocks, b.slot_offsets] = new_k
+        pools.v[self.layer][b.slot_blocks, b.slot_offsets] = new_v
+        return paged_attention(q, pools.k[self.layer], pools.v[self.layer], b.block_tables,
+                               b.context_lens, scale, self.window)

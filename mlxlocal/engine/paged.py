@@ -1,0 +1,380 @@
+"""The paged engine: one thread owns all MLX work; requests arrive through a queue.
+
+Each step the scheduler picks a decode batch and at most one prefill chunk; the model
+runs them through the paged KV pools; sampled tokens stream back to each request's
+queue. Finished sequences leave their full blocks in the radix prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxlocal.cache import BlockManager, KVPools, PagedLayerView, StepBatch
+from mlxlocal.engine.base import EngineBase
+from mlxlocal.engine.sampling import Sampler
+from mlxlocal.engine.scheduler import Scheduler
+from mlxlocal.engine.sequence import Sequence
+from mlxlocal.engine.stop import StopMatcher
+from mlxlocal.engine.types import Chunk, SamplingParams
+from mlxlocal.errors import MlxLocalError
+from mlxlocal.loader import LoadedModel
+
+
+class CapacityError(MlxLocalError):
+    """A request that cannot fit the KV pool even when it runs alone."""
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_blocks: int | None = None  # exact pool size; else from kv_memory / kv_tokens
+    kv_memory: int | None = None  # bytes for the K/V pools
+    kv_tokens: int | None = None  # size the pool for this many tokens (e.g. one CLI request)
+    max_num_seqs: int = 16
+    max_step_tokens: int = 512  # per-step token budget: decodes + one prefill chunk
+    prefix_cache: bool = True
+
+
+def default_kv_memory() -> int:
+    """15% of physical memory: room for weights, activations and the rest of the system."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.15)
+    except (ValueError, OSError, AttributeError):
+        return 2 << 30
+
+
+class Session:
+    """A conversation whose KV blocks stay pinned between turns (chat, agents)."""
+
+    def __init__(self, engine: PagedEngine):
+        self.engine = engine
+        self.tokens: list[int] = []  # tokens whose K/V the blocks hold
+        self.block_table: list[int] = []
+        self.busy = False
+
+    @property
+    def cached_len(self) -> int:
+        return len(self.tokens)
+
+    def reset(self) -> None:
+        self.engine.call(self._release)
+
+    def _release(self) -> None:
+        self.engine.blocks.release(self.block_table)
+        self.tokens, self.block_table = [], []
+
+
+class RequestHandle:
+    """A submitted request: iterate it (sync or async) for Chunks; cancel it any time."""
+
+    def __init__(self, seq: Sequence):
+        self.seq = seq
+        self.id = seq.id
+
+    def cancel(self) -> None:
+        self.seq.cancelled.set()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        done = False
+        try:
+            while not done:
+                item = self.seq.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+        finally:
+            if not done:  # the consumer walked away: free the blocks at the next step
+                self.cancel()
+
+    async def astream(self) -> AsyncIterator[Chunk]:
+        q: asyncio.Queue = self._aqueue
+        done = False
+        try:
+            while not done:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+        finally:
+            if not done:
+                self.cancel()
+
+
+class PagedEngine(EngineBase):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        super().__init__(loaded)
+        self.config = cfg = config or EngineConfig()
+        mc = loaded.model_config
+        dtype = loaded.model.model.embed_tokens(mx.array([0])).dtype
+        per_block = KVPools.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
+                                            mc.num_key_value_heads, mc.head_dim, dtype)
+        self.num_blocks = self._pool_blocks(cfg, per_block, mc.context_length)
+        self.pools = KVPools(mc.num_hidden_layers, self.num_blocks, cfg.block_size,
+                             mc.num_key_value_heads, mc.head_dim, dtype)
+        self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.prefix_cache)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens)
+        self.windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+        self._ids = itertools.count()
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.tokens_in = 0
+        self.tokens_out = 0
+
+    @staticmethod
+    def _pool_blocks(cfg: EngineConfig, per_block: int, context: int) -> int:
+        if cfg.kv_blocks:
+            return cfg.kv_blocks
+        if cfg.kv_memory:
+            return max(1, cfg.kv_memory // per_block)
+        tokens = cfg.kv_tokens or cfg.max_num_seqs * context
+        wanted = -(-tokens // cfg.block_size) + 1
+        return max(1, min(wanted, default_kv_memory() // per_block))
+
+    # --- front-end API (any thread) ----------------------------------------------
+    def new_session(self) -> Session:
+        return Session(self)
+
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        session: Session | None = None,
+        cancel: threading.Event | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        params = params or SamplingParams()
+        self.validate(prompt, params)
+        need = -(-(len(prompt) + 1) // self.config.block_size)
+        if need > self.num_blocks:
+            raise CapacityError(
+                f"prompt of {len(prompt)} tokens needs {need} KV blocks; the pool holds "
+                f"{self.num_blocks} (raise --kv-cache-memory)"
+            )
+        if session is not None:
+            if session.busy:
+                raise ValueError("this session is already generating")
+            session.busy = True
+        seq = Sequence(
+            id=next(self._ids), prompt=list(prompt), params=params, sampler=None,
+            detok=self.tokenizer.detokenizer, stops=StopMatcher(params.stop),
+            eos=set() if params.ignore_eos else set(self.tokenizer.eos_token_ids),
+            max_tokens=min(params.max_tokens, self.context_length - len(prompt)),
+            out=queue.Queue(), cancelled=cancel or threading.Event(), session=session,
+            t_submit=time.perf_counter(),
+        )
+        handle = RequestHandle(seq)
+        if loop is not None:
+            handle._aqueue = asyncio.Queue()
+            seq.async_put = lambda item: loop.call_soon_threadsafe(handle._aqueue.put_nowait, item)
+        self._ensure_thread()
+        self._inbox.put(("submit", seq))
+        return handle
+
+    def generate(self, prompt, params=None, session=None, cancel=None) -> Iterator[Chunk]:
+        """Submit and stream: errors in the request raise here, before any chunk."""
+        return iter(self.submit(prompt, params, session, cancel))
+
+    def call(self, fn, timeout: float = 60.0):
+        """Run fn on the engine thread (where all cache state lives) and return its result."""
+        if self._thread is None:
+            return fn()
+        reply: queue.Queue = queue.Queue()
+        self._inbox.put(("call", fn, reply))
+        ok, value = reply.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def stats(self) -> dict:
+        return self.call(self._stats)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop",))
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    # --- engine thread ---------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mlxlocal-engine", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        # MLX streams belong to threads: this thread gets its own for all engine work.
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        while True:
+            block = not self.scheduler.has_work
+            try:
+                while True:
+                    item = self._inbox.get(block=block)
+                    block = False
+                    if item[0] == "stop":
+                        return
+                    self._handle(item)
+            except queue.Empty:
+                pass
+            try:
+                self.step()
+            except Exception as e:  # a bug must not kill the thread: fail what is in flight
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self.scheduler.free(seq)
+                    self.scheduler.finish(seq)
+                    seq.emit(e)
+
+    def _handle(self, item) -> None:
+        if item[0] == "submit":
+            seq = item[1]
+            seq.sampler = Sampler(seq.params)  # its RNG key is an MLX array: made on this thread
+            if seq.session is not None:
+                self._attach_session(seq)
+            self.scheduler.add(seq)
+            self.tokens_in += len(seq.prompt)
+        elif item[0] == "call":
+            _, fn, reply = item
+            try:
+                reply.put((True, fn()))
+            except Exception as e:
+                reply.put((False, e))
+
+    def _attach_session(self, seq: Sequence) -> None:
+        """Reuse the session's blocks up to the longest common prefix with the new prompt."""
+        s, bs = seq.session, self.config.block_size
+        limit = min(len(s.tokens), len(seq.tokens) - 1)
+        common = next((i for i in range(limit) if s.tokens[i] != seq.tokens[i]), limit)
+        keep = -(-common // bs)
+        if common % bs and keep and (self.blocks.refs[s.block_table[keep - 1]] > 1
+                                     or (self.blocks.radix and self.blocks.radix.contains(s.block_table[keep - 1]))):
+            # Copy on write: never write new tokens into a block someone else can see.
+            keep -= 1
+            common = keep * bs
+        self.blocks.release(s.block_table[keep:])
+        seq.block_table, seq.num_computed = s.block_table[:keep], common
+        seq.stats.cached_tokens = common
+        self.scheduler.prefix_hit_tokens += common
+        s.tokens, s.block_table = [], []
+
+    def step(self) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.cancelled.is_set():
+                self._finish(seq, "cancelled")
+        plan = self.scheduler.plan()
+        for seq in plan.starved:
+            self._finish(seq, "length")
+        if plan.empty:
+            return
+        groups = []
+        if plan.decode:
+            groups.append((plan.decode, 1))
+        if plan.prefill is not None:
+            groups.append(([plan.prefill], plan.prefill_tokens))
+        sampled: list[tuple[Sequence, mx.array]] = []
+        for seqs, n in groups:
+            logits = self._forward(seqs, n)
+            for i, seq in enumerate(seqs):
+                seq.num_computed += n
+                if seq.remaining == 0:
+                    sampled.append((seq, seq.sampler(logits[i : i + 1], seq.tokens)))
+        mx.eval([t for _, t in sampled] + self.pools.state())
+        for seq, token in sampled:
+            self._accept(seq, int(token.item()))
+
+    def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
+        """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
+        bs = self.config.block_size
+        tokens = [s.tokens[s.num_computed : s.num_computed + n] for s in seqs]
+        positions = [s.num_computed + i for s in seqs for i in range(n)]
+        table_of = [s.block_table for s in seqs for _ in range(n)]
+        width = max(len(s.block_table) for s in seqs)
+        batch = StepBatch(
+            positions=seqs[0].num_computed if len(seqs) == 1 else mx.array([s.num_computed for s in seqs]),
+            slot_blocks=mx.array([t[p // bs] for t, p in zip(table_of, positions)]),
+            slot_offsets=mx.array([p % bs for p in positions]),
+            block_tables=mx.array([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+            context_lens=mx.array([s.num_computed + n for s in seqs]),
+        )
+        views = [PagedLayerView(self.pools, i, batch, w) for i, w in enumerate(self.windows)]
+        return self.model(mx.array(tokens), views, last_only=True)[:, -1, :]
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        now = time.perf_counter()
+        if seq.num_generated == 0 and seq.t_first == 0.0:
+            seq.t_first = now
+            seq.stats.ttft_s = now - seq.t_submit
+            fresh = len(seq.prompt) - seq.stats.cached_tokens
+            seq.stats.prefill_tps = fresh / max(seq.stats.ttft_s, 1e-9)
+            # The prompt's full blocks are now computed: share them with later requests.
+            seq.block_table = self.blocks.cache_prefix(seq.tokens[: seq.num_computed], seq.block_table)
+        if token in seq.eos:
+            return self._finish(seq, "stop")
+        seq.tokens.append(token)
+        self.tokens_out += 1
+        seq.detok.add_token(token)
+        text, hit = seq.stops.feed(seq.detok.last_segment)
+        seq.emit(Chunk(text, token))
+        if hit:
+            return self._finish(seq, "stop", stopped=True)
+        if seq.num_generated >= seq.max_tokens:
+            return self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stopped: bool = False) -> None:
+        tail = ""
+        if not stopped:
+            seq.detok.finalize()
+            tail, stopped = seq.stops.feed(seq.detok.last_segment)
+            tail += "" if stopped else seq.stops.flush()
+        st = seq.stats
+        st.prompt_tokens = len(seq.prompt)
+        st.completion_tokens = seq.num_generated
+        st.finish_reason = "stop" if stopped else reason
+        if seq.t_first:
+            elapsed = time.perf_counter() - seq.t_first
+            st.decode_tps = (seq.num_generated - 1) / elapsed if seq.num_generated > 1 and elapsed > 0 else 0.0
+        st.peak_memory_bytes = int(mx.get_peak_memory())
+        computed = seq.tokens[: seq.num_computed]
+        if seq.block_table:
+            seq.block_table = self.blocks.cache_prefix(computed, seq.block_table)
+        if seq.session is not None:
+            seq.session.tokens, seq.session.block_table = computed, seq.block_table
+            seq.block_table = []
+            seq.session.busy = False
+        else:
+            self.scheduler.free(seq)
+        self.scheduler.finish(seq)
+        seq.emit(Chunk(tail, None, st.finish_reason, st))
+
+    def _stats(self) -> dict:
+        bs = self.config.block_size
+        fill: dict[int, int] = {}
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for seq in live:
+            for i, b in enumerate(seq.block_table):
+                fill[b] = max(fill.get(b, 0), min(bs, seq.num_computed - i * bs))
+        used = self.blocks.num_referenced
+        stored = sum(max(v, 0) for v in fill.values())
+        return {
+            "blocks_total": self.num_blocks,
+            "blocks_used": used,
+            "blocks_cached": self.blocks.num_cached,
+            "blocks_free": len(self.blocks.free),
+            "block_size": bs,
+            "waste": 1 - stored / (len(fill) * bs) if fill else 0.0,
+            "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out,
+        }

@@ -1,0 +1,141 @@
+"""Continuous batching: which sequences run this step, and with how many tokens.
+
+Every step decodes one token for each running sequence that has finished its prompt,
+and spends what is left of the step's token budget on one prefill chunk (a partially
+prefilled sequence first, else the head of the waiting queue). When a decode needs a
+block and none can be had, the newest running sequence is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mlxlocal.cache import BlockManager, OutOfBlocks
+from mlxlocal.engine.sequence import Sequence, Status
+
+
+@dataclass
+class Plan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: Sequence | None = None
+    prefill_tokens: int = 0
+    # Sequences that cannot continue at all (alone, and the pool is too small).
+    starved: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and self.prefill is None
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_step_tokens: int = 512):
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- blocks --------------------------------------------------------------------
+    def _reserve(self, seq: Sequence, n_tokens: int) -> bool:
+        """Make sure seq's block table covers its next n_tokens positions."""
+        need = -(-(seq.num_computed + n_tokens) // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        try:
+            seq.block_table += self.blocks.allocate(need)
+        except OutOfBlocks:
+            return False
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and requeue it first; it recomputes prompt + output so far."""
+        self.running.remove(seq)
+        self.free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def admit(self, seq: Sequence) -> None:
+        """Waiting -> running: share the cached prefix (all but the last token)."""
+        if not seq.block_table:
+            shared = self.blocks.match_prefix(seq.tokens[:-1])
+            seq.block_table = shared
+            seq.num_computed = len(shared) * self.block_size
+            if seq.preemptions == 0:
+                seq.stats.cached_tokens = seq.num_computed
+                self.prefix_hit_tokens += seq.num_computed
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    # --- planning ------------------------------------------------------------------
+    def plan(self) -> Plan:
+        plan = Plan()
+        for seq in sorted(self.running, key=lambda s: s.id):
+            if seq.status is not Status.RUNNING or seq.remaining != 1:
+                continue
+            while not self._reserve(seq, 1):
+                victim = max(self.running, key=lambda s: s.id)
+                if victim is seq and len(self.running) == 1:
+                    plan.starved.append(seq)
+                    break
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                plan.decode.append(seq)
+
+        budget = self.max_step_tokens - len(plan.decode)
+        if budget <= 0:
+            return plan
+        prefilling = [s for s in self.running if s.remaining > 1]
+        candidate = min(prefilling, key=lambda s: s.id) if prefilling else None
+        if candidate is None and self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting.popleft()
+            self.admit(head)
+            if not self._reserve(head, min(head.remaining, budget)):
+                self._unadmit(head)
+                if not self.running:
+                    plan.starved.append(head)
+                return plan
+            candidate = head
+        if candidate is not None:
+            n = min(candidate.remaining, budget)
+            if self._reserve(candidate, n):
+                plan.prefill, plan.prefill_tokens = candidate, n
+        return plan
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Not enough room to start seq now: back to the front of the queue."""
+        self.running.remove(seq)
+        if seq.session is None:
+            # A session's blocks stay pinned; anyone else gives the shared prefix back.
+            self.free(seq)
+            if seq.preemptions == 0:
+                self.prefix_hit_tokens -= seq.stats.cached_tokens
+                seq.stats.cached_tokens = 0
+            seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,61 @@
+"""A request as the scheduler sees it: its tokens, its blocks, and how far it has computed."""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxlocal.engine.sampling import Sampler
+from mlxlocal.engine.stop import StopMatcher
+from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    detok: Any  # a streaming detokenizer of its own
+    stops: StopMatcher
+    eos: set[int]
+    max_tokens: int  # params.max_tokens clipped to the context left
+    out: queue.Queue  # Chunks for the submitter
+    cancelled: threading.Event
+    session: Any = None  # engine Session this turn belongs to, if any
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    t_submit: float = 0.0
+    t_first: float = 0.0
+    preemptions: int = 0
+    async_put: Any = None  # callable pushing a Chunk to an asyncio queue
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return len(self.tokens) - self.num_computed
+
+    def emit(self, chunk: Chunk) -> None:
+        self.out.put(chunk)
+        if self.async_put is not None:
+            self.async_put(chunk)
