@@ -191,8 +191,10 @@ class ReplyView:
 # --- the REPL ---------------------------------------------------------------------------
 class ChatRepl:
     def __init__(self, engine: PagedEngine | SimpleEngine, console: Console, *, system: str | None = None,
-                 params: SamplingParams | None = None, history: History | None = None):
+                 params: SamplingParams | None = None, history: History | None = None,
+                 engine_options: dict | None = None):
         self.engine = engine
+        self.engine_options = engine_options or {}
         self.console = console
         self.system = system
         self.params = params or SamplingParams(max_tokens=1024)
@@ -365,11 +367,13 @@ class ChatRepl:
 
         try:
             with self.console.status(f"loading {arg}…"):
-                engine = open_engine(load(arg))
+                engine = open_engine(load(arg), **self.engine_options)
         except MlxLocalError as e:
             return self.error(f"{e} (still using {self.engine.info.name})")
         except Exception as e:  # a failed switch must not end the chat
             return self.error(f"{type(e).__name__}: {e} (still using {self.engine.info.name})")
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()  # free the old model's engine thread and KV pools
         self.engine = engine
         self.session = engine.new_session()  # another tokenizer: the old KV means nothing
         self.banner()
@@ -413,21 +417,28 @@ def _history(path: Path) -> History:
 
 
 def run_chat(model: str, *, system: str | None = None, params: SamplingParams | None = None,
-             history_file: Path | None = None, console: Console | None = None) -> int:
-    """Load `model` and run the REPL until /exit or Ctrl-D; return the exit code."""
+             history_file: Path | None = None, console: Console | None = None,
+             engine_options: dict | None = None) -> int:
+    """Load `model` and run the REPL until /exit or Ctrl-D; return the exit code.
+
+    engine_options are EngineConfig fields (KV pool size, block size, prefix cache).
+    """
     from mlxlocal.loader import load
 
     console = console or Console()
+    # One conversation at a time: size the KV pool for one full context by default.
+    engine_options = {"max_num_seqs": 1, **(engine_options or {})}
     try:
         with console.status(f"loading {model}…"):
-            engine = open_engine(load(model))
+            engine = open_engine(load(model), **engine_options)
     except MlxLocalError as e:
         console.print(f"error: {e}", style="bold red", markup=False, highlight=False)
         return 1
     except KeyboardInterrupt:
         return 130
     history = _history(history_file or default_history_file())
-    return ChatRepl(engine, console, system=system, params=params, history=history).run()
+    return ChatRepl(engine, console, system=system, params=params, history=history,
+                    engine_options=engine_options).run()
 
 
 def main(argv: list[str] | None = None) -> int:

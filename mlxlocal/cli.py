@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -47,11 +48,29 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def load_engine(model: str):
-    from mlxlocal.engine import open_engine
-    from mlxlocal.loader import load
+def parse_size(text: str) -> int:
+    """'4GB', '512MiB', '2g', '1000000' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m or float(m[1]) <= 0:
+        raise typer.BadParameter(f"cannot read a positive size from {text!r} (e.g. 4GB, 512MiB, 2g)")
+    return int(float(m[1]) * 1024 ** " kmgt".index(m[2] or " "))
 
-    return open_engine(load(model))
+
+def engine_options(kv_cache_memory: Optional[str], kv_blocks: Optional[int], block_size: int,
+                   no_prefix_cache: bool) -> dict:
+    options: dict = {"block_size": block_size, "prefix_cache": not no_prefix_cache}
+    if kv_blocks is not None:
+        if kv_blocks < 1:
+            fail("--kv-blocks must be >= 1", 2)
+        options["kv_blocks"] = kv_blocks
+    if kv_cache_memory is not None:
+        options["kv_memory"] = parse_size(kv_cache_memory)
+    if block_size not in (8, 16, 32, 64):
+        fail("--block-size must be one of 8, 16, 32, 64", 2)
+    return options
+
+
+KV_MEMORY_HELP = "Memory for the paged KV cache, e.g. 4GB (default: sized from the request, at most 15% of RAM)"
 
 
 @app.command()
@@ -70,9 +89,15 @@ def generate(
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Encode the prompt as plain text"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming"),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
-    from mlxlocal.engine import SamplingParams
+    from mlxlocal.engine import SamplingParams, open_engine
+    from mlxlocal.engine.base import EngineBase
+    from mlxlocal.loader import load
 
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
@@ -86,16 +111,21 @@ def generate(
         params.validate()
     except ValueError as e:
         fail(str(e), 2)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     try:
-        engine = load_engine(model)
+        loaded = load(model)
+        prompts = EngineBase(loaded)
         if no_chat_template:
             text = (system + "\n\n" + prompt) if system else prompt
-            ids = engine.encode_text(text)
+            ids = prompts.encode_text(text)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
-            ids = engine.encode_chat(messages)
+            ids = prompts.encode_chat(messages)
+        # One request: a pool just big enough for it, unless told otherwise.
+        options.setdefault("kv_tokens", len(ids) + max_tokens)
+        engine = open_engine(loaded, max_num_seqs=1, **options)
         pieces: list[str] = []
         tokens: list[int] = []
         stats = None
@@ -137,6 +167,10 @@ def chat(
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     history_file: Optional[Path] = typer.Option(None, "--history-file", help="Input history (default under ~/.local/state/mlxlocal)"),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.chat import run_chat
@@ -150,7 +184,9 @@ def chat(
         params.validate()
     except ValueError as e:
         fail(str(e), 2)
-    raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file))
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
+                              engine_options=options))
 
 
 @app.command()
