@@ -28,6 +28,8 @@ from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.loader import LoadedModel
 
+ENGINE_STREAM = mx.new_thread_local_stream(mx.default_device())
+
 
 class CapacityError(MlxLocalError):
     """A request that cannot fit the KV pool even when it runs alone."""
@@ -97,7 +99,9 @@ class RequestHandle:
                 self.cancel()
 
     async def astream(self) -> AsyncIterator[Chunk]:
-        q: asyncio.Queue = self._aqueue
+        q: asyncio.Queue | None = getattr(self, "_aqueue", None)
+        if q is None:
+            raise ValueError("astream() needs the request submitted with loop=<the running event loop>")
         done = False
         try:
             while not done:
@@ -177,7 +181,14 @@ class PagedEngine(EngineBase):
         handle = RequestHandle(seq)
         if loop is not None:
             handle._aqueue = asyncio.Queue()
-            seq.async_put = lambda item: loop.call_soon_threadsafe(handle._aqueue.put_nowait, item)
+
+            def async_put(item, q=handle._aqueue):
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, item)
+                except RuntimeError:  # the consumer's event loop is closed: nobody reads this
+                    seq.cancelled.set()
+
+            seq.async_put = async_put
         self._ensure_thread()
         self._inbox.put(("submit", seq))
         return handle
@@ -214,8 +225,15 @@ class PagedEngine(EngineBase):
                 self._thread.start()
 
     def _run(self) -> None:
-        # MLX streams belong to threads: this thread gets its own for all engine work.
-        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        # MLX streams belong to threads: all engine work runs on this thread's own stream,
+        # destroyed when the thread ends (a leftover stream aborts the process at exit).
+        try:
+            with mx.stream(ENGINE_STREAM):
+                self._loop()
+        finally:
+            mx.clear_streams()
+
+    def _loop(self) -> None:
         while True:
             block = not self.scheduler.has_work
             try:
@@ -233,6 +251,9 @@ class PagedEngine(EngineBase):
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self.scheduler.free(seq)
                     self.scheduler.finish(seq)
+                    if seq.session is not None:  # its blocks were just freed: start over
+                        seq.session.tokens, seq.session.block_table = [], []
+                        seq.session.busy = False
                     seq.emit(e)
 
     def _handle(self, item) -> None:
