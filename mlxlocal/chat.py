@@ -358,6 +358,11 @@ class ChatRepl:
                  f"context {info.context_length} tokens")
         self.say(f"weights  {info.weights.describe()}")
         self.say(f"session  {self.session.cached_len} tokens cached, {len(self.messages)} messages")
+        if hasattr(self.engine, "stats"):
+            st = self.engine.stats()
+            self.say(f"kv cache {st['blocks_used']}/{st['blocks_total']} blocks of {st['block_size']} tokens "
+                     f"in use, {st['blocks_cached']} cached for reuse, "
+                     f"{st['prefix_hit_tokens']} prompt tokens served from cache")
         self.say(f"last     {format_footer(self.last_stats) if self.last_stats else 'no reply yet'}")
 
     def cmd_model(self, arg: str) -> None:
