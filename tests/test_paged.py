@@ -382,7 +382,7 @@ def test_chunked_prefill_matches_and_interleaves_decodes(make_engine, refs):
 
     log: list[int] = []
     accept = eng._accept
-    eng._accept = lambda seq, token: (log.append(seq.id), accept(seq, token))[1]
+    eng._accept = lambda seq, token, *rest: (log.append(seq.id), accept(seq, token, *rest))[1]
     a = eng.submit(prompt_of(5, shift=9), greedy_params(120))
     ia = iter(a)
     next(ia)

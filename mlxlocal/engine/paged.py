@@ -35,6 +35,10 @@ class CapacityError(MlxLocalError):
     """A request that cannot fit the KV pool even when it runs alone."""
 
 
+class QueueFullError(MlxLocalError):
+    """Too many requests waiting: the caller should retry later (HTTP 429)."""
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -44,6 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_step_tokens: int = 512  # per-step token budget: decodes + one prefill chunk
     prefix_cache: bool = True
+    max_waiting: int = 256  # requests queued beyond this are refused (QueueFullError)
 
 
 def default_kv_memory() -> int:
@@ -135,6 +140,7 @@ class PagedEngine(EngineBase):
         self._start_lock = threading.Lock()
         self.tokens_in = 0
         self.tokens_out = 0
+        self._queued = 0  # submitted, not yet running: read from any thread, so an int
 
     @staticmethod
     def _pool_blocks(cfg: EngineConfig, per_block: int, context: int) -> int:
@@ -166,6 +172,8 @@ class PagedEngine(EngineBase):
                 f"prompt of {len(prompt)} tokens needs {need} KV blocks; the pool holds "
                 f"{self.num_blocks} (raise --kv-cache-memory)"
             )
+        if self._queued >= self.config.max_waiting:
+            raise QueueFullError(f"{self._queued} requests are already waiting (limit {self.config.max_waiting})")
         if session is not None:
             if session.busy:
                 raise ValueError("this session is already generating")
@@ -190,6 +198,7 @@ class PagedEngine(EngineBase):
 
             seq.async_put = async_put
         self._ensure_thread()
+        self._queued += 1
         self._inbox.put(("submit", seq))
         return handle
 
@@ -247,6 +256,7 @@ class PagedEngine(EngineBase):
                 pass
             try:
                 self.step()
+                self._queued = len(self.scheduler.waiting)
             except Exception as e:  # a bug must not kill the thread: fail what is in flight
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self.scheduler.free(seq)
@@ -308,10 +318,11 @@ class PagedEngine(EngineBase):
             for i, seq in enumerate(seqs):
                 seq.num_computed += n
                 if seq.remaining == 0:
-                    sampled.append((seq, seq.sampler(logits[i : i + 1], seq.tokens)))
-        mx.eval([t for _, t in sampled] + self.pools.state())
-        for seq, token in sampled:
-            self._accept(seq, int(token.item()))
+                    token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens)
+                    sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs)))
+        mx.eval([t for _, t, _ in sampled] + [a for _, _, lp in sampled for a in lp] + self.pools.state())
+        for seq, token, lp in sampled:
+            self._accept(seq, int(token.item()), lp)
 
     def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
         """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
@@ -330,7 +341,19 @@ class PagedEngine(EngineBase):
         views = [PagedLayerView(self.pools, i, batch, w) for i, w in enumerate(self.windows)]
         return self.model(mx.array(tokens), views, last_only=True)[:, -1, :]
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    @staticmethod
+    def _logprob_arrays(seq: Sequence, token: mx.array, logprobs: mx.array) -> list[mx.array]:
+        """[chosen logprob, top ids, top logprobs] when the request asked for logprobs."""
+        k = seq.params.logprobs
+        if k is None:
+            return []
+        chosen = mx.take_along_axis(logprobs, token.reshape(1, 1), axis=-1)
+        if k == 0:
+            return [chosen]
+        top = mx.argsort(-logprobs, axis=-1)[:, :k]
+        return [chosen, top, mx.take_along_axis(logprobs, top, axis=-1)]
+
+    def _accept(self, seq: Sequence, token: int, lp: list[mx.array] | None = None) -> None:
         now = time.perf_counter()
         if seq.num_generated == 0 and seq.t_first == 0.0:
             seq.t_first = now
@@ -345,7 +368,12 @@ class PagedEngine(EngineBase):
         self.tokens_out += 1
         seq.detok.add_token(token)
         text, hit = seq.stops.feed(seq.detok.last_segment)
-        seq.emit(Chunk(text, token))
+        chunk = Chunk(text, token)
+        if lp:
+            chunk.logprob = lp[0].item()
+            if len(lp) == 3:
+                chunk.top_logprobs = list(zip(lp[1][0].tolist(), lp[2][0].tolist()))
+        seq.emit(chunk)
         if hit:
             return self._finish(seq, "stop", stopped=True)
         if seq.num_generated >= seq.max_tokens:

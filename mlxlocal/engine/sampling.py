@@ -20,14 +20,15 @@ class Sampler:
             if params.repetition_penalty != 1.0 else None
         )
 
-    def __call__(self, logits: mx.array, history: list[int]) -> mx.array:
-        """logits [1, V] -> token id [1] (lazy)."""
+    def __call__(self, logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array]:
+        """logits [1, V] -> (token id [1], logprobs [1, V] before filtering), both lazy."""
         p = self.params
         if self.penalty is not None:
             logits = self.penalty(mx.array(history[-20:], mx.uint32), logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if p.temperature == 0:
-            return mx.argmax(logprobs, axis=-1)
+            return mx.argmax(logprobs, axis=-1), logprobs
+        full = logprobs
         # Same filter order as mlx-lm's make_sampler.
         if 0 < p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)
@@ -36,4 +37,4 @@ class Sampler:
         if p.top_k > 0:
             logprobs = apply_top_k(logprobs, p.top_k)
         self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub)
+        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub), full

@@ -16,6 +16,8 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; N >= 0: the sampled token's logprob plus the N most likely.
+    logprobs: int | None = None
 
     def validate(self) -> None:
         checks = [
@@ -26,6 +28,7 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "top logprobs must be in [0, 20]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -56,3 +59,5 @@ class Chunk:
     token: int | None = None
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
