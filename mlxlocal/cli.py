@@ -236,6 +236,45 @@ def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
 
 
 @app.command()
+def serve(
+    model: list[str] = typer.Option(..., "--model", "-m", help=MODEL_HELP + " (repeatable: serve several)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only)"),
+    port: int = typer.Option(8080, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXLOCAL_API_KEY",
+                                          help="Require this key (Bearer or x-api-key) on every route but /health"),
+    allow_origin: list[str] = typer.Option([], "--allow-origin", help="Browser origin allowed besides localhost (repeatable; * for any)"),
+    keep_alive: str = typer.Option("-1", "--keep-alive", help="Unload a model after this idle time (5m, 1h; -1 never)"),
+    max_body: str = typer.Option("8MB", "--max-body", help="Largest request body"),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests allowed to wait; more get 429"),
+    max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Sequences decoded together"),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+) -> None:
+    """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
+    import uvicorn
+
+    from mlxlocal.server import ServerConfig, create_app
+    from mlxlocal.server.errors import APIError
+    from mlxlocal.server.registry import parse_duration
+
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
+    try:
+        keep = parse_duration(keep_alive)
+    except APIError as e:
+        fail(e.message.replace("keep_alive", "--keep-alive"), 2)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
+                  "this address can use the models", highlight=False)
+    config = ServerConfig(models=list(model), host=host, port=port, api_key=api_key,
+                          allowed_origins=list(allow_origin), max_body_bytes=parse_size(max_body),
+                          keep_alive=keep, engine_options=options)
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+
+
+@app.command()
 def version() -> None:
     """Print versions of mlxlocal, MLX and mlx-lm."""
     import mlx.core as mx

@@ -1,0 +1,350 @@
+"""Anthropic Messages API: POST /v1/messages (streaming or not), /v1/messages/count_tokens."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from mlxlocal.engine import SamplingParams
+from mlxlocal.server.errors import APIError
+from mlxlocal.server.generation import run
+from mlxlocal.server.parse import Event, OutputParser
+
+router = APIRouter()
+
+
+async def read_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A string, or a list of text blocks; anything else (images, documents) is refused."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of blocks", param=where)
+    parts = []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            parts.append(str(block.get("text", "")))
+        else:
+            raise APIError(400, f"{where}.{i}: block type {kind!r} is not supported here (text only)",
+                           param=f"{where}.{i}")
+    return "".join(parts)
+
+
+def convert_messages(body: dict) -> list[dict]:
+    """Anthropic system + messages -> OpenAI-style messages for the chat template."""
+    out: list[dict] = []
+    system = body.get("system")
+    if system:
+        out.append({"role": "system", "content": _text_of(system, "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages: a non-empty list is required", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise APIError(400, f"{where}.role: must be 'user' or 'assistant'", param=f"{where}.role")
+        role, content = m["role"], m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise APIError(400, f"{where}.content: must be a string or a list of blocks", param=f"{where}.content")
+        texts: list[str] = []
+        calls: list[dict] = []
+        results: list[dict] = []
+        for j, block in enumerate(content):
+            bwhere = f"{where}.content.{j}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                texts.append(str(block.get("text", "")))
+            elif kind == "tool_use" and role == "assistant":
+                args = block.get("input") or {}
+                calls.append({"id": str(block.get("id") or ""), "type": "function",
+                              "function": {"name": str(block.get("name", "")), "arguments": args}})
+            elif kind == "tool_result" and role == "user":
+                text = _text_of(block.get("content"), f"{bwhere}.content")
+                if block.get("is_error"):
+                    text = f"Error: {text}"
+                results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""),
+                                "content": text})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # earlier reasoning is not replayed to the model
+            elif kind in ("image", "document"):
+                raise APIError(400, f"{bwhere}: {kind} blocks are not supported (text-only models)", param=bwhere)
+            else:
+                raise APIError(400, f"{bwhere}: unsupported block type {kind!r} in a {role} message", param=bwhere)
+        out.extend(results)
+        if role == "assistant":
+            msg: dict = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        elif texts or not results:
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def convert_tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    choice = body.get("tool_choice") or {"type": "auto"}
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "tools: must be a list", param="tools")
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise APIError(400, "tool_choice.type: must be auto, any, tool or none", param="tool_choice")
+    if choice["type"] == "none":
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not t.get("name"):
+            raise APIError(400, f"tools.{i}.name: required", param=f"tools.{i}.name")
+        if t.get("type") not in (None, "custom"):
+            raise APIError(400, f"tools.{i}: server tool {t.get('type')!r} is not supported", param=f"tools.{i}")
+        out.append({"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""),
+            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+    if choice["type"] == "tool":
+        out = [t for t in out if t["function"]["name"] == choice.get("name")]
+        if not out:
+            raise APIError(400, f"tool_choice.name: no tool named {choice.get('name')!r}", param="tool_choice")
+    return out
+
+
+def sampling_params(body: dict) -> SamplingParams:
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        raise APIError(400, "max_tokens: Field required", param="max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise APIError(400, "max_tokens: must be an integer >= 1", param="max_tokens")
+    temperature = body.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 1:
+        raise APIError(400, "temperature: must be between 0 and 1", param="temperature")
+    stop = body.get("stop_sequences") or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "stop_sequences: must be a list of non-empty strings", param="stop_sequences")
+    top_p = body.get("top_p", 1.0)
+    top_k = body.get("top_k", 0)
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise APIError(400, "top_p: must be in (0, 1]", param="top_p")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise APIError(400, "top_k: must be an integer >= 0", param="top_k")
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                          top_k=top_k, stop=list(stop))
+
+
+async def prepare(request: Request, body: dict):
+    """Validate, load the model, build the prompt: (engine, ids, tools)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "model: Field required", param="model")
+    registry = request.app.state.registry
+    registry.find(model)  # 404 before anything else
+    messages = convert_messages(body)
+    tools = convert_tools(body)
+    engine = await registry.engine(model)
+    try:
+        ids = engine.encode_chat(messages, tools=tools)
+    except Exception as e:  # a template that rejects the conversation
+        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+    return engine, ids, tools
+
+
+def _starts_in_reasoning(engine, ids: list[int]) -> bool:
+    tok = engine.tokenizer
+    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
+    return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+class Blocks:
+    """Parser events -> Anthropic content-block stream events (also used to build the
+    non-streaming message, so both agree)."""
+
+    def __init__(self):
+        self.index = -1
+        self.open: str | None = None  # type of the open block
+        self.seen_text = False
+
+    def _start(self, block: dict) -> list[dict]:
+        events = self.close()
+        self.index += 1
+        self.open = block["type"]
+        return events + [{"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def feed(self, event: Event) -> list[dict]:
+        out: list[dict] = []
+        if event.kind == "content":
+            text = event.text
+            if self.open != "text":
+                text = text.lstrip()
+                if not text:
+                    return []  # whitespace between blocks
+                out += self._start({"type": "text", "text": ""})
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "text_delta", "text": text}})
+        elif event.kind == "reasoning":
+            if self.open != "thinking":
+                if not event.text.strip():
+                    return []
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": event.text}})
+        elif event.kind == "tool_call":
+            out += self._start({"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24],
+                                "name": event.name, "input": {}})
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "input_json_delta", "partial_json": event.arguments or "{}"}})
+            out += self.close()
+        return out
+
+
+def stop_info(engine, parser: OutputParser, finish: str | None, tokens: list[int],
+              stops: list[str]) -> tuple[str, str | None]:
+    if parser.made_tool_calls:
+        return "tool_use", None
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "stop" and stops:
+        raw = engine.decode(tokens)
+        hits = [(raw.find(s), s) for s in stops if s in raw]
+        if hits:
+            return "stop_sequence", min(hits)[1]
+    return "end_turn", None
+
+
+def usage(stats, prompt_len: int, out_tokens: int) -> dict:
+    cached = stats.cached_tokens if stats else 0
+    return {"input_tokens": prompt_len - cached, "output_tokens": out_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+async def _events(request, engine, ids, params, tools, first, chunks) -> AsyncIterator[dict]:
+    """All of a message's stream events after message_start."""
+    parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning=_starts_in_reasoning(engine, ids))
+    blocks = Blocks()
+    tokens: list[int] = []
+    last = None
+
+    async def all_chunks():
+        yield first
+        async for c in chunks:
+            yield c
+
+    async for chunk in all_chunks():
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        for ev in parser.feed(chunk.text):
+            for out in blocks.feed(ev):
+                yield out
+        last = chunk
+    for ev in parser.finish():
+        for out in blocks.feed(ev):
+            yield out
+    for out in blocks.close():
+        yield out
+    stats = last.stats if last else None
+    reason, seq = stop_info(engine, parser, last.finish_reason if last else None, tokens, params.stop)
+    out_tokens = stats.completion_tokens if stats else len(tokens)
+    yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+           "usage": usage(stats, len(ids), out_tokens)}
+
+
+def _message(model: str, content: list, prompt_len: int) -> dict:
+    return {"id": new_message_id(), "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_len, "output_tokens": 0, "cache_read_input_tokens": 0,
+                      "cache_creation_input_tokens": 0}}
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+@router.post("/v1/messages")
+async def messages(request: Request):
+    body = await read_body(request)
+    params = sampling_params(body)
+    engine, ids, tools = await prepare(request, body)
+    model = body["model"]
+    chunks = run(request, engine, ids, params, request.app.state.metrics)
+    try:
+        first = await chunks.__anext__()  # errors before any output are real HTTP errors
+    except StopAsyncIteration:
+        raise APIError(500, "the engine returned no output") from None
+    events = _events(request, engine, ids, params, tools, first, chunks)
+
+    if not body.get("stream"):
+        message = _message(model, [], len(ids))
+        partial: dict[int, str] = {}
+        async for ev in events:
+            if ev["type"] == "content_block_start":
+                message["content"].append(dict(ev["content_block"]))
+            elif ev["type"] == "content_block_delta":
+                block, delta = message["content"][ev["index"]], ev["delta"]
+                if delta["type"] == "text_delta":
+                    block["text"] += delta["text"]
+                elif delta["type"] == "thinking_delta":
+                    block["thinking"] += delta["thinking"]
+                else:
+                    partial[ev["index"]] = partial.get(ev["index"], "") + delta["partial_json"]
+            elif ev["type"] == "message_delta":
+                message.update(ev["delta"])
+                message["usage"] = ev["usage"]
+        for index, text in partial.items():
+            try:
+                message["content"][index]["input"] = json.loads(text)
+            except ValueError:
+                message["content"][index]["input"] = {"_raw": text}
+        return JSONResponse(message)
+
+    async def stream():
+        yield _sse({"type": "message_start", "message": _message(model, [], len(ids))})
+        yield _sse({"type": "ping"})
+        try:
+            async for ev in events:
+                yield _sse(ev)
+        except APIError as e:
+            yield _sse({"type": "error", "error": {"type": "api_error", "message": e.message}})
+            return
+        except Exception as e:  # mid-stream: the status line is gone, report in-band
+            yield _sse({"type": "error", "error": {"type": "api_error", "message": f"{type(e).__name__}: {e}"}})
+            return
+        yield _sse({"type": "message_stop"})
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    body = await read_body(request)
+    _, ids, _ = await prepare(request, body)
+    return {"input_tokens": len(ids)}

@@ -1,0 +1,36 @@
+"""Prometheus metrics (prometheus_client), on a registry of the app's own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mlxlocal_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("mlxlocal_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("mlxlocal_generated_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("mlxlocal_requests_running", "Requests decoding or prefilling", registry=r)
+        self.waiting = Gauge("mlxlocal_requests_waiting", "Requests queued for admission", registry=r)
+        self.kv_used = Gauge("mlxlocal_kv_blocks_used", "KV blocks referenced by sequences", registry=r)
+        self.kv_total = Gauge("mlxlocal_kv_blocks_total", "KV blocks in the pools", registry=r)
+        self.prefix_hits = Gauge("mlxlocal_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.ttft = Histogram("mlxlocal_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.itl = Histogram("mlxlocal_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
+                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+
+    def refresh(self, engines: list) -> None:
+        """Gauges from the engines' own counters, at scrape time."""
+        totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "prefix_hit_tokens": 0}
+        for engine in engines:
+            if hasattr(engine, "stats"):
+                stats = engine.stats()
+                for key in totals:
+                    totals[key] += stats[key]
+        self.running.set(totals["running"])
+        self.waiting.set(totals["waiting"])
+        self.kv_used.set(totals["blocks_used"])
+        self.kv_total.set(totals["blocks_total"])
+        self.prefix_hits.set(totals["prefix_hit_tokens"])

@@ -1,0 +1,481 @@
+"""Ollama API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from mlxlocal import __version__
+from mlxlocal.engine import SamplingParams
+from mlxlocal.server.errors import APIError
+from mlxlocal.server.generation import run
+from mlxlocal.server.parse import OutputParser
+from mlxlocal.server.registry import parse_duration
+
+router = APIRouter()
+
+NS = 1_000_000_000
+
+
+async def read_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def now_iso(t: float | None = None) -> str:
+    return datetime.fromtimestamp(time.time() if t is None else t, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _number(options: dict, key: str, default, kind=float):
+    value = options.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise APIError(400, f"options.{key}: must be a number", param=f"options.{key}")
+    return kind(value)
+
+
+def sampling_params(options: Any, context_length: int) -> SamplingParams:
+    """Ollama options -> SamplingParams (Ollama's defaults where a client sends nothing)."""
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise APIError(400, "options: must be an object", param="options")
+    num_predict = _number(options, "num_predict", -1, int)
+    # -1: until the context is full; -2: fill the context. The engine clips to what is left.
+    max_tokens = context_length if num_predict < 0 else num_predict
+    if max_tokens == 0:
+        raise APIError(400, "options.num_predict: must not be 0", param="options.num_predict")
+    stop = options.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "options.stop: must be a list of strings", param="options.stop")
+    seed = options.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise APIError(400, "options.seed: must be an integer", param="options.seed")
+    # num_ctx is the model's context here (the KV pool is shared): larger values are ignored.
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(options, "temperature", 0.8),
+        top_p=_number(options, "top_p", 0.9),
+        top_k=_number(options, "top_k", 40, int),
+        min_p=_number(options, "min_p", 0.0),
+        repetition_penalty=_number(options, "repeat_penalty", 1.0),
+        seed=seed if seed is None or seed >= 0 else None,
+        stop=[s for s in stop if s],
+    )
+    if params.top_p == 0:
+        params.top_p = 1.0
+    try:
+        params.validate()
+    except ValueError as e:
+        raise APIError(400, f"options: {e}", param="options") from None
+    return params
+
+
+def _check_format(body: dict) -> None:
+    fmt = body.get("format")
+    if fmt:
+        raise APIError(400, "format: structured output (JSON mode / JSON schema) is not supported by this server",
+                       param="format")
+
+
+# --- the model's lifetime during a request -----------------------------------------
+
+async def acquire(request: Request, body: dict):
+    """Load (or find) the model; keep it loaded while the request runs. (engine, model, load_ns)."""
+    registry = request.app.state.registry
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise APIError(400, "model is required", param="model")
+    m = registry.find(name)
+    keep_alive = request_keep_alive(registry, body)
+    t0 = time.perf_counter()
+    engine = await registry.engine(name, keep_alive)
+    m.expires_at = math.inf  # not unloaded mid-request; release() restarts the idle timer
+    return engine, m, int((time.perf_counter() - t0) * NS)
+
+
+def request_keep_alive(registry, body: dict) -> float:
+    """Like Ollama, a request without keep_alive gets the server's default, not the last one's."""
+    keep_alive = parse_duration(body.get("keep_alive"))
+    return registry.default_keep_alive if keep_alive is None else keep_alive
+
+
+def release(m) -> None:
+    m.expires_at = time.monotonic() + m.keep_alive
+
+
+# --- chat ----------------------------------------------------------------------------
+
+def convert_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list):
+        raise APIError(400, "messages: must be a list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise APIError(400, f"{where}.role: must be system, user, assistant or tool", param=f"{where}.role")
+        if m.get("images"):
+            raise APIError(400, f"{where}.images: images are not supported (text-only models)",
+                           param=f"{where}.images")
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            raise APIError(400, f"{where}.content: must be a string", param=f"{where}.content")
+        msg: dict = {"role": m["role"], "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = []
+            for j, call in enumerate(m["tool_calls"]):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not fn.get("name"):
+                    raise APIError(400, f"{where}.tool_calls.{j}.function.name: required",
+                                   param=f"{where}.tool_calls.{j}")
+                calls.append({"id": f"call_{i}_{j}", "type": "function",
+                              "function": {"name": fn["name"], "arguments": fn.get("arguments") or {}}})
+            msg["tool_calls"] = calls
+        if m["role"] == "tool" and m.get("tool_name"):
+            msg["name"] = m["tool_name"]
+        out.append(msg)
+    if not out:
+        raise APIError(400, "messages: at least one message is required", param="messages")
+    return out
+
+
+def _starts_in_reasoning(engine, ids: list[int]) -> bool:
+    tok = engine.tokenizer
+    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
+    return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
+
+
+def _timings(t_start: float, load_ns: int, stats, n_out: int) -> dict:
+    total = int((time.perf_counter() - t_start) * NS)
+    prompt_ns = int(stats.ttft_s * NS) if stats else 0
+    eval_ns = int(n_out / stats.decode_tps * NS) if stats and stats.decode_tps else max(0, total - load_ns - prompt_ns)
+    return {"total_duration": total, "load_duration": load_ns,
+            "prompt_eval_count": stats.prompt_tokens if stats else 0, "prompt_eval_duration": prompt_ns,
+            "eval_count": stats.completion_tokens if stats else n_out, "eval_duration": eval_ns}
+
+
+async def _pieces(request, engine, ids, params, tools, think) -> AsyncIterator[tuple[str, Any]]:
+    """("content"|"thinking", text), ("tool_call", {...}) and finally ("done", (reason, stats))."""
+    chunks = run(request, engine, ids, params, request.app.state.metrics)
+    first = await chunks.__anext__()  # errors before any output are HTTP errors
+    yield "started", None
+    parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning=_starts_in_reasoning(engine, ids))
+    last = first
+    n = 0
+
+    async def all_chunks():
+        yield first
+        async for c in chunks:
+            yield c
+
+    after_reasoning = False
+
+    def convert(events):
+        nonlocal after_reasoning
+        for ev in events:
+            if ev.kind == "content":
+                text = ev.text.lstrip() if after_reasoning else ev.text  # the blank line after </think>
+                after_reasoning = after_reasoning and not text
+                if text:
+                    yield "content", text
+            elif ev.kind == "reasoning":
+                after_reasoning = True
+                if think is not False:
+                    yield "thinking", ev.text
+            else:
+                try:
+                    args = json.loads(ev.arguments or "{}")
+                except ValueError:
+                    args = {"_raw": ev.arguments}
+                yield "tool_call", {"function": {"name": ev.name, "arguments": args}}
+
+    async for chunk in all_chunks():
+        last = chunk
+        n += chunk.token is not None
+        for piece in convert(parser.feed(chunk.text)):
+            yield piece
+    for piece in convert(parser.finish()):
+        yield piece
+    reason = "length" if last.finish_reason == "length" else "stop"
+    yield "done", (reason, last.stats, n)
+
+
+async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tools, think, chat: bool):
+    pieces = _pieces(request, engine, ids, params, tools, think)
+    try:
+        await pieces.__anext__()  # "started": bad requests fail here, as HTTP errors
+    except BaseException:
+        release(m)
+        raise
+    model = body["model"]
+
+    def base() -> dict:
+        return {"model": model, "created_at": now_iso()}
+
+    def message(content: str = "", thinking: str = "", tool_calls: list | None = None) -> dict:
+        msg: dict = {"role": "assistant", "content": content}
+        if thinking:
+            msg["thinking"] = thinking
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        return msg
+
+    def final(reason, stats, n) -> dict:
+        return {"done": True, "done_reason": reason, **_timings(t_start, load_ns, stats, n)}
+
+    if not body.get("stream", True):
+        content, thinking, calls = [], [], []
+        try:
+            async for kind, value in pieces:
+                if kind == "content":
+                    content.append(value)
+                elif kind == "thinking":
+                    thinking.append(value)
+                elif kind == "tool_call":
+                    calls.append(value)
+                else:
+                    done = final(*value)
+        finally:
+            release(m)
+        text, reasoning = "".join(content), "".join(thinking).strip()
+        if chat:
+            out = {**base(), "message": message(text.strip() if calls else text, reasoning, calls), **done}
+        else:
+            out = {**base(), "response": text, **({"thinking": reasoning} if reasoning else {}), **done}
+        return JSONResponse(out)
+
+    def line(obj: dict) -> str:
+        return json.dumps(obj) + "\n"
+
+    async def stream():
+        try:
+            async for kind, value in pieces:
+                if kind == "done":
+                    last = {**base(), **final(*value)}
+                    last.update({"message": message()} if chat else {"response": ""})
+                    yield line(last)
+                elif chat:
+                    msg = (message(content=value) if kind == "content" else
+                           message(thinking=value) if kind == "thinking" else message(tool_calls=[value]))
+                    yield line({**base(), "message": msg, "done": False})
+                elif kind == "tool_call":
+                    continue  # /api/generate has no tools
+                else:
+                    yield line({**base(), ("response" if kind == "content" else "thinking"): value,
+                                **({"response": ""} if kind == "thinking" else {}), "done": False})
+        except Exception as e:  # mid-stream: the status line is gone, report in-band
+            message_text = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
+            yield line({"error": message_text})
+        finally:
+            release(m)
+
+    return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+
+@router.post("/api/chat")
+async def chat(request: Request):
+    t_start = time.perf_counter()
+    body = await read_body(request)
+    _check_format(body)
+    messages = convert_messages(body["messages"]) if body.get("messages") else []
+    tools = body.get("tools") or None
+    if tools is not None and not isinstance(tools, list):
+        raise APIError(400, "tools: must be a list", param="tools")
+    engine, m, load_ns = await acquire(request, body)
+    try:
+        if not messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
+            return JSONResponse(_load_reply(body, m, chat=True))
+        params = sampling_params(body.get("options"), engine.context_length)
+        try:
+            ids = engine.encode_chat(messages, tools=tools)
+        except Exception as e:
+            raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+    except BaseException:
+        release(m)
+        raise
+    return await _respond(request, body, engine, m, load_ns, t_start, ids, params, tools,
+                          body.get("think"), chat=True)
+
+
+def _load_reply(body: dict, m, chat: bool) -> dict:
+    release(m)
+    unload = m.keep_alive == 0
+    reply = {"model": body["model"], "created_at": now_iso(), "done": True,
+             "done_reason": "unload" if unload else "load"}
+    reply.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    return reply
+
+
+@router.post("/api/generate")
+async def generate(request: Request):
+    t_start = time.perf_counter()
+    body = await read_body(request)
+    _check_format(body)
+    for unsupported in ("suffix", "images", "template"):
+        if body.get(unsupported):
+            raise APIError(400, f"{unsupported}: not supported by this server", param=unsupported)
+    prompt = body.get("prompt") or ""
+    if not isinstance(prompt, str):
+        raise APIError(400, "prompt: must be a string", param="prompt")
+    registry = request.app.state.registry
+    if not prompt:
+        m = registry.find(body.get("model"))
+        if request_keep_alive(registry, body) == 0:  # unload: no need to load it first
+            m.keep_alive, m.expires_at = 0.0, 0.0
+            return {"model": body["model"], "created_at": now_iso(), "response": "", "done": True,
+                    "done_reason": "unload"}
+    engine, m, load_ns = await acquire(request, body)
+    try:
+        if not prompt:
+            return JSONResponse(_load_reply(body, m, chat=False))
+        params = sampling_params(body.get("options"), engine.context_length)
+        if body.get("raw"):
+            ids = engine.encode_text(prompt)
+        else:
+            system = body.get("system")
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}]
+            ids = engine.encode_chat(messages)
+    except BaseException:
+        release(m)
+        raise
+    return await _respond(request, body, engine, m, load_ns, t_start, ids, params, None,
+                          body.get("think"), chat=False)
+
+
+# --- model listings -------------------------------------------------------------------
+
+def _model_dir(m) -> Path | None:
+    if m.info is not None:
+        return Path(m.info.path)
+    p = Path(m.spec).expanduser()
+    return p if p.is_dir() else None
+
+
+def _size(m) -> int:
+    if m.info is not None:
+        return int(m.info.weights.total_bytes)
+    d = _model_dir(m)
+    return sum(f.stat().st_size for f in d.glob("*.safetensors")) if d else 0
+
+
+def _digest(m) -> str:
+    d = _model_dir(m)
+    stamp = f"{m.spec}|{_size(m)}|{d.stat().st_mtime if d else ''}"
+    return hashlib.sha256(stamp.encode()).hexdigest()
+
+
+def _modified(m) -> str:
+    d = _model_dir(m)
+    return now_iso(d.stat().st_mtime if d else None)
+
+
+def _param_size(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _quant_level(info) -> str:
+    q = (info.quantization or "").lower() if info else ""
+    if not q or q == "none":
+        return {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}.get(info.dtype if info else "", "unknown")
+    digits = "".join(ch for ch in q.split("-")[0].split()[0] if ch.isdigit())
+    return f"Q{digits}" if digits else q.upper()
+
+
+def _details(m) -> dict:
+    info = m.info
+    family = info.model_type if info else ""
+    return {"parent_model": "", "format": "safetensors", "family": family,
+            "families": [family] if family else None,
+            "parameter_size": _param_size(info.n_params) if info else "",
+            "quantization_level": _quant_level(info) if info else ""}
+
+
+def _entry(m) -> dict:
+    return {"name": m.name, "model": m.name, "modified_at": _modified(m), "size": _size(m),
+            "digest": _digest(m), "details": _details(m)}
+
+
+@router.get("/api/tags")
+async def tags(request: Request):
+    return {"models": [_entry(m) for m in request.app.state.registry.models]}
+
+
+@router.get("/api/ps")
+async def ps(request: Request):
+    out = []
+    for m in request.app.state.registry.loaded():
+        left = m.expires_at - time.monotonic()
+        if math.isinf(left) or left > 10 * 365 * 86400:
+            expires = "2318-01-01T00:00:00Z"  # what Ollama reports for "forever"
+        else:
+            expires = (datetime.now(timezone.utc) + timedelta(seconds=max(0.0, left))).isoformat().replace(
+                "+00:00", "Z")
+        out.append({**_entry(m), "expires_at": expires, "size_vram": _size(m),
+                    "context_length": m.info.context_length if m.info else 0})
+    return {"models": out}
+
+
+@router.post("/api/show")
+async def show(request: Request):
+    body = await read_body(request)
+    name = body.get("model") or body.get("name")
+    registry = request.app.state.registry
+    m = registry.find(name)
+    engine = m.engine
+    if m.info is None:  # never loaded: load it to read what it is
+        engine = await registry.engine(name)
+    info = m.info
+    tok = engine.tokenizer if engine is not None else None
+    template = getattr(tok, "chat_template", None) or ""
+    capabilities = ["completion"]
+    if tok is not None and getattr(tok, "has_tool_calling", False):
+        capabilities.append("tools")
+    if tok is not None and getattr(tok, "has_thinking", False):
+        capabilities.append("thinking")
+    arch = info.model_type
+    model_info = {"general.architecture": arch, "general.parameter_count": info.n_params,
+                  "general.basename": info.name, f"{arch}.context_length": info.context_length,
+                  "general.file_type": info.dtype, "general.quantization": info.quantization}
+    parameters = _default_parameters(Path(info.path))
+    return {"license": "", "modelfile": f"# mlxlocal model\nFROM {info.path}\n", "parameters": parameters,
+            "template": template if isinstance(template, str) else json.dumps(template),
+            "details": _details(m), "model_info": model_info, "capabilities": capabilities,
+            "modified_at": _modified(m)}
+
+
+def _default_parameters(path: Path) -> str:
+    """generation_config.json's sampling defaults, in Modelfile PARAMETER style."""
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "repetition_penalty": "repeat_penalty"}
+    return "\n".join(f"{names[k]:<16} {config[k]}" for k in names if k in config)
+
+
+@router.get("/api/version")
+async def version():
+    return {"version": __version__}

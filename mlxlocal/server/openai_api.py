@@ -1,0 +1,571 @@
+"""The OpenAI dialect: /v1/models, /v1/chat/completions, /v1/completions.
+
+Requests are pydantic models, so the OpenAPI schema documents what is accepted; anything
+a client gets wrong is a 400 in OpenAI's error format (never a 5xx).
+
+Notes on behaviour:
+- temperature defaults to 1.0 and top_p to 1.0, as in OpenAI's API; max_tokens defaults to
+  4096 for chat (the engine clips it to what is left of the context) and 16 for completions.
+- top_k, min_p and repetition_penalty are accepted as extensions; frequency_penalty,
+  presence_penalty, logit_bias, user, metadata, store, parallel_tool_calls are accepted
+  and ignored.
+- tool_choice "none" renders the prompt without tools (and tool calls are not parsed);
+  "required" or a named function adds a system hint telling the model to call a tool
+  (for a named one only that tool is offered). Nothing forces the model: if it answers
+  without a tool call, its text is returned with finish_reason "stop".
+- response_format other than {"type": "text"} and n > 1 are refused (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxlocal.engine import Chunk, SamplingParams
+from mlxlocal.server import generation
+from mlxlocal.server.errors import APIError
+from mlxlocal.server.parse import Event, OutputParser
+
+router = APIRouter()
+
+_STARTED = int(time.time())
+DEFAULT_CHAT_MAX_TOKENS = 4096
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_STOP = 16
+
+
+# --- request models -------------------------------------------------------------------
+class _Lenient(BaseModel):
+    """OpenAI clients send fields this server does not know; ignore them rather than fail."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    type: str
+
+
+Probability = Annotated[float, Field(gt=0, le=1)]
+
+
+class SamplingFields(_Lenient):
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: Probability | None = None
+    top_k: int | None = Field(None, ge=0, description="extension: sample from the k most likely tokens (0 = off)")
+    min_p: float | None = Field(None, ge=0, le=1, description="extension")
+    repetition_penalty: float | None = Field(None, gt=0, description="extension")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="accepted, ignored")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="accepted, ignored")
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
+    n: int | None = Field(None, ge=1, description="only 1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="accepted, ignored")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+# --- helpers ---------------------------------------------------------------------------
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _sampling(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    if req.n not in (None, 1):
+        raise APIError(400, f"n={req.n} is not supported: this server returns one choice per request", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"stop: at most {MAX_STOP} stop strings (got {len(stop)})", param="stop")
+    if any(not s for s in stop):
+        raise APIError(400, "stop: stop strings must not be empty", param="stop")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        seed=req.seed,
+        stop=stop,
+        logprobs=logprobs,
+    )
+
+
+def _usage(stats) -> dict:
+    prompt = stats.prompt_tokens if stats else 0
+    completion = stats.completion_tokens if stats else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
+    }
+
+
+def _finish_reason(reason: str | None, tool_calls: bool) -> str:
+    if reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _stream_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _first(request: Request, engine, ids: list[int], params: SamplingParams):
+    """Start the request and wait for its first chunk, so a refused request is a real HTTP error."""
+    chunks = generation.run(request, engine, ids, params, request.app.state.metrics)
+    try:
+        first = await chunks.__anext__()
+    except StopAsyncIteration:  # pragma: no cover - the engine always ends with a final chunk
+        first = Chunk("", None, "stop")
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return first, chunks
+
+
+async def _all(first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    try:
+        yield first
+        if first.finish_reason is None:
+            async for chunk in chunks:
+                yield chunk
+    finally:
+        await chunks.aclose()
+
+
+def _error_event(e: BaseException) -> str:
+    if isinstance(e, APIError):
+        return _sse({"error": {"message": e.message, "type": "invalid_request_error", "param": e.param,
+                               "code": e.code}})
+    return _sse({"error": {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error",
+                           "param": None, "code": None}})
+
+
+class _TokenText:
+    """Token id -> text (cached), for logprobs."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.cache = tokenizer, {}
+
+    def __call__(self, token: int) -> str:
+        text = self.cache.get(token)
+        if text is None:
+            text = self.cache[token] = self.tokenizer.decode([token])
+        return text
+
+
+def _chat_logprob(chunk: Chunk, text_of: _TokenText) -> dict:
+    token = text_of(chunk.token)
+    return {
+        "token": token,
+        "logprob": chunk.logprob,
+        "bytes": list(token.encode("utf-8")),
+        "top_logprobs": [{"token": (t := text_of(i)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                         for i, lp in (chunk.top_logprobs or [])],
+    }
+
+
+# --- models --------------------------------------------------------------------------------
+def _model_card(m) -> dict:
+    return {"id": m.name, "object": "model", "created": int(m.loaded_at) or _STARTED, "owned_by": "mlxlocal"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(m) for m in request.app.state.registry.models]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    return _model_card(request.app.state.registry.find(model_id))
+
+
+# --- chat ------------------------------------------------------------------------------------
+def _text_of(content: str | list[ContentPart] | None, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text":
+            raise APIError(400, f"{where}: content part type '{part.type}' is not supported "
+                                f"(only 'text')", param=where)
+        if part.text is None:
+            raise APIError(400, f"{where}: a 'text' content part needs 'text'", param=where)
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _arguments(arguments: str | dict) -> Any:
+    """Templates expect a mapping (most do `arguments | tojson`); keep text that is not JSON."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}.content"
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _text_of(m.content, where)}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise APIError(400, f"messages.{i}: only assistant messages carry tool_calls",
+                               param=f"messages.{i}.tool_calls")
+            msg["tool_calls"] = [
+                {"id": c.id or f"call_{i}_{k}", "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for k, c in enumerate(m.tool_calls)
+            ]
+        elif m.content is None and m.role != "assistant":
+            raise APIError(400, f"{where}: a {m.role} message needs content", param=where)
+        if msg["content"] is None:
+            msg["content"] = ""
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id or ""
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | None:
+    """The tools to render (None for none), adding a system hint for required / named choices."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice requires tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    hint = None
+    if choice == "required":
+        hint = "You must answer by calling one or more of the provided tools."
+    elif isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise APIError(400, f"tool_choice names function '{name}', which is not in tools",
+                           param="tool_choice")
+        hint = f"You must answer by calling the function `{name}`."
+    if hint:
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{hint}".strip()
+        else:
+            messages.insert(0, {"role": "system", "content": hint})
+    return tools
+
+
+def _starts_in_reasoning(engine, ids: list[int]) -> bool:
+    tok = engine.tokenizer
+    if not getattr(tok, "has_thinking", False):
+        return False
+    tail = engine.decode(ids[-20:])
+    start = tail.rfind(tok.think_start)
+    return start >= 0 and start > tail.rfind(tok.think_end)
+
+
+async def _prepare_chat(req: ChatCompletionRequest, request: Request):
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, f"response_format type '{req.response_format.type}' is not supported by this "
+                            "server (only 'text')", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    messages = _template_messages(req.messages)
+    tools = _tools(req, messages)
+    max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    engine = await request.app.state.registry.engine(req.model)
+    try:
+        ids = await asyncio.to_thread(engine.encode_chat, messages, tools)
+    except Exception as e:  # a template that refuses the conversation (role order, ...)
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    return engine, ids, params, tools
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    engine, ids, params, tools = await _prepare_chat(req, request)
+    parser = OutputParser(engine.tokenizer, tools, _starts_in_reasoning(engine, ids))
+    first, chunks = await _first(request, engine, ids, params)
+    meta = {"id": _new_id("chatcmpl"), "created": int(time.time()), "model": req.model}
+    text_of = _TokenText(engine.tokenizer)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream_response(_chat_stream(_all(first, chunks), parser, meta, params, include_usage, text_of))
+    return await _chat_whole(_all(first, chunks), parser, meta, params, text_of)
+
+
+async def _chat_whole(chunks, parser: OutputParser, meta: dict, params: SamplingParams, text_of) -> dict:
+    content, reasoning, calls, logprobs = [], [], [], []
+    last = None
+
+    def take(events: list[Event]):
+        for e in events:
+            if e.kind == "content":
+                content.append(e.text)
+            elif e.kind == "reasoning":
+                reasoning.append(e.text)
+            else:
+                calls.append({"id": e.id, "type": "function",
+                              "function": {"name": e.name, "arguments": e.arguments}})
+
+    async for chunk in chunks:
+        last = chunk
+        take(parser.feed(chunk.text))
+        if params.logprobs is not None and chunk.token is not None:
+            logprobs.append(_chat_logprob(chunk, text_of))
+    take(parser.finish())
+    text = "".join(content)
+    message: dict[str, Any] = {"role": "assistant", "content": text.lstrip() if reasoning else text}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning).strip()
+    if calls:
+        message["tool_calls"] = calls
+        if not message["content"].strip():
+            message["content"] = None
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": logprobs, "refusal": None} if params.logprobs is not None else None,
+        "finish_reason": _finish_reason(last.finish_reason if last else None, bool(calls)),
+    }
+    return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(last.stats if last else None)}
+
+
+async def _chat_stream(chunks, parser: OutputParser, meta: dict, params: SamplingParams,
+                       include_usage: bool, text_of) -> AsyncIterator[str]:
+    base = {**meta, "object": "chat.completion.chunk"}
+    pending_logprobs: list[dict] = []
+    n_calls = 0
+    trim = {"reasoning": True, "content": False}  # drop whitespace that only pads the think block
+
+    def delta_chunk(delta: dict, finish: str | None = None) -> str:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if pending_logprobs:
+            choice["logprobs"] = {"content": list(pending_logprobs), "refusal": None}
+            pending_logprobs.clear()
+        return _sse({**base, "choices": [choice]})
+
+    def render(events: list[Event]) -> list[str]:
+        nonlocal n_calls
+        out = []
+        for e in events:
+            if e.kind == "tool_call":
+                out.append(delta_chunk({"tool_calls": [{
+                    "index": n_calls, "id": e.id, "type": "function",
+                    "function": {"name": e.name, "arguments": e.arguments}}]}))
+                n_calls += 1
+                continue
+            text = e.text
+            if e.kind == "reasoning":
+                trim["content"] = True
+            if trim[e.kind]:
+                text = text.lstrip()
+                if not text:
+                    continue
+                trim[e.kind] = False
+            out.append(delta_chunk({"reasoning_content": text} if e.kind == "reasoning" else {"content": text}))
+        return out
+
+    last = None
+    try:
+        yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]})
+        async for chunk in chunks:
+            last = chunk
+            if params.logprobs is not None and chunk.token is not None:
+                pending_logprobs.append(_chat_logprob(chunk, text_of))
+            for line in render(parser.feed(chunk.text)):
+                yield line
+        for line in render(parser.finish()):
+            yield line
+        yield delta_chunk({}, _finish_reason(last.finish_reason if last else None, n_calls > 0))
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(last.stats if last else None)})
+    except Exception as e:  # after the headers went out: report in the stream
+        yield _error_event(e)
+    yield "data: [DONE]\n\n"
+
+
+# --- legacy completions -------------------------------------------------------------------------
+def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        tok = engine.tokenizer
+        vocab = len(getattr(tok, "_tokenizer", tok))
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                           param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise APIError(400, f"prompt: exactly one prompt per request is supported (got {len(prompt)})",
+                           param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise APIError(400, "prompt: the prompt is empty", param="prompt")
+    return engine.encode_text(prompt)
+
+
+def _completion_logprobs(entries: list[tuple[Chunk, str]], text_of, offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for chunk, _ in entries:
+        token = text_of(chunk.token)
+        tokens.append(token)
+        token_logprobs.append(chunk.logprob)
+        top.append({text_of(i): lp for i, lp in (chunk.top_logprobs or [])})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    if req.suffix:
+        raise APIError(400, "suffix is not supported by this server", param="suffix")
+    if req.best_of not in (None, 1):
+        raise APIError(400, f"best_of={req.best_of} is not supported (only 1)", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
+    params = _sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs)
+    engine = await request.app.state.registry.engine(req.model)
+    ids = _prompt_ids(req, engine)
+    echo = engine.decode(ids) if req.echo else ""
+    first, chunks = await _first(request, engine, ids, params)
+    meta = {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": req.model}
+    text_of = _TokenText(engine.tokenizer)
+    want_logprobs = params.logprobs is not None
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def stream():
+            offset, last = len(echo), None
+            try:
+                if echo:
+                    yield _sse({**meta, "choices": [{"index": 0, "text": echo, "logprobs": None,
+                                                     "finish_reason": None}]})
+                async for chunk in _all(first, chunks):
+                    last = chunk
+                    lp = None
+                    if want_logprobs and chunk.token is not None:
+                        lp = _completion_logprobs([(chunk, chunk.text)], text_of, offset)
+                    offset += len(chunk.text)
+                    finish = _finish_reason(chunk.finish_reason, False) if chunk.finish_reason else None
+                    if chunk.text or lp or finish:
+                        yield _sse({**meta, "choices": [{"index": 0, "text": chunk.text, "logprobs": lp,
+                                                         "finish_reason": finish}]})
+                if include_usage:
+                    yield _sse({**meta, "choices": [], "usage": _usage(last.stats if last else None)})
+            except Exception as e:
+                yield _error_event(e)
+            yield "data: [DONE]\n\n"
+
+        return _stream_response(stream())
+    texts, entries, last = [echo], [], None
+    async for chunk in _all(first, chunks):
+        last = chunk
+        texts.append(chunk.text)
+        if want_logprobs and chunk.token is not None:
+            entries.append((chunk, chunk.text))
+    choice = {
+        "index": 0,
+        "text": "".join(texts),
+        "logprobs": _completion_logprobs(entries, text_of, len(echo)) if want_logprobs else None,
+        "finish_reason": _finish_reason(last.finish_reason if last else None, False),
+    }
+    return {**meta, "choices": [choice], "usage": _usage(last.stats if last else None)}

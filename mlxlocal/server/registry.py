@@ -1,0 +1,115 @@
+"""The models a server serves: loaded on demand, unloaded after keep_alive of idleness."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxlocal.engine import open_engine
+from mlxlocal.errors import MlxLocalError
+from mlxlocal.server.errors import APIError
+
+
+def parse_duration(value: Any) -> float | None:
+    """Ollama-style keep_alive: '5m', '30s', '1h', seconds as a number; negative = forever."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float("inf") if value < 0 else float(value)
+    text = str(value).strip().lower()
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    for suffix in ("ms", "s", "m", "h"):
+        if text.endswith(suffix):
+            try:
+                number = float(text[: -len(suffix)])
+            except ValueError:
+                break
+            return float("inf") if number < 0 else number * units[suffix]
+    try:
+        number = float(text)
+    except ValueError:
+        raise APIError(400, f"keep_alive: cannot read a duration from {value!r} (e.g. '5m', 30, -1)",
+                       param="keep_alive") from None
+    return float("inf") if number < 0 else number
+
+
+@dataclass
+class ServedModel:
+    name: str
+    spec: str
+    aliases: set[str]
+    engine: Any = None
+    keep_alive: float = float("inf")
+    expires_at: float = float("inf")
+    loaded_at: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    info: Any = None  # ModelInfo of the last load, kept for /api/show after unload
+
+
+class ModelRegistry:
+    def __init__(self, specs: list[str], engine_options: dict, keep_alive: float):
+        self.engine_options = engine_options
+        self.default_keep_alive = keep_alive
+        self.models: list[ServedModel] = [ServedModel(s, s, {s}, keep_alive=keep_alive) for s in specs]
+
+    def find(self, name: str | None) -> ServedModel:
+        if not name:
+            raise APIError(400, "'model' is required", param="model")
+        for m in self.models:
+            if name == m.name or name in m.aliases:
+                return m
+        served = ", ".join(m.name for m in self.models)
+        raise APIError(404, f"model '{name}' is not served here (served: {served})", param="model",
+                       code="model_not_found")
+
+    async def engine(self, name: str | None, keep_alive: float | None = None):
+        """The model's engine, loading it first if needed; refreshes its idle timer."""
+        m = self.find(name)
+        async with m.lock:
+            if m.engine is None:
+                try:
+                    m.engine = await asyncio.to_thread(self._load, m.spec)
+                except MlxLocalError as e:
+                    raise APIError(500, f"cannot load model '{m.name}': {e}") from None
+                m.info, m.loaded_at = m.engine.info, time.time()
+                m.aliases |= {m.info.name, m.info.path.name}
+            if keep_alive is not None:
+                m.keep_alive = keep_alive
+            m.expires_at = time.monotonic() + m.keep_alive
+            return m.engine
+
+    def _load(self, spec: str):
+        from mlxlocal.loader import load
+
+        return open_engine(load(spec), **self.engine_options)
+
+    def touch(self, name: str) -> None:
+        m = self.find(name)
+        m.expires_at = time.monotonic() + m.keep_alive
+
+    def unload_idle(self) -> list[str]:
+        """Drop engines idle past their keep_alive (nothing running); return their names."""
+        dropped = []
+        now = time.monotonic()
+        for m in self.models:
+            if m.engine is None or now < m.expires_at:
+                continue
+            stats = m.engine.stats() if hasattr(m.engine, "stats") else {"running": 0, "waiting": 0}
+            if stats["running"] or stats["waiting"]:
+                continue
+            if hasattr(m.engine, "shutdown"):
+                m.engine.shutdown()
+            m.engine = None
+            dropped.append(m.name)
+        return dropped
+
+    def loaded(self) -> list[ServedModel]:
+        return [m for m in self.models if m.engine is not None]
+
+    def shutdown(self) -> None:
+        for m in self.models:
+            if m.engine is not None and hasattr(m.engine, "shutdown"):
+                m.engine.shutdown()
+            m.engine = None

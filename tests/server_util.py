@@ -1,0 +1,63 @@
+"""Helpers for server tests: a real uvicorn server on loopback, and scripted model output."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import mlx.core as mx
+import uvicorn
+
+from mlxlocal.engine import sampling
+from mlxlocal.server import ServerConfig, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(config: ServerConfig):
+    """Serve `config` on 127.0.0.1 in a thread; yield the base URL; stop on exit."""
+    config.port = config.port if config.port not in (0, 8080) else free_port()
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{config.port}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
+def scripted_output(tokenizer, text: str):
+    """Make every request's sampler emit `text` then EOS, whatever the model computes.
+
+    Steers a tiny random model through paths that need real output (tool calls,
+    reasoning): the next token is the script's continuation of what was generated.
+    """
+    script = list(tokenizer.encode(text, add_special_tokens=False)) + [min(tokenizer.eos_token_ids)]
+    original = sampling.Sampler.__call__
+
+    def scripted(self, logits, history):
+        _, logprobs = original(self, logits, history)
+        done = next((k for k in range(len(script), 0, -1) if history[-k:] == script[:k]), 0)
+        return mx.array([script[min(done, len(script) - 1)]]), logprobs
+
+    sampling.Sampler.__call__ = scripted
+    try:
+        yield script
+    finally:
+        sampling.Sampler.__call__ = original

@@ -1,0 +1,36 @@
+"""schemathesis over our own OpenAPI schema: whatever it sends, the server never answers 5xx."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from server_util import running_server
+
+from mlxlocal.server import ServerConfig
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model):
+    with running_server(ServerConfig(models=[str(tiny_model)])) as (url, app):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def api_schema(live):
+    return schemathesis.openapi.from_url(f"{live}/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_server_errors(case):
+    # Generated requests may ask for many tokens: keep each answer short but real.
+    if isinstance(case.body, dict):
+        for key in ("max_tokens", "max_completion_tokens", "num_predict"):
+            if isinstance(case.body.get(key), int) and case.body[key] > 8:
+                case.body[key] = 8
+    response = case.call(timeout=60)
+    assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:300]}"
