@@ -118,3 +118,26 @@ def test_too_many_waiting_requests_get_429(server, tiny_model):
         codes = list(pool.map(post, range(24)))
     assert 429 in codes and 200 in codes
     assert set(codes) <= {200, 429}
+
+
+def test_client_gone_mid_stream_frees_its_blocks(server, tiny_model):
+    import time
+
+    url, app = server
+    engine = app.state.registry.models[0].engine
+    before = engine.stats()["tokens_out"]
+    body = {"model": str(tiny_model), "stream": True, "max_tokens": 400, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "go on and on"}]}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=auth(), json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 5:
+                break  # hang up mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats["running"] == 0 and stats["blocks_used"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["running"] == 0 and stats["blocks_used"] == 0, stats
+    assert stats["tokens_out"] - before < 200  # it stopped well before its 400 tokens

@@ -1,0 +1,1 @@
+"""Benchmarks: local engine runs and OpenAI-compatible endpoint runs."""
