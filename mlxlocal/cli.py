@@ -284,13 +284,14 @@ def version() -> None:
     print(f"mlxlocal {__version__}\nmlx {mx.__version__} ({'Metal' if metal else 'CPU backend'})\nmlx-lm {mlx_lm.__version__}")
 
 
-def _register_model_commands() -> None:
-    from mlxlocal import cli_models
+def _register_commands() -> None:
+    from mlxlocal import cli_bench, cli_models
 
     cli_models.register(app)
+    cli_bench.register(app)
 
 
-_register_model_commands()
+_register_commands()
 
 
 def main() -> None:

@@ -256,36 +256,10 @@ def run_engine_turns(lm, turns, max_tokens, mode: str) -> list[dict]:
 
 
 def run_mlx_lm_turns(model, turns, max_tokens) -> list[dict]:
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+    """mlx-lm's prompt cache reused across turns (trimmed to the common prefix, as its server)."""
+    from mlxlocal.bench.scenarios import mlx_lm_prompt_cache_turns
 
-    def greedy(x):
-        return mx.argmax(x, axis=-1)
-
-    for _ in generate_step(mx.array([5] * 8), model, max_tokens=2, sampler=greedy):  # warm-up
-        pass
-    cache, cached_tokens, out = make_prompt_cache(model), [], []
-    for ids in turns:
-        t0 = time.perf_counter()
-        # As mlx-lm's server: reuse the longest common prefix (keep >= 1 token to feed).
-        limit = min(len(cached_tokens), len(ids) - 1)
-        common = next((i for i in range(limit) if cached_tokens[i] != ids[i]), limit)
-        if len(cached_tokens) > common:
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, len(cached_tokens) - common)
-            else:
-                cache, common = make_prompt_cache(model), 0
-        rest = ids[common:]
-        tokens, ttft = [], None
-        for tok, _ in generate_step(mx.array(rest), model, prompt_cache=cache, max_tokens=max_tokens,
-                                    sampler=greedy):
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            tokens.append(int(tok))
-        offset = cache[0].offset
-        cached_tokens = (ids + tokens)[:offset]
-        out.append(dict(ttft_s=ttft, cached=common, prompt=len(ids), tokens=tokens))
-    return out
+    return [dict(r, cached=r["cached_tokens"]) for r in mlx_lm_prompt_cache_turns(model, turns, max_tokens)]
 
 
 def bench_multiturn(lm, system_tokens: int, max_tokens: int, reps: int) -> dict:

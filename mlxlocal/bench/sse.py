@@ -45,6 +45,7 @@ class SSEParser:
         self._id: str | None = None
         self._t_line = 0.0
         self._first = True
+        self._skip_lf = False
         self.comments = 0
         self.bytes = 0
 
@@ -76,6 +77,10 @@ class SSEParser:
     def _drain(self, t: float) -> list[SSEEvent]:
         out: list[SSEEvent] = []
         buf = self._buf
+        if self._skip_lf and buf:  # the previous read ended in CR: an LF now completes a CRLF
+            self._skip_lf = False
+            if buf[0] == "\n":
+                buf = buf[1:]
         start = 0
         n = len(buf)
         while start < n:
@@ -84,9 +89,12 @@ class SSEParser:
             if i_lf < 0 and i_cr < 0:
                 break
             if i_cr >= 0 and (i_lf < 0 or i_cr < i_lf):
-                if i_cr + 1 == n:  # a CR at the end: wait to see whether LF follows
-                    break
-                end, nxt = i_cr, i_cr + (2 if buf[i_cr + 1] == "\n" else 1)
+                # a CR ends the line now (honest timestamp); an LF after it may come next read
+                end = i_cr
+                if i_cr + 1 == n:
+                    nxt, self._skip_lf = n, True
+                else:
+                    nxt = i_cr + (2 if buf[i_cr + 1] == "\n" else 1)
             else:
                 end, nxt = i_lf, i_lf + 1
             line = buf[start:end]

@@ -1,0 +1,296 @@
+"""Local speed run: the engine on fixed-length random prompts, optionally against mlx-lm.
+
+Every run is timed the same way from the consumer's side, for mlxlocal and for mlx-lm:
+TTFT = first token arrival - submit; prefill tok/s = prompt tokens / TTFT; decode tok/s =
+(tokens - 1) / (last token - first token); peak memory = MLX peak after a reset before the
+run. With a batch of B requests, aggregate decode tok/s counts the tokens of all streams
+inside the window where every stream is decoding (after the last first token, until the
+first stream ends).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxlocal.bench.roofline import (
+    DTYPE_BYTES,
+    decode_roofline,
+    detect_bandwidth,
+    kv_bytes_per_token,
+)
+
+METAL_DEFAULTS = dict(model="synthetic:qwen3-0.6b", prompt_tokens=512, gen_tokens=128,
+                      system_tokens=1500, turn_tokens=16, concurrency=8)
+# The CPU backend (reference BLAS) runs the 0.6B shape at a few tok/s: use the tiny preset.
+CPU_DEFAULTS = dict(model="synthetic:tiny", prompt_tokens=256, gen_tokens=64,
+                    system_tokens=400, turn_tokens=8, concurrency=8)
+
+
+def on_metal() -> bool:
+    import mlx.core as mx
+
+    return bool(mx.metal.is_available())
+
+
+def defaults() -> dict:
+    return dict(METAL_DEFAULTS if on_metal() else CPU_DEFAULTS, backend="metal" if on_metal() else "cpu")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def reset_peak() -> None:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
+
+
+def peak_memory() -> int:
+    import mlx.core as mx
+
+    return int(mx.get_peak_memory())
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    """n token ids, deterministic in seed, clear of the special tokens at the top of the vocab."""
+    rng = random.Random(seed)
+    hi = max(20, vocab - 256)
+    return [rng.randrange(10, hi) for _ in range(n)]
+
+
+def mean_sd(xs: list[float]) -> dict:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return dict(mean=None, sd=None, n=0)
+    return dict(mean=statistics.fmean(xs), sd=statistics.stdev(xs) if len(xs) > 1 else 0.0, n=len(xs))
+
+
+def median(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------ timing one stream
+@dataclass
+class StreamTimes:
+    t0: float
+    times: list[float] = field(default_factory=list)
+    stats: Any = None  # the engine's GenerationStats (None for mlx-lm)
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.t0
+
+    @property
+    def decode_tps(self) -> float | None:
+        n = len(self.times)
+        span = self.times[-1] - self.times[0] if n else 0.0
+        return (n - 1) / span if n > 1 and span > 0 else None
+
+
+class Consumer(threading.Thread):
+    """Drain one request handle, timestamping each token as it arrives."""
+
+    def __init__(self, handle, t0: float):
+        super().__init__(daemon=True)
+        self.handle, self.st = handle, StreamTimes(t0)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for c in self.handle:
+                if c.token is not None:
+                    self.st.times.append(time.perf_counter())
+                if c.finish_reason is not None:
+                    self.st.stats = c.stats
+        except BaseException as e:  # surfaced by the caller
+            self.error = e
+
+
+def run_streams(engine, prompts: list[list[int]], params) -> list[StreamTimes]:
+    """Submit all prompts at once (engine.submit is thread-safe), drain each in a thread."""
+    t0 = time.perf_counter()
+    consumers = [Consumer(engine.submit(p, params), t0) for p in prompts]
+    for c in consumers:
+        c.start()
+    for c in consumers:
+        c.join()
+    for c in consumers:
+        if c.error is not None:
+            raise c.error
+    return [c.st for c in consumers]
+
+
+def window_decode_tps(streams: list[StreamTimes]) -> float | None:
+    """Aggregate decode tok/s while every stream decodes (see module docstring)."""
+    if any(len(s.times) < 2 for s in streams):
+        return None
+    w0 = max(s.times[0] for s in streams)
+    w1 = min(s.times[-1] for s in streams)
+    n = sum(1 for s in streams for t in s.times if w0 < t <= w1)
+    return n / (w1 - w0) if w1 > w0 and n else None
+
+
+def run_ours(engine, prompts: list[list[int]], gen_tokens: int) -> dict:
+    from mlxlocal.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True, temperature=0)
+    reset_peak()
+    streams = run_streams(engine, prompts, params)
+    peak = peak_memory()
+    one = streams[0]
+    return dict(
+        ttft_s=statistics.fmean(s.ttft for s in streams),
+        # all prompt tokens / time until every stream has its first token
+        prefill_tps=sum(len(p) for p in prompts) / (max(s.times[0] for s in streams) - one.t0),
+        decode_tps=one.decode_tps if len(streams) == 1 else window_decode_tps(streams),
+        per_stream_decode_tps=statistics.fmean(s.decode_tps or 0.0 for s in streams),
+        engine_decode_tps=statistics.fmean(s.stats.decode_tps for s in streams if s.stats),
+        engine_ttft_s=statistics.fmean(s.stats.ttft_s for s in streams if s.stats),
+        generated=sum(len(s.times) for s in streams),
+        peak_memory_bytes=peak,
+    )
+
+
+# ------------------------------------------------------------------ mlx-lm, same method
+class MlxLmRunner:
+    def __init__(self, path: str):
+        import mlx_lm
+
+        self.model, self.tokenizer = mlx_lm.load(path)
+
+    def run(self, prompt: list[int], gen_tokens: int) -> dict:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        reset_peak()
+        st = StreamTimes(time.perf_counter())
+        # generate_step never stops on EOS: the same as ignore_eos in the engine.
+        for _tok, _ in generate_step(mx.array(prompt), self.model, max_tokens=gen_tokens,
+                                     sampler=lambda x: mx.argmax(x, axis=-1)):
+            st.times.append(time.perf_counter())
+        return dict(ttft_s=st.ttft, prefill_tps=len(prompt) / st.ttft, decode_tps=st.decode_tps,
+                    generated=len(st.times), peak_memory_bytes=peak_memory())
+
+
+# ------------------------------------------------------------------ the speed section
+METRICS = ("prefill_tps", "decode_tps", "ttft_s", "peak_memory_bytes")
+
+
+def summarize(runs: list[dict]) -> dict:
+    return {k: mean_sd([r[k] for r in runs]) for k in METRICS}
+
+
+def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, repeats: int = 3,
+                warmup: int = 1, compare: str | None = None, bandwidth: float | None = None) -> dict:
+    """Warm-up, then `repeats` timed runs (A B A B with mlx-lm); mean and sd of each metric."""
+    from mlxlocal.engine import open_engine
+
+    mc = loaded.model_config
+    vocab = mc.vocab_size if mc else loaded.config.get("vocab_size", 32000)
+    # Prefix cache off: every repeat prefills its whole prompt, as mlx-lm does.
+    engine = open_engine(loaded, prefix_cache=False, max_num_seqs=max(batch, 1),
+                         kv_tokens=batch * (prompt_tokens + gen_tokens + 32))
+    ref = None
+    if compare == "mlx-lm":
+        log(f"loading {loaded.info.path} with mlx_lm.load ...")
+        ref = MlxLmRunner(str(loaded.info.path))
+    prompts = [random_prompt(prompt_tokens, vocab, seed=1000 + i) for i in range(batch)]
+    try:
+        for w in range(warmup):
+            log(f"warm-up {w + 1}/{warmup}")
+            run_ours(engine, prompts, gen_tokens)
+            if ref is not None:
+                ref.run(prompts[0], gen_tokens)
+        ours, theirs, order = [], [], []
+        for r in range(repeats):
+            log(f"repeat {r + 1}/{repeats}")
+            ours.append(run_ours(engine, prompts, gen_tokens))
+            order.append("mlxlocal")
+            if ref is not None:
+                theirs.append(ref.run(prompts[0], gen_tokens))
+                order.append("mlx-lm")
+    finally:
+        engine.shutdown()
+
+    out: dict[str, Any] = dict(
+        prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch, repeats=repeats, warmup=warmup,
+        prefix_cache=False, weight_bytes=loaded.info.weights.total_bytes,
+        mlxlocal=summarize(ours), runs=ours, order=order,
+    )
+    out["mlxlocal"]["aggregate"] = batch > 1
+    if mc is not None:
+        kv = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                                DTYPE_BYTES.get(loaded.info.dtype, 2))
+        decode = out["mlxlocal"]["decode_tps"]["mean"]
+        if batch > 1:  # the bound is per stream: compare the per-stream rate
+            decode = statistics.fmean(r["per_stream_decode_tps"] for r in ours)
+        roof = decode_roofline(detect_bandwidth(bandwidth), loaded.info.weights.total_bytes, kv,
+                               prompt_tokens + gen_tokens / 2, decode)
+        out["roofline"] = roof.as_dict()
+    if ref is not None:
+        out["mlx_lm"] = summarize(theirs)
+        out["mlx_lm_runs"] = theirs
+        out["mlx_lm_batch"] = 1
+        if batch == 1:
+            out["ratios"] = {k: _ratio(out["mlxlocal"][k]["mean"], out["mlx_lm"][k]["mean"]) for k in METRICS}
+        else:
+            out["ratios"] = None
+            out["ratios_note"] = "mlx-lm runs one stream: ratios only at --batch 1"
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ------------------------------------------------------------------ one bench invocation
+def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen_tokens: int | None = None,
+              batch: int = 1, repeats: int = 3, warmup: int = 1, compare: str | None = None,
+              scenario: str | None = None, concurrency: int | None = None, bandwidth: float | None = None,
+              prefix_cache: bool = True, turns: int = 6, system_tokens: int | None = None) -> dict:
+    """Load the model and run the speed section, or one scenario; one JSON-able dict."""
+    import mlx.core as mx
+
+    from mlxlocal.bench import scenarios
+    from mlxlocal.loader import load
+
+    d = defaults()
+    spec = model or d["model"]
+    note = "given with --model" if model else f"default for the {d['backend']} backend"
+    p = prompt_tokens or d["prompt_tokens"]
+    g = gen_tokens or d["gen_tokens"]
+    log(f"loading {spec} ({note}) ...")
+    loaded = load(spec)
+    info = loaded.info
+    res: dict[str, Any] = dict(
+        model=spec, model_note=note, backend=d["backend"], device=str(mx.default_device()),
+        model_path=str(info.path), native=info.native,
+        params=f"{info.n_params / 1e6:.1f}M params, {info.dtype}, {info.quantization}",
+        weight_bytes=info.weights.total_bytes, scenario=scenario, compare=compare,
+    )
+    t0 = time.perf_counter()
+    if scenario is None:
+        res["speed"] = speed_bench(loaded, prompt_tokens=p, gen_tokens=g, batch=batch, repeats=repeats,
+                                   warmup=warmup, compare=compare, bandwidth=bandwidth)
+    elif scenario == "agent":
+        res["agent"] = scenarios.agent_scenario(
+            loaded, system_tokens=system_tokens or d["system_tokens"], turns=turns,
+            max_tokens=gen_tokens or d["turn_tokens"], repeats=repeats, compare=compare, cache_on=prefix_cache)
+    elif scenario == "concurrent":
+        if compare:
+            log("note: --compare is not run for the concurrent scenario (mlx-lm decodes one stream)")
+        res["concurrent"] = scenarios.concurrent_scenario(
+            loaded, concurrency=concurrency or d["concurrency"], prompt_tokens=p, gen_tokens=g,
+            repeats=repeats, warmup=warmup)
+    else:
+        raise ValueError(f"unknown scenario {scenario!r} (agent | concurrent)")
+    res["elapsed_s"] = time.perf_counter() - t0
+    return res

@@ -1,0 +1,165 @@
+"""Rich tables for `mlxlocal bench` results, and the optional matplotlib plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _num(x, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.1f} ms"
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f} MiB"
+
+
+FORMATS = {"prefill_tps": ("prefill tok/s", _num), "decode_tps": ("decode tok/s", _num),
+           "ttft_s": ("TTFT", _ms), "peak_memory_bytes": ("peak memory", _mib)}
+
+
+def _pm(stat: dict, fmt) -> str:
+    if stat["mean"] is None:
+        return "-"
+    return f"{fmt(stat['mean'])} ± {fmt(stat['sd'])}"
+
+
+def print_report(res: dict, console: Console | None = None) -> None:
+    con = console or Console()
+    con.print(f"[bold]model[/] {res['model']}  ({res['model_note']})")
+    con.print(f"backend {res['backend']}, {res['params']}, weights {_mib(res['weight_bytes'])}")
+    if "speed" in res:
+        print_speed(res["speed"], con)
+    if "agent" in res:
+        print_agent(res["agent"], con)
+    if "concurrent" in res:
+        print_concurrent(res["concurrent"], con)
+
+
+def print_speed(s: dict, con: Console) -> None:
+    agg = " (aggregate over the batch)" if s["batch"] > 1 else ""
+    t = Table(title=f"speed: prompt {s['prompt_tokens']}, generate {s['gen_tokens']}, batch {s['batch']}, "
+                    f"mean ± sd of {s['repeats']} after {s['warmup']} warm-up{agg}")
+    t.add_column("metric")
+    t.add_column("mlxlocal", justify="right")
+    if "mlx_lm" in s:
+        t.add_column("mlx-lm", justify="right")
+        t.add_column("ours ÷ mlx-lm", justify="right")
+    for key, (label, fmt) in FORMATS.items():
+        row = [label, _pm(s["mlxlocal"][key], fmt)]
+        if "mlx_lm" in s:
+            ratio = (s.get("ratios") or {}).get(key)
+            row += [_pm(s["mlx_lm"][key], fmt), _num(ratio, "x{:.2f}")]
+        t.add_row(*row)
+    con.print(t)
+    if "mlx_lm" in s:
+        con.print(f"run order: {' '.join(s['order'])}" + (f"  ({s['ratios_note']})" if s.get("ratios_note") else ""))
+    r = s.get("roofline")
+    if r:
+        t = Table(title="decode roofline (batch 1: bandwidth ÷ bytes read per token)")
+        t.add_column("bandwidth")
+        t.add_column("bytes/token", justify="right")
+        t.add_column("bound tok/s", justify="right")
+        t.add_column("measured tok/s", justify="right")
+        t.add_column("fraction", justify="right")
+        t.add_row(f"{r['bandwidth_gbps']:.1f} GB/s", f"{r['bytes_per_token'] / 2**20:.2f} MiB",
+                  _num(r["bound_tps"]), _num(r["measured_decode_tps"]), _num(r["fraction"], "{:.0%}"))
+        con.print(t)
+        con.print(f"bandwidth from {r['bandwidth_source']}; bytes/token = weights {_mib(r['weight_bytes'])} "
+                  f"+ KV {r['kv_bytes_per_token']} B × mean context {r['mean_context']:.0f}")
+        if r["fraction"] and r["fraction"] > 1:
+            con.print("[yellow]above the bound: the weights fit in CPU caches (tiny model) or the "
+                      "bandwidth figure is too low[/]")
+
+
+def print_agent(a: dict, con: Console) -> None:
+    t = Table(title=f"agent trace: {a['turns']} turns, system ~{a['system_tokens']} tokens + {a['tools']} tool "
+                    f"schemas, {a['max_tokens']} tokens per reply, median TTFT of {a['repeats']}")
+    t.add_column("turn", justify="right")
+    t.add_column("prompt", justify="right")
+    names = {"on": "prefix cache on", "off": "prefix cache off", "mlx_lm": "mlx-lm prompt cache"}
+    for m in a["modes"]:
+        t.add_column(f"{names[m]} TTFT", justify="right")
+        t.add_column("cached", justify="right")
+    for i in range(a["turns"]):
+        row = [str(i + 1), str(a["prompt_tokens"][i])]
+        for m in a["modes"]:
+            row += [_ms(a["ttft_per_turn_s"][m][i]), str(a["cached_tokens_per_turn"][m][i])]
+        t.add_row(*row)
+    con.print(t)
+    r = a["ratios_last_turn"]
+    parts = [f"{k.replace('_over_', ' ÷ ').replace('mlx_lm', 'mlx-lm')} x{v:.2f}" for k, v in r.items()]
+    con.print(f"last-turn TTFT ratios: {', '.join(parts) or '-'}; greedy tokens match cache-off: "
+              f"{a['greedy_tokens_match_off']}")
+
+
+def print_concurrent(c: dict, con: Console) -> None:
+    t = Table(title=f"concurrent streams: prompt {c['prompt_tokens']}, generate {c['gen_tokens']}, "
+                    f"median of {c['repeats']}")
+    t.add_column("streams", justify="right")
+    t.add_column("aggregate decode tok/s", justify="right")
+    t.add_column("end-to-end tok/s", justify="right")
+    t.add_column("max TTFT", justify="right")
+    for row in c["levels"]:
+        t.add_row(str(row["streams"]), _num(row["decode_tps"]), _num(row["e2e_tps"]), _ms(row["max_ttft_s"]))
+    con.print(t)
+    con.print(f"{c['concurrency']} streams ÷ 1: decode x{c['decode_ratio']:.2f}, end-to-end x{c['e2e_ratio']:.2f}")
+
+
+# ------------------------------------------------------------------ plot
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+def write_plot(res: dict, path: str | Path) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'mlxlocal[bench]' (or matplotlib)") from e
+    panels = [k for k in ("speed", "agent", "concurrent") if k in res]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        if key == "agent":
+            a = res["agent"]
+            turns = list(range(1, a["turns"] + 1))
+            for m, label in (("on", "prefix cache on"), ("off", "prefix cache off"), ("mlx_lm", "mlx-lm")):
+                if m in a["ttft_per_turn_s"]:
+                    ax.plot(turns, [v * 1000 for v in a["ttft_per_turn_s"][m]], marker="o", label=label)
+            ax.set(title="agent trace: TTFT per turn", xlabel="turn", ylabel="TTFT (ms)")
+            ax.set_xticks(turns)
+            ax.legend()
+        elif key == "concurrent":
+            c = res["concurrent"]
+            xs = [r["streams"] for r in c["levels"]]
+            ax.plot(xs, [r["decode_tps"] for r in c["levels"]], marker="o", label="aggregate decode")
+            ax.plot(xs, [r["e2e_tps"] for r in c["levels"]], marker="s", label="end to end")
+            ax.set(title="throughput vs streams", xlabel="concurrent streams", ylabel="tok/s")
+            ax.set_xscale("log", base=2)
+            ax.legend()
+        else:
+            s = res["speed"]
+            labels = ["prefill tok/s", "decode tok/s"]
+            ours = [s["mlxlocal"]["prefill_tps"]["mean"] or 0, s["mlxlocal"]["decode_tps"]["mean"] or 0]
+            ax.bar([0, 2], ours, width=0.8, label="mlxlocal")
+            if "mlx_lm" in s:
+                ref = [s["mlx_lm"]["prefill_tps"]["mean"] or 0, s["mlx_lm"]["decode_tps"]["mean"] or 0]
+                ax.bar([0.8, 2.8], ref, width=0.8, label="mlx-lm")
+            ax.set_xticks([0.4, 2.4], labels)
+            ax.set_yscale("log")
+            ax.set(title=f"speed (prompt {s['prompt_tokens']}, generate {s['gen_tokens']})")
+            ax.legend()
+    fig.suptitle(res["model"])
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

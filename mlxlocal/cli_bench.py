@@ -1,0 +1,107 @@
+"""`mlxlocal bench`: local engine speed (vs mlx-lm, roofline), agent / concurrent scenarios,
+or an OpenAI-compatible endpoint with --url. Call register(app) from the main CLI."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+BENCH_HELP = """Benchmark the local engine (default) or a running server (--url).
+
+Local: warm-up, then mean ± sd over repeats of prefill tok/s, decode tok/s, TTFT and peak
+memory on random prompts of exactly -p tokens (prefix cache off, greedy, EOS ignored), the
+decode roofline (bandwidth ÷ bytes read per token), and with --compare mlx-lm the same model
+through mlx-lm in the same process, runs alternating, as ratios ours ÷ mlx-lm.
+Default model: synthetic:qwen3-0.6b on Metal (-p 512 -g 128); synthetic:tiny on the CPU
+backend (-p 256 -g 64)."""
+
+
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model spec (default: a synthetic preset, see above)"),
+    prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", "-p", help="Prompt length in tokens"),
+    gen_tokens: Optional[int] = typer.Option(None, "--gen-tokens", "-g", help="Tokens to generate per request"),
+    batch: int = typer.Option(1, "--batch", "-b", help="Concurrent identical-length requests per run"),
+    repeats: int = typer.Option(3, "--repeats", "-n", help="Timed runs (mean ± sd; medians for scenarios)"),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs"),
+    compare: Optional[str] = typer.Option(None, "--compare", help="Also run the same model through: mlx-lm"),
+    scenario: Optional[str] = typer.Option(None, "--scenario", help="agent | concurrent"),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", help="Streams (concurrent scenario, --url)"),
+    turns: int = typer.Option(6, "--turns", help="Turns of the agent trace"),
+    bandwidth: Optional[float] = typer.Option(None, "--bandwidth", help="Memory bandwidth in GB/s for the roofline"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache",
+                                         help="Agent scenario: run only the cache-off engine"),
+    url: Optional[str] = typer.Option(None, "--url", help="Benchmark an OpenAI-compatible endpoint instead"),
+    requests: Optional[int] = typer.Option(None, "--requests", help="Requests to send (--url)"),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Prompts to send (--url)"),
+) -> None:
+    err = Console(stderr=True, soft_wrap=True)
+
+    def fail(msg: str, code: int = 2) -> None:
+        err.print(f"[bold red]error:[/] {msg}", highlight=False)
+        raise typer.Exit(code)
+
+    if url is not None:
+        try:
+            from mlxlocal.bench.endpoint import run_endpoint_bench
+        except ImportError as e:
+            fail(f"the endpoint benchmark (mlxlocal.bench.endpoint) is not available: {e}", 1)
+        run_endpoint_bench(url=url, model=model, concurrency=concurrency, requests=requests,
+                           prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, prompt_file=prompt_file,
+                           as_json=as_json, plot=plot)
+        return
+    if compare not in (None, "mlx-lm"):
+        fail(f"--compare supports only 'mlx-lm', not {compare!r}")
+    if scenario not in (None, "agent", "concurrent"):
+        fail(f"--scenario must be 'agent' or 'concurrent', not {scenario!r}")
+    for name, value, low in (("--batch", batch, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0),
+                             ("--prompt-tokens", prompt_tokens, 1), ("--gen-tokens", gen_tokens, 1),
+                             ("--concurrency", concurrency, 1), ("--turns", turns, 1)):
+        if value is not None and value < low:
+            fail(f"{name} must be >= {low}")
+    if bandwidth is not None and bandwidth <= 0:
+        fail("--bandwidth must be > 0 (GB/s)")
+    if prompt_file is not None or requests is not None:
+        fail("--prompt-file and --requests apply to --url only")
+
+    from mlxlocal.bench.local import run_local
+    from mlxlocal.bench.report import PlotUnavailable, print_report, write_plot
+    from mlxlocal.errors import MlxLocalError
+
+    if plot:  # fail before a long run, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail("--plot needs matplotlib: pip install 'mlxlocal[bench]' (or matplotlib)", 1)
+    try:
+        res = run_local(model=model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch,
+                        repeats=repeats, warmup=warmup, compare=compare, scenario=scenario,
+                        concurrency=concurrency, bandwidth=bandwidth, prefix_cache=not no_prefix_cache,
+                        turns=turns)
+    except MlxLocalError as e:
+        fail(str(e), 1)
+    if plot:
+        try:
+            res["plot"] = str(write_plot(res, plot))
+        except PlotUnavailable as e:
+            fail(str(e), 1)
+    if as_json:
+        print(json.dumps(res, default=float))
+    else:
+        print_report(res)
+        if plot:
+            Console().print(f"plot written to {res['plot']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench", help=BENCH_HELP)(bench)
+
+
+if __name__ == "__main__":  # python -m mlxlocal.cli_bench ...: a one-command app for smoke runs
+    _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    register(_app)
+    _app()

@@ -1,0 +1,184 @@
+"""`mlxlocal bench` (local part): JSON fields, mlx-lm comparison, scenarios, roofline, plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import typer
+from conftest import FAMILY_CONFIGS, build_tiny
+from typer.testing import CliRunner
+
+from mlxlocal.bench import roofline
+from mlxlocal.cli_bench import register
+
+app = typer.Typer()
+register(app)
+
+
+@app.callback()
+def _root() -> None:  # keeps `bench` a subcommand, as in the real CLI
+    pass
+
+
+def bench(*args: str) -> dict:
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """The tiny qwen3 with a 4096-token context: the agent trace (tool schemas) is ~1.3k tokens."""
+    cfg = dict(FAMILY_CONFIGS["qwen3"], max_position_embeddings=4096)
+    return build_tiny(tmp_path_factory.mktemp("bench") / "qwen3-long", cfg)
+
+
+def test_speed_json_fields(tiny_model):
+    res = bench("-m", str(tiny_model), "-p", "16", "-g", "4", "-n", "2", "--warmup", "1",
+                "--bandwidth", "1000", "--json")
+    s = res["speed"]
+    assert res["model"] == str(tiny_model) and "given" in res["model_note"]
+    assert res["weight_bytes"] > 0
+    for key in ("prefill_tps", "decode_tps", "ttft_s", "peak_memory_bytes"):
+        assert s["mlxlocal"][key]["n"] == 2 and s["mlxlocal"][key]["mean"] > 0
+        assert s["mlxlocal"][key]["sd"] >= 0
+    assert s["prompt_tokens"] == 16 and s["gen_tokens"] == 4 and s["prefix_cache"] is False
+    assert all(r["generated"] == 4 for r in s["runs"])
+    r = s["roofline"]
+    assert r["bandwidth_gbps"] == 1000 and r["bandwidth_source"] == "--bandwidth"
+    assert r["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 kv heads, dim 16, fp32
+    assert r["bytes_per_token"] == pytest.approx(res["weight_bytes"] + r["kv_bytes_per_token"] * (16 + 2))
+    assert r["bound_tps"] == pytest.approx(1000e9 / r["bytes_per_token"])
+    # A tiny model on the CPU may beat a naive bound (it sits in cache): just check the arithmetic.
+    assert r["fraction"] == pytest.approx(s["mlxlocal"]["decode_tps"]["mean"] / r["bound_tps"])
+
+
+def test_batch_aggregate(tiny_model):
+    s = bench("-m", str(tiny_model), "-p", "16", "-g", "6", "-b", "3", "-n", "1", "--warmup", "0",
+              "--bandwidth", "100", "--json")["speed"]
+    assert s["batch"] == 3 and s["mlxlocal"]["aggregate"] is True
+    assert s["mlxlocal"]["decode_tps"]["mean"] > 0
+    assert s["runs"][0]["generated"] == 18
+
+
+def test_compare_mlx_lm_ratios_and_alternation(tiny_model):
+    s = bench("-m", str(tiny_model), "-p", "16", "-g", "4", "-n", "2", "--warmup", "1",
+              "--bandwidth", "100", "--compare", "mlx-lm", "--json")["speed"]
+    assert s["order"] == ["mlxlocal", "mlx-lm", "mlxlocal", "mlx-lm"]
+    assert len(s["mlx_lm_runs"]) == 2 and all(r["generated"] == 4 for r in s["mlx_lm_runs"])
+    for key in ("prefill_tps", "decode_tps", "ttft_s", "peak_memory_bytes"):
+        assert s["ratios"][key] == pytest.approx(s["mlxlocal"][key]["mean"] / s["mlx_lm"][key]["mean"])
+        assert s["ratios"][key] > 0
+
+
+def test_agent_scenario_cache_on_off(long_model):
+    res = bench("-m", str(long_model), "--scenario", "agent", "--turns", "3", "-g", "2", "-n", "1",
+                "--compare", "mlx-lm", "--json")
+    a = res["agent"]
+    assert a["modes"] == ["on", "off", "mlx_lm"]
+    on, off = a["cached_tokens_per_turn"]["on"], a["cached_tokens_per_turn"]["off"]
+    assert on[0] == 0 and all(c > 0 for c in on[1:])
+    assert off == [0, 0, 0]
+    assert all(c > 0 for c in a["cached_tokens_per_turn"]["mlx_lm"][1:])
+    assert a["prompt_tokens"] == sorted(a["prompt_tokens"]) and len(set(a["prompt_tokens"])) == 3
+    assert all(t > 0 for m in a["modes"] for t in a["ttft_per_turn_s"][m])
+    assert a["ratios_last_turn"]["off_over_on"] > 0 and "mlx_lm_over_on" in a["ratios_last_turn"]
+    assert a["greedy_tokens_match_off"] == {"on": True, "off": True, "mlx_lm": True}
+    assert a["order"][:2] == ["on", "off"]
+
+
+def test_agent_no_prefix_cache(long_model):
+    a = bench("-m", str(long_model), "--scenario", "agent", "--turns", "2", "-g", "1", "-n", "1",
+              "--no-prefix-cache", "--json")["agent"]
+    assert a["modes"] == ["off"] and a["cached_tokens_per_turn"]["off"] == [0, 0]
+
+
+def test_concurrent_scenario(tiny_model):
+    c = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "3", "-p", "8", "-g", "6",
+              "-n", "1", "--json")["concurrent"]
+    assert [r["streams"] for r in c["levels"]] == [1, 2, 3]
+    assert all(r["decode_tps"] > 0 and r["e2e_tps"] > 0 for r in c["levels"])
+    assert c["decode_ratio"] == pytest.approx(c["levels"][-1]["decode_tps"] / c["levels"][0]["decode_tps"])
+    assert c["e2e_ratio"] > 0
+
+
+def test_plot_writes_png(tiny_model, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    res = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "2", "-p", "8", "-g", "4",
+                "-n", "1", "--plot", str(out), "--json")
+    assert res["plot"] == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_options():
+    runner = CliRunner()
+    for args in (["--compare", "llama.cpp"], ["--scenario", "chat"], ["-b", "0"], ["--bandwidth", "-1"]):
+        result = runner.invoke(app, ["bench", *args])
+        assert result.exit_code == 2, (args, result.output)
+
+
+def test_url_delegates_to_endpoint(monkeypatch):
+    seen = {}
+    fake = types.ModuleType("mlxlocal.bench.endpoint")
+    fake.run_endpoint_bench = lambda **kw: seen.update(kw)
+    monkeypatch.setitem(sys.modules, "mlxlocal.bench.endpoint", fake)
+    result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9/v1", "-c", "4", "--requests", "8",
+                                      "-p", "64", "-g", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    assert seen == dict(url="http://127.0.0.1:9/v1", model=None, concurrency=4, requests=8, prompt_tokens=64,
+                        gen_tokens=16, prompt_file=None, as_json=True, plot=None)
+
+
+def test_url_without_endpoint_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlxlocal.bench.endpoint", None)  # import raises ImportError
+    result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9/v1"])
+    assert result.exit_code == 1
+    assert "endpoint benchmark" in result.output
+
+
+@pytest.mark.parametrize("brand,cores,chip,gbps", [
+    ("Apple M1", None, "M1", 68.25),
+    ("Apple M1 Pro", 10, "M1 Pro", 200.0),
+    ("Apple M2 Ultra", 24, "M2 Ultra", 800.0),
+    ("Apple M3 Pro", 12, "M3 Pro", 150.0),
+    ("Apple M3 Max", 14, "M3 Max (14-core CPU)", 300.0),
+    ("Apple M3 Max", 16, "M3 Max (16-core CPU)", 400.0),
+    ("Apple M4 Max", 14, "M4 Max (14-core CPU)", 410.0),
+    ("Apple M4 Max", 16, "M4 Max (16-core CPU)", 546.0),
+    ("Apple M4 Pro", 14, "M4 Pro", 273.0),
+    ("Apple M3 Ultra", 32, "M3 Ultra", 819.0),
+])
+def test_chip_table(brand, cores, chip, gbps):
+    assert roofline.chip_bandwidth(brand, cores) == (chip, gbps)
+
+
+def test_chip_table_unknown():
+    assert roofline.chip_bandwidth("Intel(R) Core(TM) i9-9980HK CPU @ 2.40GHz") is None
+    assert roofline.chip_bandwidth("Apple M9 Hyper") is None
+    assert roofline.chip_bandwidth("Apple M3 Max")[1] == 400.0  # unknown bin: the full chip, said so
+
+
+def test_detect_bandwidth_sources(monkeypatch):
+    assert roofline.detect_bandwidth(123.0).source == "--bandwidth"
+    monkeypatch.setattr(roofline.platform, "system", lambda: "Darwin")
+    answers = {"machdep.cpu.brand_string": "Apple M2 Pro", "hw.physicalcpu": "12"}
+    monkeypatch.setattr(roofline, "_sysctl", answers.get)
+    bw = roofline.detect_bandwidth()
+    assert bw.gbps == 200.0 and "M2 Pro" in bw.source
+    monkeypatch.setattr(roofline.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(roofline, "measure_copy_bandwidth", lambda: 12.5)
+    bw = roofline.detect_bandwidth()
+    assert bw.gbps == 12.5 and bw.source.startswith("measured")
+
+
+def test_roofline_arithmetic():
+    bw = roofline.Bandwidth(100.0, "x")
+    r = roofline.decode_roofline(bw, weight_bytes=1_000_000_000, kv_per_token=100_000, mean_context=1000,
+                                 measured_tps=50.0)
+    assert r.bytes_per_token == 1.1e9
+    assert r.bound_tps == pytest.approx(100e9 / 1.1e9)
+    assert r.fraction == pytest.approx(50.0 / r.bound_tps)
