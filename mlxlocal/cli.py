@@ -285,10 +285,11 @@ def version() -> None:
 
 
 def _register_commands() -> None:
-    from mlxlocal import cli_bench, cli_models
+    from mlxlocal import cli_bench, cli_convert, cli_models
 
     cli_models.register(app)
     cli_bench.register(app)
+    cli_convert.register(app)
 
 
 _register_commands()

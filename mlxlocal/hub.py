@@ -202,6 +202,21 @@ def _not_found(spec: str) -> ModelNotFoundError:
     )
 
 
+def _gguf_file(local: Path) -> Path | None:
+    """A .gguf file, or a directory holding exactly one .gguf and no config.json."""
+    if local.is_file():
+        return local.resolve() if local.suffix.lower() == ".gguf" else None
+    if local.is_dir() and not (local / "config.json").is_file():
+        found = sorted(local.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0].resolve()
+        if len(found) > 1:
+            names = ", ".join(p.name for p in found[:4])
+            raise ModelLoadError(f"{local} holds {len(found)} .gguf files ({names}); "
+                                 "pass the one to load")
+    return None
+
+
 def resolve(spec: str) -> ResolvedModel:
     """Find the model directory for a --model value.
 
@@ -217,9 +232,12 @@ def resolve(spec: str) -> ResolvedModel:
 
     local = Path(spec).expanduser()
     if local.exists():
+        gguf = _gguf_file(local)
+        if gguf is not None:
+            return ResolvedModel(gguf, "local", gguf.stem)
         if not local.is_dir():
             raise ModelLoadError(f"{local} is a file; --model needs a model directory "
-                                 "(config.json, *.safetensors, tokenizer files)")
+                                 "(config.json, *.safetensors, tokenizer files) or a .gguf file")
         _check_model_dir(local, "local directory")
         return ResolvedModel(local.resolve(), "local", local.resolve().name)
 

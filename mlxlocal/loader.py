@@ -87,7 +87,17 @@ def load_from_dir(path: Path, name: str | None = None, source: str = "local") ->
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if config.get("quantization_config", {}).get("quant_method") in ("awq", "gptq") and "quantization" not in config:
-        raise ModelLoadError(f"{path}: AWQ/GPTQ checkpoints must be converted first")
+        from mlxlocal.weights.awq_gptq import convert_awq_gptq, convert_config
+
+        try:
+            converted = convert_awq_gptq(weights, config)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        weights, config = converted.weights, convert_config(config, converted.quantization)
+        import logging
+
+        for note in converted.notes:
+            logging.getLogger(__name__).warning("%s: %s", path, note)
     quantize_for_checkpoint(model, config, weights)
     model.eval()
     _load_weights_strict(model, weights, path)
@@ -156,4 +166,54 @@ def load(spec: str) -> LoadedModel:
     from mlxlocal import hub  # imported here: huggingface_hub is slow to import
 
     resolved = hub.resolve(spec)
+    if resolved.path.is_file():  # hub.resolve returns a file only for GGUF
+        return load_from_gguf(resolved.path, name=resolved.name, source=resolved.source)
     return load_from_dir(resolved.path, name=resolved.name, source=resolved.source)
+
+
+def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -> LoadedModel:
+    """A llama-family GGUF file: config, weights (MLX affine) and tokenizer from the file."""
+    from mlxlocal.weights.gguf import load_gguf
+    from mlxlocal.weights.gguf import load_tokenizer as load_gguf_tokenizer
+
+    t0 = time.perf_counter()
+    ckpt = load_gguf(path)
+    config, weights = ckpt.config, ckpt.weights
+    model, model_config = build_model(config, weights, str(path))
+    quantize_for_checkpoint(model, config, weights)
+    model.eval()
+    _load_weights_strict(model, weights, path)
+    mx.eval(model.parameters())
+    mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
+    tokenizer = load_gguf_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+    params_by_dtype: dict[str, int] = {}
+    for value in weights.values():
+        key = str(value.dtype).removeprefix("mlx.core.")
+        params_by_dtype[key] = params_by_dtype.get(key, 0) + value.size
+    report = WeightsReport(
+        files=[(path.name, ckpt.file_bytes)],
+        total_bytes=ckpt.file_bytes,
+        n_tensors=sum(ckpt.tensor_types.values()),
+        load_path=ckpt.load_path,
+        dtypes=set(ckpt.tensor_types),
+        params_by_dtype=params_by_dtype,
+    )
+    dtypes = sorted({str(p.dtype).removeprefix("mlx.core.") for _, p in tree_flatten(model.parameters())
+                     if mx.issubdtype(p.dtype, mx.floating)})
+    info = ModelInfo(
+        name=name or path.stem,
+        path=path,
+        source=source,
+        model_type=str(config["model_type"]),
+        native=is_native(config["model_type"]),
+        n_params=count_parameters(model, config),
+        quantization=describe_quantization(config),
+        context_length=int(model_config.context_length if model_config else config["max_position_embeddings"]),
+        dtype=",".join(dtypes),
+        weights=report,
+        load_seconds=time.perf_counter() - t0,
+        notes=[f"converted from GGUF on load: {ckpt.load_path} "
+               f"({ckpt.file_bytes / 2**20:.1f} MiB file, {ckpt.weight_bytes / 2**20:.1f} MiB in MLX)"],
+    )
+    return LoadedModel(model, tokenizer, config, model_config, info)
