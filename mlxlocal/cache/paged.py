@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from mlxlocal.metal import paged_attention
+from mlxlocal.metal.paged_attention import step_mask
 
 
 class KVPools:
@@ -44,6 +45,20 @@ class StepBatch:
     slot_offsets: mx.array  # [B * L] offset inside that block
     block_tables: mx.array  # [B, max_blocks] int32 (padded with a valid id; masked)
     context_lens: mx.array  # [B] tokens in context after this step
+    host_context_lens: list[int] = field(default_factory=list)  # the same, on the host
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, L: int, window: int | None) -> mx.array | str | None:
+        """The attention mask of this step, built once and shared by every layer."""
+        key = (L, window)
+        if key not in self._masks:
+            longest = max(self.host_context_lens)
+            if len(self.host_context_lens) == 1 and (window is None or longest <= window):
+                # One sequence, keys cut to its context: plain causal (or nothing for L = 1).
+                self._masks[key] = "causal" if L > 1 else None
+            else:
+                self._masks[key] = step_mask(self.context_lens, L, longest, window)
+        return self._masks[key]
 
 
 class PagedLayerView:
@@ -65,4 +80,5 @@ class PagedLayerView:
         pools.k[self.layer][b.slot_blocks, b.slot_offsets] = new_k
         pools.v[self.layer][b.slot_blocks, b.slot_offsets] = new_v
         return paged_attention(q, pools.k[self.layer], pools.v[self.layer], b.block_tables,
-                               b.context_lens, scale, self.window)
+                               b.context_lens, scale, self.window,
+                               n_keys=max(b.host_context_lens), mask=b.mask(q.shape[2], self.window))

@@ -337,6 +337,7 @@ class PagedEngine(EngineBase):
             slot_offsets=mx.array([p % bs for p in positions]),
             block_tables=mx.array([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
             context_lens=mx.array([s.num_computed + n for s in seqs]),
+            host_context_lens=[s.num_computed + n for s in seqs],
         )
         views = [PagedLayerView(self.pools, i, batch, w) for i, w in enumerate(self.windows)]
         return self.model(mx.array(tokens), views, last_only=True)[:, -1, :]

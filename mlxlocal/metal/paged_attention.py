@@ -155,18 +155,36 @@ def paged_attention_reference(
     context_lens: mx.array,
     scale: float,
     window: int | None = None,
+    *,
+    n_keys: int | None = None,
+    mask: mx.array | str | None | bool = False,
 ) -> mx.array:
-    """q [B, Hq, L, D]; block_tables [B, max_blocks] int32; context_lens [B] -> [B, Hq, L, D]."""
+    """q [B, Hq, L, D]; block_tables [B, max_blocks] int32; context_lens [B] -> [B, Hq, L, D].
+
+    A caller that knows the longest context (n_keys) and has the mask for this step
+    (None / "causal" / a boolean array, shared by every layer) passes them: fewer keys
+    gathered and no per-layer mask arithmetic. mask=False means "build it here".
+    """
     B, _, L, _ = q.shape
     _, bs, H, D = k_pool.shape
-    keys = k_pool[block_tables].reshape(B, -1, H, D).transpose(0, 2, 1, 3)
-    values = v_pool[block_tables].reshape(B, -1, H, D).transpose(0, 2, 1, 3)
-    k_pos = mx.arange(keys.shape[2])[None, None, :]
+    keys = k_pool[block_tables].reshape(B, -1, H, D)
+    values = v_pool[block_tables].reshape(B, -1, H, D)
+    if n_keys is not None:
+        keys, values = keys[:, :n_keys], values[:, :n_keys]
+    keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+    if mask is False:
+        mask = step_mask(context_lens, L, keys.shape[2], window)
+    return sdpa(q, keys, values, scale, mask)
+
+
+def step_mask(context_lens: mx.array, L: int, n_keys: int, window: int | None) -> mx.array:
+    """[B, 1, L, n_keys]: sequence b's query i sits at position context_lens[b] - L + i."""
+    k_pos = mx.arange(n_keys)[None, None, :]
     q_pos = (context_lens[:, None] - L + mx.arange(L)[None, :])[:, :, None]
     mask = k_pos <= q_pos
     if window is not None:
         mask = mask & (k_pos > q_pos - window)
-    return sdpa(q, keys, values, scale, mask[:, None])
+    return mask[:, None]
 
 
 def kernel_supports(
@@ -195,11 +213,17 @@ def paged_attention(
     context_lens: mx.array,
     scale: float,
     window: int | None = None,
+    *,
+    n_keys: int | None = None,
+    mask: mx.array | str | None | bool = False,
 ) -> mx.array:
-    """Dispatch point for paged attention (decode, L = 1, is the Metal kernel's case)."""
+    """Dispatch point for paged attention (decode, L = 1, is the Metal kernel's case).
+
+    n_keys / mask are hints for the reference path (see paged_attention_reference).
+    """
     if not (metal_available() and kernel_supports(q, k_pool, v_pool, block_tables, window)):
         return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale,
-                                         window)
+                                         window, n_keys=n_keys, mask=mask)
     B, Hq, _, D = q.shape
     spec = launch_spec(B, Hq, k_pool.shape[2], D, k_pool.shape[1], block_tables.shape[1],
                        dtype_name(q.dtype), scale, window)
