@@ -83,9 +83,7 @@ def load_from_dir(path: Path, name: str | None = None, source: str = "local") ->
     t0 = time.perf_counter()
     config = read_config_file(path)
     weights, report = load_model_weights(path)
-    model, model_config = build_model(config, weights, str(path / "config.json"))
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
+    notes: list[str] = []
     if config.get("quantization_config", {}).get("quant_method") in ("awq", "gptq") and "quantization" not in config:
         from mlxlocal.weights.awq_gptq import convert_awq_gptq, convert_config
 
@@ -94,10 +92,27 @@ def load_from_dir(path: Path, name: str | None = None, source: str = "local") ->
         except ModelLoadError as e:
             raise ModelLoadError(f"{path}: {e}") from None
         weights, config = converted.weights, convert_config(config, converted.quantization)
-        import logging
+        notes += converted.notes
 
-        for note in converted.notes:
-            logging.getLogger(__name__).warning("%s: %s", path, note)
+    def tokenizer():
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        try:
+            return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
+
+    return assemble(path, config, weights, tokenizer, report, name or path.name, source, t0, notes,
+                    config_path=str(path / "config.json"))
+
+
+def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], make_tokenizer,
+             report: WeightsReport, name: str, source: str, t0: float, notes: list[str],
+             config_path: str) -> LoadedModel:
+    """Config + weights (any source format, already MLX) -> a loaded model and its info."""
+    model, model_config = build_model(config, weights, config_path)
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
     quantize_for_checkpoint(model, config, weights)
     model.eval()
     _load_weights_strict(model, weights, path)
@@ -105,23 +120,18 @@ def load_from_dir(path: Path, name: str | None = None, source: str = "local") ->
     # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
     # graphs built on this thread's stream.
     mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
-
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    eos = config.get("eos_token_id")
-    try:
-        tokenizer = load_tokenizer(path, eos_token_ids=eos)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
+    tokenizer = make_tokenizer()
 
     native = is_native(config.get("model_type"))
-    dtypes = sorted({str(p.dtype).removeprefix("mlx.core.") for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)})
-    notes = [] if native else [
-        f"model_type '{config.get('model_type')}' runs through mlx-lm's model code "
-        "(compatibility path: dense mlx-lm caches, no mlxlocal kernels)"
-    ]
+    dtypes = sorted({str(p.dtype).removeprefix("mlx.core.") for _, p in tree_flatten(model.parameters())
+                     if mx.issubdtype(p.dtype, mx.floating)})
+    if not native:
+        notes = notes + [
+            f"model_type '{config.get('model_type')}' runs through mlx-lm's model code "
+            "(compatibility path: dense mlx-lm caches, no mlxlocal kernels)"
+        ]
     info = ModelInfo(
-        name=name or path.name,
+        name=name,
         path=path,
         source=source,
         model_type=str(config.get("model_type")),
@@ -179,14 +189,6 @@ def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -
     t0 = time.perf_counter()
     ckpt = load_gguf(path)
     config, weights = ckpt.config, ckpt.weights
-    model, model_config = build_model(config, weights, str(path))
-    quantize_for_checkpoint(model, config, weights)
-    model.eval()
-    _load_weights_strict(model, weights, path)
-    mx.eval(model.parameters())
-    mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
-    tokenizer = load_gguf_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-
     params_by_dtype: dict[str, int] = {}
     for value in weights.values():
         key = str(value.dtype).removeprefix("mlx.core.")
@@ -199,21 +201,8 @@ def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -
         dtypes=set(ckpt.tensor_types),
         params_by_dtype=params_by_dtype,
     )
-    dtypes = sorted({str(p.dtype).removeprefix("mlx.core.") for _, p in tree_flatten(model.parameters())
-                     if mx.issubdtype(p.dtype, mx.floating)})
-    info = ModelInfo(
-        name=name or path.stem,
-        path=path,
-        source=source,
-        model_type=str(config["model_type"]),
-        native=is_native(config["model_type"]),
-        n_params=count_parameters(model, config),
-        quantization=describe_quantization(config),
-        context_length=int(model_config.context_length if model_config else config["max_position_embeddings"]),
-        dtype=",".join(dtypes),
-        weights=report,
-        load_seconds=time.perf_counter() - t0,
-        notes=[f"converted from GGUF on load: {ckpt.load_path} "
-               f"({ckpt.file_bytes / 2**20:.1f} MiB file, {ckpt.weight_bytes / 2**20:.1f} MiB in MLX)"],
-    )
-    return LoadedModel(model, tokenizer, config, model_config, info)
+    notes = [f"converted from GGUF on load: {ckpt.load_path} "
+             f"({ckpt.file_bytes / 2**20:.1f} MiB file, {ckpt.weight_bytes / 2**20:.1f} MiB in MLX)"]
+    return assemble(path, config, weights,
+                    lambda: load_gguf_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
+                    report, name or path.stem, source, t0, notes, config_path=str(path))
