@@ -285,11 +285,12 @@ def version() -> None:
 
 
 def _register_commands() -> None:
-    from mlxlocal import cli_bench, cli_convert, cli_models
+    from mlxlocal import cli_bench, cli_convert, cli_models, cli_quant
 
     cli_models.register(app)
     cli_bench.register(app)
     cli_convert.register(app)
+    cli_quant.register(app)
 
 
 _register_commands()

@@ -1,0 +1,124 @@
+"""`mlxlocal quantize` and `mlxlocal perplexity` (added to the main app by `register`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from mlxlocal.errors import MlxLocalError
+
+err = Console(stderr=True, soft_wrap=True)
+MODEL_HELP = "Local HF-layout directory, catalog alias, Hugging Face repo id, or synthetic:NAME"
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(1)
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err, transient=True)
+
+
+def _read_text(path: Optional[Path]) -> Optional[str]:
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        _fail(f"cannot read {path}: {e.strerror}")
+
+
+def quantize_cmd(
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory (MLX checkpoint, mlx-lm compatible)"),
+    mode: str = typer.Option("affine", "--mode", help="affine | mxfp4 | nvfp4 | mxfp8"),
+    bits: Optional[int] = typer.Option(None, "--bits", help="affine: 2,3,4,5,6,8 (default 4); fixed for fp modes"),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="affine: 32,64,128 (default 64)"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="mixed-4-6: 4-bit with sensitive tensors at 6"),
+    method: str = typer.Option("rtn", "--method", help="rtn (round to nearest) | awq (activation-aware)"),
+    calib_file: Optional[Path] = typer.Option(None, "--calib-file", help="Calibration text for awq (default: built in)"),
+    calib_seq_len: int = typer.Option(256, "--calib-seq-len"),
+    calib_samples: int = typer.Option(32, "--calib-samples"),
+    awq_grid: int = typer.Option(20, "--awq-grid", help="Scale / clip search grid size for awq"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
+) -> None:
+    """Quantize a model into an MLX checkpoint."""
+    from mlxlocal.quant.quantize import quantize
+
+    text = _read_text(calib_file)
+    steps = ["load", "quantize", "save"]
+    try:
+        with _progress() as prog:
+            task = prog.add_task("quantize", total=len(steps))
+
+            def step(name: str) -> None:
+                prog.update(task, completed=steps.index(name), description=name)
+
+            res = quantize(model, out, mode=mode, bits=bits, group_size=group_size, recipe=recipe, method=method,
+                           calib_text=text, calib_seq_len=calib_seq_len, calib_samples=calib_samples,
+                           n_grid=awq_grid, progress=step)
+            prog.update(task, completed=len(steps))
+    except MlxLocalError as e:
+        _fail(str(e))
+    summary = {
+        "out": str(res.out), "mode": res.mode, "bits": res.bits, "group_size": res.group_size,
+        "recipe": res.recipe, "method": res.method, "size_bytes": res.size_bytes,
+        "bits_per_weight": round(res.bits_per_weight, 3), "overrides": res.overrides, "notes": res.notes,
+    }
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    for note in res.notes:
+        err.print(f"[yellow]note:[/] {note}", highlight=False)
+    desc = f"{res.mode} {res.bits}-bit g{res.group_size}" + (f", {res.recipe}" if res.recipe else "")
+    typer.echo(f"wrote {res.out} ({desc}, method {res.method}): {res.size_bytes / 2**20:.2f} MiB, "
+               f"{res.bits_per_weight:.2f} bits/weight, {res.overrides} per-layer overrides")
+
+
+def perplexity_cmd(
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    file: Optional[Path] = typer.Option(None, "--file", "-f", help="Text file (default: a built-in English text)"),
+    seq_len: int = typer.Option(512, "--seq-len", help="Window length; windows do not overlap"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Windows per forward pass"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
+) -> None:
+    """Perplexity of a model on a text (mlx-lm's chunking: non-overlapping windows)."""
+    from mlxlocal.loader import load
+    from mlxlocal.quant.quantize import perplexity
+    from mlxlocal.quant.text import BUILTIN_TEXT
+
+    text = _read_text(file) or BUILTIN_TEXT
+    try:
+        loaded = load(model)
+        with _progress() as prog:
+            task = prog.add_task("perplexity", total=None)
+            res = perplexity(loaded, text, seq_len=seq_len, batch_size=batch_size,
+                             on_batch=lambda i, n: prog.update(task, completed=i, total=n))
+    except MlxLocalError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps({"perplexity": res.ppl, "nll": res.nll, "tokens": res.tokens,
+                               "windows": res.windows, "seq_len": res.seq_len}))
+    else:
+        typer.echo(f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f} over {res.tokens} tokens, "
+                   f"{res.windows} windows of {res.seq_len})")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `quantize` and `perplexity` to the main Typer app."""
+    app.command("quantize")(quantize_cmd)
+    app.command("perplexity")(perplexity_cmd)

@@ -1,0 +1,1 @@
+"""Quantization front ends: RTN / mixed recipes / AWQ to MLX checkpoints, and perplexity."""
