@@ -39,18 +39,20 @@ class Attention(nn.Module):
             d, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
         )
 
-    def __call__(self, x: mx.array, kv: LayerKV) -> mx.array:
+    def __call__(self, x: mx.array, kv: LayerKV, last_only: bool = False) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        # last_only: every position's K/V is stored, but only the last one asks a query.
+        Lq = 1 if last_only else L
+        q = self.q_proj(x[:, -Lq:]).reshape(B, Lq, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        q = self.rope(q, offset=kv.offset)
+        q = self.rope(q, offset=kv.offset + (L - Lq))
         k = self.rope(k, offset=kv.offset)
         out = kv.attend(q, k, v, self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, Lq, -1))
 
 
 class MLP(nn.Module):
@@ -73,8 +75,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, kv: LayerKV) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), kv)
+    def __call__(self, x: mx.array, kv: LayerKV, last_only: bool = False) -> mx.array:
+        h = x[:, -1:] if last_only else x
+        h = h + self.self_attn(self.input_layernorm(x), kv, last_only)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -101,11 +104,11 @@ class Model(nn.Module):
 
     def __call__(self, tokens: mx.array, cache: list[LayerKV], last_only: bool = False) -> mx.array:
         h = self.model.embed_tokens(tokens)
-        for layer, kv in zip(self.model.layers, cache):
-            h = layer(h, kv)
-        if last_only:
-            # Prefill needs the next-token logits only; skip the vocab projection elsewhere.
-            h = h[:, -1:, :]
+        last = len(self.model.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.model.layers, cache)):
+            # Prefill needs the next-token logits only: past the last layer's K/V, compute
+            # just the last position (the rest of that layer and the vocab projection).
+            h = layer(h, kv, last_only and i == last)
         h = self.model.norm(h)
         if "lm_head" in self:
             return self.lm_head(h)
