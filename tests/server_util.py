@@ -51,8 +51,10 @@ def scripted_output(tokenizer, text: str):
     script = list(tokenizer.encode(text, add_special_tokens=False)) + [min(tokenizer.eos_token_ids)]
     original = sampling.Sampler.__call__
 
-    def scripted(self, logits, history):
-        _, logprobs = original(self, logits, history)
+    def scripted(self, logits, history, pending=None):
+        _, logprobs = original(self, logits, history, pending)
+        if pending is not None:  # the previous token is still in flight: wait for its value
+            history = history + [int(pending.item())]
         done = next((k for k in range(len(script), 0, -1) if history[-k:] == script[:k]), 0)
         return mx.array([script[min(done, len(script) - 1)]]), logprobs
 

@@ -22,7 +22,7 @@ from mlxlocal.cache import BlockManager, KVPools, PagedLayerView, StepBatch
 from mlxlocal.engine.base import EngineBase
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
-from mlxlocal.engine.sequence import Sequence
+from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
@@ -141,6 +141,7 @@ class PagedEngine(EngineBase):
         self.tokens_in = 0
         self.tokens_out = 0
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
+        self._inflight: list = []  # (seq, token, logprob arrays) of the step being computed
 
     @staticmethod
     def _pool_blocks(cfg: EngineConfig, per_block: int, context: int) -> int:
@@ -258,6 +259,7 @@ class PagedEngine(EngineBase):
                 self.step()
                 self._queued = len(self.scheduler.waiting)
             except Exception as e:  # a bug must not kill the thread: fail what is in flight
+                self._inflight = []
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self.scheduler.free(seq)
                     self.scheduler.finish(seq)
@@ -299,35 +301,55 @@ class PagedEngine(EngineBase):
         s.tokens, s.block_table = [], []
 
     def step(self) -> None:
+        """Queue this step's forward, then accept the previous step's tokens while it runs.
+
+        Decode inputs are the previous step's sampled tokens as lazy arrays, so building
+        and evaluating step N+1 overlaps with handing out step N's tokens. A sequence that
+        turns out to have finished computes one wasted token, which is dropped.
+        """
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.cancelled.is_set():
                 self._finish(seq, "cancelled")
         plan = self.scheduler.plan()
         for seq in plan.starved:
             self._finish(seq, "length")
-        if plan.empty:
-            return
         groups = []
         if plan.decode:
             groups.append((plan.decode, 1))
         if plan.prefill is not None:
             groups.append(([plan.prefill], plan.prefill_tokens))
-        sampled: list[tuple[Sequence, mx.array]] = []
+        sampled: list[tuple[Sequence, mx.array, list[mx.array]]] = []
         for seqs, n in groups:
             logits = self._forward(seqs, n)
             for i, seq in enumerate(seqs):
                 seq.num_computed += n
                 if seq.remaining == 0:
-                    token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens)
+                    token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending)
                     sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs)))
-        mx.eval([t for _, t, _ in sampled] + [a for _, _, lp in sampled for a in lp] + self.pools.state())
-        for seq, token, lp in sampled:
-            self._accept(seq, int(token.item()), lp)
+        if sampled or groups:
+            mx.async_eval([t for _, t, _ in sampled] + [a for _, _, lp in sampled for a in lp]
+                          + self.pools.state())
+        previous, self._inflight = self._inflight, sampled
+        for seq, token, lp in previous:
+            if seq.pending is token:
+                seq.pending = None
+            if seq.status is not Status.FINISHED:
+                self._accept(seq, int(token.item()), lp)
+        for seq, token, _ in sampled:
+            if seq.status is not Status.FINISHED:
+                seq.pending = token
 
     def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
         """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
         bs = self.config.block_size
-        tokens = [s.tokens[s.num_computed : s.num_computed + n] for s in seqs]
+        if n == 1:  # decode: the last token may still be in flight (a lazy array)
+            inputs = mx.concatenate([
+                s.pending.reshape(1, 1).astype(mx.uint32) if s.pending is not None
+                else mx.array([[s.tokens[s.num_computed]]], mx.uint32)
+                for s in seqs
+            ])
+        else:
+            inputs = mx.array([s.tokens[s.num_computed : s.num_computed + n] for s in seqs])
         positions = [s.num_computed + i for s in seqs for i in range(n)]
         table_of = [s.block_table for s in seqs for _ in range(n)]
         width = max(len(s.block_table) for s in seqs)
@@ -340,7 +362,7 @@ class PagedEngine(EngineBase):
             host_context_lens=[s.num_computed + n for s in seqs],
         )
         views = [PagedLayerView(self.pools, i, batch, w) for i, w in enumerate(self.windows)]
-        return self.model(mx.array(tokens), views, last_only=True)[:, -1, :]
+        return self.model(inputs, views, last_only=True)[:, -1, :]
 
     @staticmethod
     def _logprob_arrays(seq: Sequence, token: mx.array, logprobs: mx.array) -> list[mx.array]:

@@ -20,11 +20,18 @@ class Sampler:
             if params.repetition_penalty != 1.0 else None
         )
 
-    def __call__(self, logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array]:
-        """logits [1, V] -> (token id [1], logprobs [1, V] before filtering), both lazy."""
+    def __call__(self, logits: mx.array, history: list[int], pending: mx.array | None = None
+                 ) -> tuple[mx.array, mx.array]:
+        """logits [1, V] -> (token id [1], logprobs [1, V] before filtering), both lazy.
+
+        `pending` is the previous token when its value is not known yet (pipelined steps).
+        """
         p = self.params
         if self.penalty is not None:
-            logits = self.penalty(mx.array(history[-20:], mx.uint32), logits)
+            recent = mx.array(history[-20:], mx.uint32)
+            if pending is not None:
+                recent = mx.concatenate([recent, pending.reshape(1).astype(mx.uint32)])[-20:]
+            logits = self.penalty(recent, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if p.temperature == 0:
             return mx.argmax(logprobs, axis=-1), logprobs

@@ -87,7 +87,7 @@ class Scheduler:
     def plan(self) -> Plan:
         plan = Plan()
         for seq in sorted(self.running, key=lambda s: s.id):
-            if seq.status is not Status.RUNNING or seq.remaining != 1:
+            if seq.status is not Status.RUNNING or not seq.may_decode:
                 continue
             while not self._reserve(seq, 1):
                 victim = max(self.running, key=lambda s: s.id)
@@ -103,20 +103,21 @@ class Scheduler:
         budget = self.max_step_tokens - len(plan.decode)
         if budget <= 0:
             return plan
-        prefilling = [s for s in self.running if s.remaining > 1]
+        # A token still in flight cannot be prefilled: only the known ones count here.
+        prefilling = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
         candidate = min(prefilling, key=lambda s: s.id) if prefilling else None
         if candidate is None and self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting.popleft()
             self.admit(head)
-            if not self._reserve(head, min(head.remaining, budget)):
+            if not self._reserve(head, min(len(head.tokens) - head.num_computed, budget)):
                 self._unadmit(head)
                 if not self.running:
                     plan.starved.append(head)
                 return plan
             candidate = head
         if candidate is not None:
-            n = min(candidate.remaining, budget)
-            if self._reserve(candidate, n):
+            n = min(len(candidate.tokens) - candidate.num_computed, budget)
+            if n > 0 and self._reserve(candidate, n):
                 plan.prefill, plan.prefill_tokens = candidate, n
         return plan
 

@@ -41,6 +41,9 @@ class Sequence:
     t_first: float = 0.0
     preemptions: int = 0
     async_put: Any = None  # callable pushing a Chunk to an asyncio queue
+    # The token sampled by the step in flight: fed to the next step before its value is
+    # known (the engine pipelines steps), appended to `tokens` once it is.
+    pending: Any = None
 
     def __post_init__(self):
         if not self.tokens:
@@ -53,7 +56,12 @@ class Sequence:
     @property
     def remaining(self) -> int:
         """Tokens still to feed before the next token can be sampled."""
-        return len(self.tokens) - self.num_computed
+        return len(self.tokens) + (self.pending is not None) - self.num_computed
+
+    @property
+    def may_decode(self) -> bool:
+        """Another decode step is useful: one token to feed and room under max_tokens."""
+        return self.remaining == 1 and self.num_generated + (self.pending is not None) < self.max_tokens
 
     def emit(self, chunk: Chunk) -> None:
         self.out.put(chunk)
