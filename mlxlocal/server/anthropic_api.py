@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal.engine import SamplingParams
-from mlxlocal.server.errors import APIError
+from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.generation import run
 from mlxlocal.server.parse import Event, OutputParser
 
@@ -19,14 +19,7 @@ router = APIRouter()
 
 
 async def read_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"null")
-    except ValueError as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+    return await read_json_object(request, empty_ok=False)
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 # HTTP status -> (OpenAI error type, Anthropic error type)
@@ -45,3 +48,15 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
     else:
         body = {"error": {"message": message, "type": openai_type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def read_json_object(request: Request, empty_ok: bool = False) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw or (b"{}" if empty_ok else b"null"))
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal import __version__
 from mlxlocal.engine import SamplingParams
-from mlxlocal.server.errors import APIError
+from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.generation import run
 from mlxlocal.server.parse import OutputParser
 from mlxlocal.server.registry import parse_duration
@@ -27,14 +27,7 @@ NS = 1_000_000_000
 
 
 async def read_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+    return await read_json_object(request, empty_ok=True)
 
 
 def now_iso(t: float | None = None) -> str:
