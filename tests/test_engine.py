@@ -138,3 +138,26 @@ def test_chat_template_renders_tools(engine):
     without = engine.decode(engine.encode_chat(messages))
     assert "get_weather" in with_tools and "get_weather" not in without
     assert with_tools.rstrip().endswith(without.rstrip().rsplit("\n", 1)[-1])
+
+
+def test_simple_engine_submit_streams_like_generate(tmp_path):
+    """Models on the mlx-lm path serve the same submit API (sync and asyncio) as the paged engine."""
+    import asyncio
+
+    from conftest import BASE, build_tiny
+
+    from mlxlocal.engine import SimpleEngine
+
+    path = build_tiny(tmp_path / "gemma", dict(BASE, model_type="gemma", rope_theta=10000.0))
+    engine = SimpleEngine(load_from_dir(path))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = [c.token for c in engine.generate([3, 4, 5], params) if c.token is not None]
+    assert [c.token for c in engine.submit([3, 4, 5], params) if c.token is not None] == expected
+
+    async def stream():
+        handle = engine.submit([3, 4, 5], params, loop=asyncio.get_running_loop())
+        return [c.token async for c in handle.astream() if c.token is not None]
+
+    assert asyncio.run(stream()) == expected
+    with pytest.raises(ContextLengthError):
+        engine.submit([5] * engine.context_length, params)

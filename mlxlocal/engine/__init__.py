@@ -7,7 +7,8 @@ generate / new_session / encode_chat / encode_text / decode.
 
 from __future__ import annotations
 
-from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine, RequestHandle
+from mlxlocal.engine.handle import RequestHandle
+from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine
 from mlxlocal.engine.simple import SimpleEngine
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
 from mlxlocal.loader import LoadedModel

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+
 from mlxlocal.engine.types import SamplingParams
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.loader import LoadedModel, ModelInfo
+
+# A stream per worker thread (MLX streams belong to the thread that made them); a thread
+# using it calls mx.clear_streams() before it ends, or the process aborts at exit.
+WORKER_STREAM = mx.new_thread_local_stream(mx.default_device())
 
 
 class EngineBase:

@@ -13,13 +13,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlxlocal.cache import BlockManager, KVPools, PagedLayerView, StepBatch
-from mlxlocal.engine.base import EngineBase
+from mlxlocal.engine.base import WORKER_STREAM, EngineBase
+from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
@@ -27,8 +28,6 @@ from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.loader import LoadedModel
-
-ENGINE_STREAM = mx.new_thread_local_stream(mx.default_device())
 
 
 class CapacityError(MlxLocalError):
@@ -78,46 +77,6 @@ class Session:
     def _release(self) -> None:
         self.engine.blocks.release(self.block_table)
         self.tokens, self.block_table = [], []
-
-
-class RequestHandle:
-    """A submitted request: iterate it (sync or async) for Chunks; cancel it any time."""
-
-    def __init__(self, seq: Sequence):
-        self.seq = seq
-        self.id = seq.id
-
-    def cancel(self) -> None:
-        self.seq.cancelled.set()
-
-    def __iter__(self) -> Iterator[Chunk]:
-        done = False
-        try:
-            while not done:
-                item = self.seq.out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                done = item.finish_reason is not None
-                yield item
-        finally:
-            if not done:  # the consumer walked away: free the blocks at the next step
-                self.cancel()
-
-    async def astream(self) -> AsyncIterator[Chunk]:
-        q: asyncio.Queue | None = getattr(self, "_aqueue", None)
-        if q is None:
-            raise ValueError("astream() needs the request submitted with loop=<the running event loop>")
-        done = False
-        try:
-            while not done:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                done = item.finish_reason is not None
-                yield item
-        finally:
-            if not done:
-                self.cancel()
 
 
 class PagedEngine(EngineBase):
@@ -184,24 +143,13 @@ class PagedEngine(EngineBase):
             detok=self.tokenizer.detokenizer, stops=StopMatcher(params.stop),
             eos=set() if params.ignore_eos else set(self.tokenizer.eos_token_ids),
             max_tokens=min(params.max_tokens, self.context_length - len(prompt)),
-            out=queue.Queue(), cancelled=cancel or threading.Event(), session=session,
-            t_submit=time.perf_counter(),
+            handle=RequestHandle(cancel, loop), session=session, t_submit=time.perf_counter(),
         )
-        handle = RequestHandle(seq)
-        if loop is not None:
-            handle._aqueue = asyncio.Queue()
-
-            def async_put(item, q=handle._aqueue):
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, item)
-                except RuntimeError:  # the consumer's event loop is closed: nobody reads this
-                    seq.cancelled.set()
-
-            seq.async_put = async_put
+        seq.handle.seq = seq
         self._ensure_thread()
         self._queued += 1
         self._inbox.put(("submit", seq))
-        return handle
+        return seq.handle
 
     def generate(self, prompt, params=None, session=None, cancel=None) -> Iterator[Chunk]:
         """Submit and stream: errors in the request raise here, before any chunk."""
@@ -238,7 +186,7 @@ class PagedEngine(EngineBase):
         # MLX streams belong to threads: all engine work runs on this thread's own stream,
         # destroyed when the thread ends (a leftover stream aborts the process at exit).
         try:
-            with mx.stream(ENGINE_STREAM):
+            with mx.stream(WORKER_STREAM):
                 self._loop()
         finally:
             mx.clear_streams()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import enum
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
@@ -29,8 +29,7 @@ class Sequence:
     stops: StopMatcher
     eos: set[int]
     max_tokens: int  # params.max_tokens clipped to the context left
-    out: queue.Queue  # Chunks for the submitter
-    cancelled: threading.Event
+    handle: RequestHandle  # where Chunks go; holds the cancel flag
     session: Any = None  # engine Session this turn belongs to, if any
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     block_table: list[int] = field(default_factory=list)
@@ -40,7 +39,6 @@ class Sequence:
     t_submit: float = 0.0
     t_first: float = 0.0
     preemptions: int = 0
-    async_put: Any = None  # callable pushing a Chunk to an asyncio queue
     # The token sampled by the step in flight: fed to the next step before its value is
     # known (the engine pipelines steps), appended to `tokens` once it is.
     pending: Any = None
@@ -63,7 +61,9 @@ class Sequence:
         """Another decode step is useful: one token to feed and room under max_tokens."""
         return self.remaining == 1 and self.num_generated + (self.pending is not None) < self.max_tokens
 
-    def emit(self, chunk: Chunk) -> None:
-        self.out.put(chunk)
-        if self.async_put is not None:
-            self.async_put(chunk)
+    @property
+    def cancelled(self) -> threading.Event:
+        return self.handle.cancelled
+
+    def emit(self, chunk: Chunk | BaseException) -> None:
+        self.handle.put(chunk)

@@ -5,6 +5,7 @@ Used for models that run on mlx-lm's model code (no paged attention there).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from mlxlocal.engine.base import EngineBase
+from mlxlocal.engine.base import WORKER_STREAM, EngineBase
+from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
 from mlxlocal.loader import LoadedModel
@@ -66,6 +68,7 @@ class SimpleEngine(EngineBase):
         super().__init__(loaded)
         self.prefill_step = max_step_tokens
         self._native = loaded.info.native
+        self._busy = threading.Lock()  # submitted requests run one at a time
 
     def new_session(self) -> Session:
         return Session(self.loaded.make_cache())
@@ -89,6 +92,35 @@ class SimpleEngine(EngineBase):
         params = params or SamplingParams()
         self.validate(prompt, params)
         return self._generate(prompt, params, session or self.new_session(), cancel)
+
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        session: Session | None = None,
+        cancel: threading.Event | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        """The paged engine's submit, for callers that need it (the server): one worker
+        thread per request, one request at a time, chunks through a RequestHandle."""
+        params = params or SamplingParams()
+        self.validate(prompt, params)  # bad requests raise here, before any thread starts
+        handle = RequestHandle(cancel, loop)
+        session = session or self.new_session()
+
+        def work():
+            try:
+                # MLX streams belong to threads: this worker runs on its own.
+                with self._busy, mx.stream(WORKER_STREAM):
+                    for chunk in self._generate(prompt, params, session, handle.cancelled):
+                        handle.put(chunk)
+            except Exception as e:  # raised in the consumer
+                handle.put(e)
+            finally:
+                mx.clear_streams()
+
+        threading.Thread(target=work, daemon=True).start()
+        return handle
 
     def _generate(
         self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -19,10 +18,7 @@ from mlxlocal.server.metrics import Metrics
 def start(engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
     """Submit; return (async chunk stream, cancel function). Raises APIError on a bad request."""
     try:
-        if hasattr(engine, "submit"):
-            handle = engine.submit(prompt, params, loop=loop)
-            return handle.astream(), handle.cancel
-        engine.validate(prompt, params)
+        handle = engine.submit(prompt, params, loop=loop)
     except ContextLengthError as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
     except QueueFullError as e:
@@ -31,40 +27,7 @@ def start(engine, prompt: list[int], params: SamplingParams, loop: asyncio.Abstr
         raise APIError(400, str(e)) from None
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    return _threaded(engine, prompt, params, loop)
-
-
-_simple_lock = threading.Lock()  # the simple engine runs one request at a time
-
-
-def _threaded(engine, prompt, params, loop):
-    """The simple engine (mlx-lm models) has no queue of its own: run it on a worker thread."""
-    queue: asyncio.Queue = asyncio.Queue()
-    cancel = threading.Event()
-
-    def work():
-        try:
-            with _simple_lock:
-                for chunk in engine.generate(prompt, params, cancel=cancel):
-                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
-        except Exception as e:  # surfaced to the awaiting request
-            loop.call_soon_threadsafe(queue.put_nowait, e)
-
-    threading.Thread(target=work, daemon=True).start()
-
-    async def stream():
-        done = False
-        try:
-            while not done:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                done = item.finish_reason is not None
-                yield item
-        finally:
-            cancel.set()
-
-    return stream(), cancel.set
+    return handle.astream(), handle.cancel
 
 
 async def _watch(request: Request, cancel) -> None:
