@@ -60,3 +60,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models) -> Path:
     return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    """`mlxlocal serve` on the tiny qwen3 model, on loopback: (base URL, app). One per module."""
+    from server_util import running_server
+
+    from mlxlocal.server import ServerConfig
+
+    with running_server(ServerConfig(models=[str(tiny_model)])) as (url, app):
+        yield url, app

@@ -8,18 +8,11 @@ import httpx
 import ollama
 import pytest
 
-from mlxlocal.server import ServerConfig
-from tests.server_util import running_server, scripted_output
+from tests.server_util import scripted_output
 
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "",
                                            "parameters": {"type": "object"}}}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    with running_server(ServerConfig(models=[str(tiny_model)])) as (url, app):
-        yield url, app
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_util import running_server, scripted_output
-
-from mlxlocal.server import ServerConfig
+from server_util import scripted_output
 
 TOOL_OUTPUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER_TOOL = {
@@ -21,12 +19,6 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    with running_server(ServerConfig(models=[str(tiny_model)])) as (base_url, app):
-        yield base_url, app
 
 
 @pytest.fixture(scope="module")

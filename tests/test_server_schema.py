@@ -5,20 +5,11 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from server_util import running_server
-
-from mlxlocal.server import ServerConfig
 
 
 @pytest.fixture(scope="module")
-def live(tiny_model):
-    with running_server(ServerConfig(models=[str(tiny_model)])) as (url, app):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def api_schema(live):
-    return schemathesis.openapi.from_url(f"{live}/openapi.json")
+def api_schema(server):
+    return schemathesis.openapi.from_url(f"{server[0]}/openapi.json")
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
