@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,28 @@ def server(tiny_model):
 
     with running_server(ServerConfig(models=[str(tiny_model)])) as (url, app):
         yield url, app
+
+
+# Fixtures that start `mlxlocal` as a subprocess (a pty for chat): such tests are `slow`,
+# left out of the quick subset (`python -m pytest -m "not slow"`) like modules marked slow.
+SUBPROCESS_FIXTURES = {"chat", "home"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SUBPROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason ("444 skipped: needs Metal (Apple Silicon)"), so a wall of
+    `s` in the progress line explains itself."""
+    reasons: Counter[str] = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("-", "skipped, by reason")
+        for reason, n in reasons.most_common():
+            terminalreporter.write_line(f"{n} skipped: {reason}")

@@ -16,6 +16,9 @@ from mlxlocal.quant.quantize import perplexity, perplexity_windows, quantize
 from mlxlocal.quant.text import BUILTIN_TEXT
 from mlxlocal.weights.awq_gptq import convert_awq_gptq
 
+# Part of the full run only: `python -m pytest -m "not slow"` is the quick subset.
+pytestmark = pytest.mark.slow
+
 CFG = dict(FAMILY_CONFIGS["qwen3"], hidden_size=128, intermediate_size=256, head_dim=32)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

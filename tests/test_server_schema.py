@@ -6,6 +6,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
+# Part of the full run only: `python -m pytest -m "not slow"` is the quick subset.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def api_schema(server):
