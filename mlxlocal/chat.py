@@ -1,8 +1,9 @@
 """`mlxlocal chat`: a terminal REPL over the engine (like `ollama run` / `mlx_lm.chat`).
 
 Front end only: it renders the conversation through the model's chat template, hands the
-token ids to `Engine.generate` with one `Session` per conversation (so each new turn
-prefills only its new tokens), and streams the reply as Markdown.
+token ids to `Engine.generate` with one `Session` per conversation, and streams the reply
+as Markdown. It keeps the token ids the model saw and produced, and a new turn appends
+only the template's continuation to them, so each new turn prefills only its new tokens.
 """
 
 from __future__ import annotations
@@ -75,17 +76,25 @@ def format_seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def format_rate(tps: float) -> str:
+    return f"{tps:.0f}" if tps >= 100 else f"{tps:.1f}"
+
+
 def format_footer(stats: GenerationStats) -> str:
     parts = [
-        f"{stats.decode_tps:.1f} tok/s",
-        f"prompt {stats.prefill_tps:.1f} tok/s",
-        f"{stats.prompt_tokens} prompt tokens ({stats.cached_tokens} cached)",
-        f"{stats.completion_tokens} tokens",
+        f"decode {format_rate(stats.decode_tps)} tok/s",
+        f"prefill {format_rate(stats.prefill_tps)} tok/s",
+        f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached)",
+        f"reply {stats.completion_tokens} tokens",
         f"TTFT {format_seconds(stats.ttft_s)}",
         f"peak {human_bytes(stats.peak_memory_bytes)}",
     ]
     if stats.finish_reason and stats.finish_reason != "stop":
-        parts.append(f"finish: {stats.finish_reason}")
+        finish = f"finish: {stats.finish_reason}"
+        # getattr: `truncated_by` is newer than some GenerationStats this may be handed.
+        if stats.finish_reason == "length" and getattr(stats, "truncated_by", None) == "context":
+            finish += " (context full)"
+        parts.append(finish)
     return " · ".join(parts)
 
 
@@ -199,6 +208,10 @@ class ChatRepl:
         self.system = system
         self.params = params or SamplingParams(max_tokens=1024)
         self.messages: list[dict[str, str]] = []
+        # The conversation's token ids exactly as the model saw and produced them (the last
+        # prompt + the reply's generated ids). Re-encoding a reply's text may give other ids,
+        # and then the session's KV cache would no longer be a prefix of the next prompt.
+        self.ids: list[int] = []
         self.session = engine.new_session()
         self.last_stats: GenerationStats | None = None
         self.history = history or InMemoryHistory()
@@ -306,6 +319,7 @@ class ChatRepl:
 
     def reset(self) -> None:
         self.messages = []
+        self.ids = []
         self.session = self.engine.new_session()  # drop the KV: nothing left to reuse
 
     def cmd_clear(self, arg: str) -> None:
@@ -357,7 +371,8 @@ class ChatRepl:
                  f"params, quantization {info.quantization}, {info.dtype}, "
                  f"context {info.context_length} tokens")
         self.say(f"weights  {info.weights.describe()}")
-        self.say(f"session  {self.session.cached_len} tokens cached, {len(self.messages)} messages")
+        self.say(f"session  {self.session.cached_len} tokens cached, {len(self.ids)} conversation tokens, "
+                 f"{len(self.messages)} messages")
         if hasattr(self.engine, "stats"):
             st = self.engine.stats()
             self.say(f"kv cache {st['blocks_used']}/{st['blocks_total']} blocks of {st['block_size']} tokens "
@@ -380,7 +395,9 @@ class ChatRepl:
         if hasattr(self.engine, "shutdown"):
             self.engine.shutdown()  # free the old model's engine thread and KV pools
         self.engine = engine
-        self.session = engine.new_session()  # another tokenizer: the old KV means nothing
+        # Another tokenizer: the old ids and KV mean nothing; the next turn re-encodes the text.
+        self.session = engine.new_session()
+        self.ids = []
         self.banner()
 
     # a chat turn ------------------------------------------------------------------------
@@ -388,22 +405,38 @@ class ChatRepl:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + self.messages
 
+    def prompt_ids(self, user: dict[str, str]) -> list[int]:
+        """The next prompt: the kept ids plus the template's continuation, or else the
+        whole conversation encoded (first turn, after /clear, /load, /model)."""
+        if self.ids and self.messages and self.messages[-1]["role"] == "assistant":
+            continuation = self.engine.encode_continuation(self.conversation()[:-1], [user])
+            if continuation is not None:
+                return self.ids + continuation
+        return self.engine.encode_chat(self.conversation() + [user])
+
     def turn(self, text: str) -> None:
         user = {"role": "user", "content": text}
         cancel = threading.Event()
         stats: GenerationStats | None = None
+        generated: list[int] = []
         try:
-            ids = self.engine.encode_chat(self.conversation() + [user])
+            prompt = self.prompt_ids(user)
             with sigint_sets(cancel), ReplyView(self.console) as view:
-                for chunk in self.engine.generate(ids, self.params, session=self.session, cancel=cancel):
+                for chunk in self.engine.generate(prompt, self.params, session=self.session, cancel=cancel):
+                    if chunk.token is not None:
+                        generated.append(chunk.token)
                     if chunk.text:
                         view.add(chunk.text)
                     if chunk.stats is not None:
                         stats = chunk.stats
         except ContextLengthError as e:
             return self.error(f"{e}. Use /clear to start a new conversation.")
+        if stats is not None and stats.finish_reason == "cancelled" and not generated:
+            # Nothing to continue from: forget the turn as if it was never sent.
+            return self.say("cancelled before the first token", "yellow")
         # Keep even a cut-off reply: the next turn then continues from what the user saw.
         self.messages += [user, {"role": "assistant", "content": view.text}]
+        self.ids = prompt + generated
         if stats is None:
             return
         self.last_stats = stats

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from conftest import FAMILY_CONFIGS, build_tiny
@@ -30,11 +31,16 @@ from mlxlocal.chat import (
     sigint_sets,
     unwrap_block,
 )
-from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, open_engine
+from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, SimpleEngine, open_engine
+from mlxlocal.engine.base import EngineBase
+from mlxlocal.loader import load_from_dir
 
 pexpect = pytest.importorskip("pexpect")
 
-FOOTER = re.compile(r"(\d+) prompt tokens \((\d+) cached\) · (\d+) tokens")
+# The footer up to its end; the last group is the finish reason when it is not "stop". The
+# line must end (newline or the escape that ends its colour) so "finish" is never cut off.
+FOOTER = re.compile(r"prompt (\d+) tokens \((\d+) cached\) · reply (\d+) tokens · TTFT [^·]+ · "
+                    r"peak [\d.]+ \w+(?: · finish: ([a-z]+))?[\x1b\r\n]")
 PROMPT = ">>>"  # prompt_toolkit draws the trailing space as a cursor move
 TIMEOUT = 60
 
@@ -47,6 +53,17 @@ def chat_model_dir(tmp_path_factory) -> Path:
 
 
 # --- driving the real program ---------------------------------------------------------------
+class Footer(NamedTuple):
+    prompt: int
+    cached: int
+    reply: int
+    finish: str
+
+    @classmethod
+    def of(cls, m: re.Match[str]) -> Footer:
+        return cls(int(m[1]), int(m[2]), int(m[3]), m[4] or "stop")
+
+
 class Chat:
     """One `python -m mlxlocal.chat` in a pty, with helpers that wait for what a user sees."""
 
@@ -65,12 +82,12 @@ class Chat:
     def prompt(self) -> None:
         self.child.expect_exact(PROMPT)
 
-    def ask(self, text: str) -> tuple[int, int, int]:
-        """Send a message; return (prompt tokens, cached tokens, completion tokens) from its footer."""
+    def ask(self, text: str) -> Footer:
+        """Send a message; return its footer's numbers."""
         self.child.send(text + "\r")
-        m = self.expect(FOOTER)
+        footer = Footer.of(self.expect(FOOTER))
         self.prompt()
-        return int(m[1]), int(m[2]), int(m[3])
+        return footer
 
     def command(self, line: str, expect: str) -> None:
         self.child.send(line + "\r")
@@ -109,11 +126,11 @@ def test_two_turns_reuse_prefix_help_and_exit(chat, chat_model_dir):
     c.child.expect_exact("context 4096 tokens")
     c.child.expect_exact("/help")
     c.prompt()
-    prompt1, cached1, completion1 = c.ask("hello world")
-    assert cached1 == 0 and 0 < completion1 <= 12
-    prompt2, cached2, _ = c.ask("tell me more about the fox")
-    # Turn two re-renders the whole conversation; the session already holds turn one.
-    assert prompt2 > prompt1 and cached2 >= prompt1 - 1 and cached2 < prompt2
+    first = c.ask("hello world")
+    assert first.cached == 0 and first.reply <= 12
+    second = c.ask("tell me more about the fox")
+    # Turn two extends turn one's ids; the session already holds all but their last token.
+    assert second.prompt > first.prompt + first.reply and second.cached >= first.prompt + first.reply - 1
     c.command("/help", "/save FILE")
     c.command("/frobnicate", "unknown command /frobnicate")
     c.command("/stats", "4 messages")
@@ -141,8 +158,9 @@ def test_system_save_load_roundtrip(chat, tmp_path):
     c.command(f"/load {saved}", "loaded 2 messages")
     c.command("/stats", "2 messages")
     # The restored conversation is what the model sees: the next prompt holds all of it.
-    prompt, cached, _ = c.ask("and then?")
-    assert prompt > 20 and cached < prompt  # the prefix cache may still hold its first blocks
+    after_load = c.ask("and then?")
+    # The prefix cache may still hold its first blocks.
+    assert after_load.prompt > 20 and after_load.cached < after_load.prompt
     c.command(f"/save {saved}", "saved 4 messages")
     again = json.loads(saved.read_text())
     assert again["system"] == data["system"] and again["messages"][:2] == data["messages"]
@@ -168,6 +186,26 @@ def test_multiline_input(chat, tmp_path):
     assert c.exit() == 0
 
 
+def test_cached_tokens_are_all_but_the_new_ones(chat, tiny_model):
+    """Random weights reply with text that re-encodes to other ids; the chat keeps the ids
+    the model produced, so every later turn reuses the whole conversation from the cache."""
+    c = chat(model=tiny_model, max_tokens=64)
+    c.prompt()
+    turns = [c.ask(text) for text in ("hello world", "tell me more about the fox",
+                                      "what did the dog do?", "thanks, that is all")]
+    assert turns[0].cached == 0
+    for before, now in zip(turns, turns[1:]):
+        # The KV cache holds every token fed to the model: the last prompt and the reply. A
+        # reply cut by --max-tokens ("length") ends in a token that was sampled but never fed
+        # (its K/V would only be computed by a next step); a reply that ended at the
+        # end-of-turn token had all of its tokens fed (the end-of-turn token is not one of
+        # them). Nothing else may be recomputed: the new prompt starts with exactly those ids.
+        unfed = 1 if before.finish == "length" else 0
+        assert now.cached == before.prompt + before.reply - unfed, turns
+        assert now.prompt > before.prompt + before.reply  # plus the new user turn
+    assert c.exit() == 0
+
+
 def test_ctrl_c_stops_reply_and_keeps_the_repl(chat, tmp_path):
     c = chat(max_tokens=3000)
     c.prompt()
@@ -176,9 +214,8 @@ def test_ctrl_c_stops_reply_and_keeps_the_repl(chat, tmp_path):
     time.sleep(0.5)
     c.child.sendintr()
     c.child.expect_exact("[interrupted]")
-    m = c.expect(FOOTER)
-    assert int(m[3]) < 3000
-    c.child.expect_exact("finish: cancelled")
+    cut = Footer.of(c.expect(FOOTER))
+    assert cut.finish == "cancelled" and 0 < cut.reply < 3000
     c.prompt()
     # Ctrl-C at the prompt clears the line instead of exiting.
     c.child.send("half typed")
@@ -188,14 +225,26 @@ def test_ctrl_c_stops_reply_and_keeps_the_repl(chat, tmp_path):
     c.command(f"/save {saved}", "saved 2 messages")
     partial = json.loads(saved.read_text())["messages"][1]
     assert partial["role"] == "assistant" and partial["content"]  # the partial reply is kept
+    # The next turn continues from the cut reply's ids: the cache holds them (all, or all but
+    # the last when the engine had not fed it yet), and only the new turn is prefilled.
     c.child.send("/clear\r")
     c.child.expect_exact("conversation cleared")  # not "half typed/clear": the line was cleared
     c.prompt()
     c.child.send("and again\r")
     c.child.expect_exact("…")
+    time.sleep(0.3)
     c.child.sendintr()
     c.child.expect_exact("[interrupted]")
+    again = Footer.of(c.expect(FOOTER))
     c.prompt()
+    c.child.send("go on\r")
+    c.child.expect_exact("…")
+    time.sleep(0.3)
+    c.child.sendintr()
+    c.child.expect_exact("[interrupted]")
+    go_on = Footer.of(c.expect(FOOTER))
+    c.prompt()
+    assert again.prompt + again.reply - 1 <= go_on.cached <= again.prompt + again.reply
     assert c.exit() == 0
 
 
@@ -267,17 +316,169 @@ def test_commands_in_process(engine, tmp_path):
         assert repl.command(name) is False
 
 
+# --- token ids kept across turns, and Ctrl-C at either end of a reply -----------------------
+@pytest.fixture(scope="module")
+def simple_engine(chat_model_dir) -> SimpleEngine:
+    # Prefill in chunks of 4: the simple engine checks for a cancel between chunks.
+    return SimpleEngine(load_from_dir(chat_model_dir), max_step_tokens=4)
+
+
+class Interrupting:
+    """An engine whose next reply gets a Ctrl-C (its cancel event set) before the first
+    token ("prefill") or as soon as one arrives ("decode"); all else is the real engine."""
+
+    def __init__(self, engine: PagedEngine | SimpleEngine, when: str | None = None):
+        self.engine, self.when = engine, when
+        self.tokens: list[int] = []  # the token ids the last reply streamed
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def generate(self, prompt, params=None, session=None, cancel=None):
+        when, self.when = self.when, None
+        if when == "prefill":
+            cancel.set()
+        chunks = self.engine.generate(prompt, params, session=session, cancel=cancel)
+        return self._watch(chunks, cancel if when == "decode" else None)
+
+    def _watch(self, chunks, cancel):
+        self.tokens = []
+        for chunk in chunks:
+            if chunk.token is not None:
+                self.tokens.append(chunk.token)
+                if cancel is not None:
+                    cancel.set()
+            yield chunk
+
+
+def footers(out: io.StringIO) -> list[Footer]:
+    return [Footer.of(m) for m in FOOTER.finditer(out.getvalue())]
+
+
+@pytest.mark.parametrize("kind", ["paged", "simple"])
+def test_ctrl_c_before_the_first_token_keeps_nothing(kind, engine, simple_engine):
+    real = engine if kind == "paged" else simple_engine
+    wrapped = Interrupting(real)
+    repl, out = make_repl(wrapped)
+    repl.turn("hello world")
+    ids, messages, stats = list(repl.ids), list(repl.messages), repl.last_stats
+    first_prompt = real.encode_chat(messages[:1])
+    assert ids[: len(first_prompt)] == first_prompt and len(ids) > len(first_prompt)
+    wrapped.when = "prefill"
+    repl.turn("a question that never gets an answer, " * 4)
+    assert "cancelled before the first token" in out.getvalue()
+    assert "[interrupted]" not in out.getvalue() and len(footers(out)) == 1  # no footer of zeros
+    assert repl.ids == ids and repl.messages == messages and repl.last_stats is stats
+    # The next turn follows turn one as if the cancelled one had never been sent.
+    user = {"role": "user", "content": "and now?"}
+    repl.turn(user["content"])
+    first, now = footers(out)
+    assert now.prompt == len(ids) + len(real.encode_continuation(messages[:1], [user]))
+    assert repl.ids[: len(ids)] == ids and [m["role"] for m in repl.messages] == ["user", "assistant"] * 2
+    unfed = 1 if first.finish == "length" else 0
+    if kind == "paged":  # nothing of the cancelled prompt was computed
+        assert now.cached == len(ids) - unfed
+    else:  # the first prefill chunk of the cancelled prompt ran; its shared start is reused
+        assert len(ids) - unfed <= now.cached < now.prompt
+
+
+@pytest.mark.parametrize("kind", ["paged", "simple"])
+def test_ctrl_c_during_decode_keeps_the_partial_reply(kind, engine, simple_engine):
+    real = engine if kind == "paged" else simple_engine
+    wrapped = Interrupting(real, "decode")
+    repl, out = make_repl(wrapped)
+    repl.params = SamplingParams(max_tokens=500)  # long enough that the Ctrl-C lands mid-reply
+    repl.turn("hello world")
+    assert "[interrupted]" in out.getvalue()
+    (cut,) = footers(out)
+    assert cut.finish == "cancelled" and cut.reply == len(wrapped.tokens) and 1 <= cut.reply < 500
+    assert repl.ids == real.encode_chat([{"role": "user", "content": "hello world"}]) + wrapped.tokens
+    assert [m["role"] for m in repl.messages] == ["user", "assistant"]
+    kept = len(repl.ids)
+    repl.params = SamplingParams(max_tokens=8)
+    repl.turn("go on")
+    _, now = footers(out)
+    # All the cut reply's ids are reused, but maybe its last: an engine may not have fed it.
+    assert kept - 1 <= now.cached <= kept < now.prompt and len(repl.messages) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "mistral"])
+def test_each_template_reuses_the_whole_conversation(family, tiny_models):
+    eng = open_engine(load_from_dir(tiny_models[family]), max_num_seqs=1)
+    try:
+        repl, out = make_repl(eng)
+        # Replies long enough that their text, encoded again, gives other ids than the model's.
+        repl.params = SamplingParams(max_tokens=48)
+        for text in ("hello world", "tell me about the fox", "and the dog?"):
+            repl.turn(text)
+        turns = footers(out)
+        assert len(turns) == 3
+        for before, now in zip(turns, turns[1:]):
+            assert now.cached == before.prompt + before.reply - (before.finish == "length")
+        # The kept ids are the last prompt and its reply; the messages hold the text.
+        assert len(repl.ids) == turns[-1].prompt + turns[-1].reply
+        assert [m["content"] for m in repl.messages[::2]] == ["hello world", "tell me about the fox", "and the dog?"]
+    finally:
+        eng.shutdown()
+
+
+# --- the chat template's continuation after an assistant reply ---------------------------------
+END_OF_TURN = {"qwen3": "<|im_end|>", "llama": "<|eot_id|>", "mistral": "</s>"}
+GENERATION_PROMPT = {"qwen3": "<|im_start|>assistant\n", "llama": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                     "mistral": "[/INST]"}
+
+
+# Mistral's template with a system prompt is test_encode_continuation_falls_back.
+@pytest.mark.parametrize("family, system", [("qwen3", None), ("qwen3", "be brief"), ("llama", None),
+                                            ("llama", "be brief"), ("mistral", None)])
+def test_encode_continuation_matches_a_full_encode(family, system, tiny_models):
+    eng = EngineBase(load_from_dir(tiny_models[family]))
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": "hello world"}]
+    reply = "the quick brown fox"  # plain words: the same ids alone and inside the chat
+    new = [{"role": "user", "content": "and the dog?"}]
+    prompt = eng.encode_chat(messages)
+    continuation = eng.encode_continuation(messages, new)
+    full = eng.encode_chat(messages + [{"role": "assistant", "content": reply}] + new)
+    # Mistral's template puts a space before the reply; that belongs to the reply's text.
+    reply_text = " " + reply if family == "mistral" else reply
+    assert full == prompt + eng.tokenizer.encode(reply_text, add_special_tokens=False) + continuation
+    # It starts with the end-of-turn token as its special id (not its characters), adds no
+    # BOS, and ends with the generation prompt.
+    tok = eng.tokenizer
+    assert continuation[0] == tok.convert_tokens_to_ids(END_OF_TURN[family])
+    assert tok.bos_token_id is None or tok.bos_token_id not in continuation
+    ending = tok.encode(GENERATION_PROMPT[family], add_special_tokens=False)
+    assert continuation[-len(ending):] == ending
+
+
+def test_encode_continuation_falls_back(tiny_models):
+    mistral = EngineBase(load_from_dir(tiny_models["mistral"]))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    # Mistral's template moves the system prompt into the last user turn: what the model saw
+    # is no longer a prefix of the longer chat, so the caller must encode all of it again.
+    assert mistral.encode_continuation(messages, [{"role": "user", "content": "more"}]) is None
+    assert mistral.encode_continuation(messages[1:], [{"role": "user", "content": "more"}]) is not None
+    plain = EngineBase(load_from_dir(tiny_models["qwen3"]))
+    plain.tokenizer._tokenizer.chat_template = None
+    assert plain.encode_continuation(messages[1:], [{"role": "user", "content": "more"}]) is None
+
+
 # --- helpers --------------------------------------------------------------------------------
 def test_footer_format():
-    stats = GenerationStats(prompt_tokens=120, cached_tokens=100, completion_tokens=42, ttft_s=0.0345,
-                            prefill_tps=580.0, decode_tps=61.25, peak_memory_bytes=3 * 1024**3,
+    stats = GenerationStats(prompt_tokens=1047, cached_tokens=1015, completion_tokens=64, ttft_s=0.0854,
+                            prefill_tps=450.2, decode_tps=12.34, peak_memory_bytes=int(1.2 * 1024**3),
                             finish_reason="stop")
     assert format_footer(stats) == (
-        "61.2 tok/s · prompt 580.0 tok/s · 120 prompt tokens (100 cached) · 42 tokens · "
-        "TTFT 34 ms · peak 3.0 GiB"
+        "decode 12.3 tok/s · prefill 450 tok/s · prompt 1047 tokens (1015 cached) · reply 64 tokens · "
+        "TTFT 85 ms · peak 1.2 GiB"
     )
     stats.finish_reason, stats.ttft_s = "length", 2.5
-    assert format_footer(stats).endswith("TTFT 2.50 s · peak 3.0 GiB · finish: length")
+    assert format_footer(stats).endswith("TTFT 2.50 s · peak 1.2 GiB · finish: length")
+    stats.truncated_by = "context"  # the context window, not max_tokens, ended the reply
+    assert format_footer(stats).endswith("· finish: length (context full)")
+    stats.finish_reason, stats.truncated_by = "cancelled", None
+    assert format_footer(stats).endswith("· finish: cancelled")
 
 
 def test_human_units():

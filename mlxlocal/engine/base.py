@@ -10,6 +10,9 @@ from mlxlocal.engine.types import SamplingParams
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.loader import LoadedModel, ModelInfo
 
+# Stands in for an assistant reply's content when rendering a chat: no real message holds it.
+REPLY_MARKER = "\x00mlxlocal-reply\x00"
+
 # A stream per worker thread (MLX streams belong to the thread that made them); a thread
 # using it calls mx.clear_streams() before it ends, or the process aborts at exit.
 WORKER_STREAM = mx.new_thread_local_stream(mx.default_device())
@@ -45,6 +48,40 @@ class EngineBase:
         if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+    def encode_continuation(
+        self,
+        messages: list[dict[str, Any]],
+        new_messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+    ) -> list[int] | None:
+        """Token ids the chat template puts after the assistant's reply to `messages`:
+        the end-of-turn tokens, then `new_messages`, then the generation prompt.
+
+        A chat that keeps the reply's generated ids appends these instead of re-encoding
+        the reply's text (which may tokenize differently), so the KV cache stays a prefix.
+        None when that cannot work: no chat template, or one that renders earlier turns
+        differently once more follow (Mistral's moves the system prompt to the last user
+        turn); the caller then encodes the whole conversation with `encode_chat`.
+        """
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            return None
+        seen = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        reply = {"role": "assistant", "content": REPLY_MARKER}
+        full = self.tokenizer.apply_chat_template(
+            messages + [reply] + new_messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        if not isinstance(seen, str) or not isinstance(full, str) or full.count(REPLY_MARKER) != 1:
+            return None
+        head, _, tail = full.partition(REPLY_MARKER)
+        # Only whitespace the template puts before a reply (Mistral's " ") may follow
+        # what the model saw; anything else means the earlier turns render differently now.
+        if not head.startswith(seen) or head[len(seen):].strip():
+            return None
+        # Special tokens written in the text (<|im_end|>) still map to their ids; no BOS added.
+        return list(self.tokenizer.encode(tail, add_special_tokens=False))
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
