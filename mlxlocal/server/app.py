@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -32,6 +32,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     keep_alive: float = float("inf")  # seconds a model stays loaded when idle
     engine_options: dict = field(default_factory=dict)
+    served_model_names: list[str] = field(default_factory=list)  # see registry.assign_names
 
 
 def is_loopback_origin(origin: str) -> bool:
@@ -72,7 +73,8 @@ class BodyLimit:
 
 
 def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> FastAPI:
-    registry = registry or ModelRegistry(config.models, config.engine_options, config.keep_alive)
+    registry = registry or ModelRegistry(config.models, config.engine_options, config.keep_alive,
+                                         config.served_model_names)
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -161,7 +163,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     @app.get("/metrics")
     async def prometheus():
         await asyncio.to_thread(metrics.refresh, [m.engine for m in registry.loaded()])
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     from mlxlocal.server import anthropic_api, ollama_api, openai_api
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class Metrics:
@@ -21,6 +21,11 @@ class Metrics:
         self.itl = Histogram("mlxlocal_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 
+    def exposition(self) -> bytes:
+        """The text format, without the `*_created` series (start times nobody graphs); filtered
+        here rather than by prometheus_client's process-wide disable_created_metrics()."""
+        return generate_latest(_WithoutCreated(self.registry))
+
     def refresh(self, engines: list) -> None:
         """Gauges from the engines' own counters, at scrape time."""
         totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "prefix_hit_tokens": 0}
@@ -34,3 +39,15 @@ class Metrics:
         self.kv_used.set(totals["blocks_used"])
         self.kv_total.set(totals["blocks_total"])
         self.prefix_hits.set(totals["prefix_hit_tokens"])
+
+
+class _WithoutCreated:
+    """A collector view of a registry that drops `*_created` samples (each collect() makes new metrics)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for metric in self.registry.collect():
+            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
+            yield metric

@@ -265,7 +265,8 @@ async def list_models(request: Request):
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
-    return _model_card(request.app.state.registry.find(model_id))
+    # Under the name asked for, like every response: an alias is a model of that id to clients.
+    return {**_model_card(request.app.state.registry.find(model_id)), "id": model_id}
 
 
 # --- chat ------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""The models a server serves: loaded on demand, unloaded after keep_alive of idleness."""
+"""The models a server serves: loaded on demand, unloaded after keep_alive of idleness.
+
+The registry's `find` is the one place that knows which names mean which model. Listings
+(/v1/models, /api/tags, /api/ps) show each model's id; responses echo the name a request used.
+"""
 
 from __future__ import annotations
 
@@ -35,11 +39,43 @@ def parse_duration(value: Any) -> float | None:
     return float("inf") if number < 0 else number
 
 
+def assign_names(specs: list[str], names: list[str]) -> list[list[str]]:
+    """The names each model is served under (the first is its id), by --served-model-name's rule.
+
+    No names: a model's id is its --model spec. One model: every name is one of its names.
+    Several models: exactly one name per model, in --model order. Raises ValueError otherwise,
+    or when a name (or a spec, which stays accepted) would refer to two models.
+    """
+    if any(not n.strip() for n in names):
+        raise ValueError("--served-model-name: a name cannot be empty")
+    if not names:
+        groups = [[s] for s in specs]
+    elif len(specs) == 1:
+        groups = [list(dict.fromkeys(names))]
+    elif len(names) == len(specs):
+        groups = [[n] for n in names]
+    else:
+        raise ValueError(f"{len(names)} --served-model-name for {len(specs)} --model: with several models, "
+                         "give exactly one --served-model-name per --model, in the same order")
+    owner: dict[str, int] = {}
+    for i, (spec, group) in enumerate(zip(specs, groups)):
+        for n in dict.fromkeys([*group, spec]):
+            first = owner.setdefault(n, i)
+            if first == i:
+                continue
+            if n == spec == specs[first]:
+                raise ValueError(f"--model {spec} is given twice")
+            raise ValueError(f"the name {n!r} would refer to two models (--model {specs[first]} "
+                             f"and --model {spec}); give each model its own --served-model-name")
+    return groups
+
+
 @dataclass
 class ServedModel:
-    name: str
-    spec: str
-    aliases: set[str]
+    name: str  # the id listings show
+    spec: str  # what --model said: loaded from this
+    aliases: list[str]  # other names it answers to: further served names, then the spec
+    found_names: set[str] = field(default_factory=set)  # its own name and directory, once loaded
     engine: Any = None
     keep_alive: float = float("inf")
     expires_at: float = float("inf")
@@ -47,18 +83,33 @@ class ServedModel:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     info: Any = None  # ModelInfo of the last load, kept for /api/show after unload
 
+    @property
+    def names(self) -> list[str]:
+        """Every name it answers to, its id first."""
+        return list(dict.fromkeys([self.name, *self.aliases, *sorted(self.found_names)]))
+
 
 class ModelRegistry:
-    def __init__(self, specs: list[str], engine_options: dict, keep_alive: float):
+    def __init__(self, specs: list[str], engine_options: dict, keep_alive: float,
+                 names: list[str] | None = None):
         self.engine_options = engine_options
         self.default_keep_alive = keep_alive
-        self.models: list[ServedModel] = [ServedModel(s, s, {s}, keep_alive=keep_alive) for s in specs]
+        self.models: list[ServedModel] = [
+            ServedModel(group[0], spec, [n for n in dict.fromkeys([*group[1:], spec]) if n != group[0]],
+                        keep_alive=keep_alive)
+            for spec, group in zip(specs, assign_names(specs, names or []))
+        ]
 
     def find(self, name: str | None) -> ServedModel:
         if not name:
             raise APIError(400, "'model' is required", param="model")
         for m in self.models:
             if name == m.name or name in m.aliases:
+                return m
+        # Names found on loading come second: a directory's name must not shadow another
+        # model's --served-model-name.
+        for m in self.models:
+            if name in m.found_names:
                 return m
         served = ", ".join(m.name for m in self.models)
         raise APIError(404, f"model '{name}' is not served here (served: {served})", param="model",
@@ -74,7 +125,7 @@ class ModelRegistry:
                 except MlxLocalError as e:
                     raise APIError(500, f"cannot load model '{m.name}': {e}") from None
                 m.info, m.loaded_at = m.engine.info, time.time()
-                m.aliases |= {m.info.name, m.info.path.name}
+                m.found_names |= {m.info.name, m.info.path.name}
             if keep_alive is not None:
                 m.keep_alive = keep_alive
             m.expires_at = time.monotonic() + m.keep_alive
