@@ -141,18 +141,30 @@ def generate(
     except MlxLocalError as e:
         fail(str(e))
     assert stats is not None
+    synthetic = engine.info.source == "synthetic"
     if as_json:
-        result = {"model": engine.info.name, "text": "".join(pieces), "tokens": tokens, **stats.as_dict()}
+        result = {"model": engine.info.name, "text": "".join(pieces), "tokens": tokens, **stats.as_dict(),
+                  "synthetic": synthetic}
         print(json.dumps(result))
         return
     sys.stdout.write("\n")
-    err.print(
-        f"[dim]prompt: {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), "
-        f"{stats.prefill_tps:.1f} tok/s | generation: {stats.completion_tokens} tokens, "
-        f"{stats.decode_tps:.1f} tok/s | ttft {stats.ttft_s * 1000:.0f} ms | "
-        f"peak memory {human_bytes(stats.peak_memory_bytes)} | {stats.finish_reason}[/]",
-        highlight=False,
-    )
+    err.print(stats_line(stats, engine.context_length), style="dim", highlight=False, markup=False)
+    if synthetic:
+        err.print("(random weights: the text is gibberish on purpose; the numbers above are the "
+                  "real speed of this model shape)", style="dim", highlight=False, markup=False)
+
+
+def stats_line(stats, context_length: int) -> str:
+    """The footer under a reply: every number labelled, and why a "length" finish happened."""
+    finish = stats.finish_reason or "unknown"
+    why = {"max_tokens": "max tokens", "context": f"context full: {context_length} tokens",
+           "kv_cache": "KV cache full: raise --kv-cache-memory"}.get(stats.truncated_by)
+    if why:
+        finish += f" ({why})"
+    return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), {stats.prefill_tps:.1f} tok/s"
+            f" · reply {stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s"
+            f" · TTFT {stats.ttft_s * 1000:.0f} ms · peak memory {human_bytes(stats.peak_memory_bytes)}"
+            f" · finish: {finish}")
 
 
 @app.command()
@@ -238,6 +250,10 @@ def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
 @app.command()
 def serve(
     model: list[str] = typer.Option(..., "--model", "-m", help=MODEL_HELP + " (repeatable: serve several)"),
+    served_model_name: list[str] = typer.Option(
+        [], "--served-model-name", help="Name clients use for the model (repeatable). With one --model, every "
+        "name is accepted and the first is the id listed (/v1/models, /api/tags); with several --model, give "
+        "exactly one per --model, in the same order. The --model value stays accepted too."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only)"),
     port: int = typer.Option(8080, "--port"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXLOCAL_API_KEY",
@@ -253,11 +269,10 @@ def serve(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
-    import uvicorn
-
-    from mlxlocal.server import ServerConfig, create_app
+    from mlxlocal.server import ServerConfig
+    from mlxlocal.server.banner import run_server
     from mlxlocal.server.errors import APIError
-    from mlxlocal.server.registry import parse_duration
+    from mlxlocal.server.registry import assign_names, parse_duration
 
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
@@ -265,13 +280,18 @@ def serve(
         keep = parse_duration(keep_alive)
     except APIError as e:
         fail(e.message.replace("keep_alive", "--keep-alive"), 2)
+    try:
+        assign_names(list(model), list(served_model_name))
+    except ValueError as e:
+        fail(str(e), 2)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the models", highlight=False)
     config = ServerConfig(models=list(model), host=host, port=port, api_key=api_key,
                           allowed_origins=list(allow_origin), max_body_bytes=parse_size(max_body),
-                          keep_alive=keep, engine_options=options)
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+                          keep_alive=keep, engine_options=options, served_model_names=list(served_model_name))
+    if not run_server(config, err):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -121,6 +121,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     # graphs built on this thread's stream.
     mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
     tokenizer = make_tokenizer()
+    _no_length_warning(tokenizer)
 
     native = is_native(config.get("model_type"))
     dtypes = sorted({str(p.dtype).removeprefix("mlx.core.") for _, p in tree_flatten(model.parameters())
@@ -149,6 +150,14 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
         notes=notes,
     )
     return LoadedModel(model, tokenizer, config, model_config, info)
+
+
+def _no_length_warning(tokenizer: Any) -> None:
+    """Over-long prompts are reported by the engine (ContextLengthError names both numbers);
+    transformers' "Token indices sequence length is longer..." warning would come first."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the HF one
+    if hasattr(inner, "model_max_length"):
+        inner.model_max_length = 1 << 62  # only ever compared against: never truncates
 
 
 def _load_weights_strict(model: nn.Module, weights: dict[str, mx.array], path: Path) -> None:

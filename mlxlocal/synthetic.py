@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from mlxlocal.catalog import load_catalog
 from mlxlocal.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
+from mlxlocal.synthetic_write import BuildProgress, Progress, save_weights
 
 PREFIX = "synthetic:"
 MARKER = ".mlxlocal-synthetic.json"
@@ -288,9 +289,10 @@ def build_model(config: dict[str, Any], *, seed: int = 0):
 
 def write_model_dir(path: Path, config: dict[str, Any], *, seed: int = 0,
                     dtype: str = "float32", quantize_bits: int | None = None,
-                    chat_template: str = "chatml") -> Path:
-    """Write a random-weight model for `config` (HF config.json fields) into `path`."""
-    from mlx_lm.utils import quantize_model, save_config, save_model
+                    chat_template: str = "chatml", progress: Progress | None = None) -> Path:
+    """Write a random-weight model for `config` (HF config.json fields) into `path`;
+    `progress` hears the weights' total bytes, then each write."""
+    from mlx_lm.utils import quantize_model, save_config
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -323,8 +325,8 @@ def write_model_dir(path: Path, config: dict[str, Any], *, seed: int = 0,
                                            mode="affine")
     for old in path.glob("model*.safetensors"):  # stale shards would be loaded too
         old.unlink()
-    # donate_model drops the model's references so each shard is freed once written.
-    save_model(path, model, donate_model=True)
+    # Random init, cast and quantization are lazy: they run module by module as written.
+    save_weights(path, model, progress)
     save_config(config, config_path=path / "config.json")
     generation = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["stop_token_ids"],
                   "pad_token_id": ids["pad_token_id"]}
@@ -418,8 +420,9 @@ def default_root() -> Path:
     return base / "synthetic"
 
 
-def materialize(spec: str, root: Path | None = None) -> Path:
-    """Build (once) the model directory for `spec` and return it."""
+def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Path:
+    """Build (once) the model directory for `spec` and return it. A build says on stderr
+    what it is doing and why (progress bar on a terminal) unless `quiet`."""
     parsed = parse_spec(spec)
     root = Path(root) if root is not None else default_root()
     target = root / parsed.dirname
@@ -438,8 +441,9 @@ def materialize(spec: str, root: Path | None = None) -> Path:
     # Build next to the target, then rename: readers never see a partial directory.
     tmp = Path(tempfile.mkdtemp(prefix=f".{parsed.dirname}.", dir=root))
     try:
-        write_model_dir(tmp, config, seed=parsed.seed, dtype=parsed.dtype,
-                        quantize_bits=parsed.bits, chat_template=preset.chat_template)
+        with contextlib.nullcontext() if quiet else BuildProgress(parsed.canonical, target) as progress:
+            write_model_dir(tmp, config, seed=parsed.seed, dtype=parsed.dtype, quantize_bits=parsed.bits,
+                            chat_template=preset.chat_template, progress=progress)
         marker = {"spec": parsed.canonical, "preset": parsed.preset, "seed": parsed.seed,
                   "dtype": parsed.dtype, "bits": parsed.bits, "layers": parsed.layers}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2))

@@ -43,6 +43,7 @@ REAL_PARAMS = {
     "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248,
     "mistral-7b-v0.3": 7_248_023_552,
+    "smollm2-135m": 134_515_008,
 }
 
 TINY_CONFIGS = {
@@ -282,3 +283,56 @@ def test_write_model_dir_families_load_in_mlx_lm(tmp_path, family):
     assert mx.all(mx.isfinite(logits)).item()
     gen = json.loads((path / "generation_config.json").read_text())
     assert tok.eos_token_id in gen["eos_token_id"]
+
+
+def test_write_model_dir_reports_every_byte_it_writes(tmp_path):
+    """Progress hears the total first, then each tensor as it reaches the file."""
+    events: list[tuple[str, int]] = []
+
+    class Recorder:
+        def start(self, total: int) -> None:
+            events.append(("start", total))
+
+        def advance(self, nbytes: int) -> None:
+            events.append(("advance", nbytes))
+
+    path = synthetic.write_model_dir(tmp_path / "m", TINY_CONFIGS["qwen3"], quantize_bits=4,
+                                     progress=Recorder())
+    weights = _weights(path)
+    total = sum(a.nbytes for a in weights.values())
+    assert events[0] == ("start", total)
+    assert [k for k, _ in events[1:]] == ["advance"] * len(weights)
+    assert sum(n for _, n in events[1:]) == total
+    # Header, then exactly the tensor bytes: the data section has no gaps or leftovers.
+    header = synthetic_write_header(path / "model.safetensors")
+    assert (path / "model.safetensors").stat().st_size == 8 + header + total
+    assert (8 + header) % 8 == 0
+
+
+def synthetic_write_header(file: Path) -> int:
+    import struct
+
+    with open(file, "rb") as f:
+        return struct.unpack("<Q", f.read(8))[0]
+
+
+def test_first_build_on_a_terminal_shows_size_and_eta(tmp_path):
+    import io
+    import re
+
+    from rich.console import Console
+
+    from mlxlocal.synthetic_write import BuildProgress
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120, soft_wrap=True)
+    with BuildProgress("synthetic:tiny", tmp_path / "cache", console=console) as progress:
+        synthetic.write_model_dir(tmp_path / "m", TINY_CONFIGS["llama"], progress=progress)
+    out = buf.getvalue()
+    assert out.startswith("Building synthetic:tiny: random weights with the real model's shapes, "
+                          f"no download (once; cached under {tmp_path / 'cache'})")
+    total = sum(a.nbytes for a in _weights(tmp_path / "m").values())
+    done = f"{total / 1e3:.1f}/{total / 1e3:.1f} kB"  # rich's DownloadColumn, decimal units
+    assert done in out, out  # the bar reached the full size
+    assert re.search(r"\d:\d\d:\d\d", out)  # the ETA column
+    assert re.search(r"Built synthetic:tiny: [\d.]+ kB of weights in [\d.]+ s\n$", out)

@@ -102,7 +102,9 @@ def test_prompt_over_context_is_clear_error(engine):
 def test_generation_stops_at_context_end(engine):
     n = engine.context_length - 3
     _, tokens, stats = run(engine, [7] * n, max_tokens=50, ignore_eos=True)
-    assert len(tokens) == 3 and stats.finish_reason == "length"
+    assert len(tokens) == 3 and stats.finish_reason == "length" and stats.truncated_by == "context"
+    _, tokens, stats = run(engine, [7] * n, max_tokens=2, ignore_eos=True)
+    assert len(tokens) == 2 and (stats.finish_reason, stats.truncated_by) == ("length", "max_tokens")
 
 
 def test_seeded_sampling_is_reproducible(engine):
@@ -161,3 +163,21 @@ def test_simple_engine_submit_streams_like_generate(tmp_path):
     assert asyncio.run(stream()) == expected
     with pytest.raises(ContextLengthError):
         engine.submit([5] * engine.context_length, params)
+
+
+def test_simple_engine_says_what_ended_the_reply(tmp_path):
+    """The mlx-lm path reports the context window and max_tokens like the paged engine."""
+    from conftest import BASE, build_tiny
+
+    from mlxlocal.engine import SimpleEngine
+
+    path = build_tiny(tmp_path / "gemma", dict(BASE, model_type="gemma", rope_theta=10000.0))
+    engine = SimpleEngine(load_from_dir(path))
+    n = engine.context_length - 4
+    _, tokens, stats = run(engine, [7] * n, max_tokens=50, ignore_eos=True)
+    assert len(tokens) == 4 and (stats.finish_reason, stats.truncated_by) == ("length", "context")
+    _, tokens, stats = run(engine, [7] * 10, max_tokens=3, ignore_eos=True)
+    assert len(tokens) == 3 and (stats.finish_reason, stats.truncated_by) == ("length", "max_tokens")
+    stop = engine.decode([tokens[0]])
+    _, _, stats = run(engine, [7] * 10, max_tokens=3, ignore_eos=True, stop=[stop])
+    assert (stats.finish_reason, stats.truncated_by) == ("stop", None)

@@ -473,6 +473,14 @@ def test_capacity_error_at_submit(make_engine):
     assert len(tokens_of(eng.submit(prompt_of(20), greedy_params(4)))) == 4
 
 
+def test_full_kv_pool_ends_reply_with_kv_cache_cause(make_engine):
+    """Alone and out of blocks: "length", blamed on the pool, not on max_tokens or context."""
+    eng = make_engine(kv_blocks=2)
+    stats = list(eng.submit(prompt_of(20), greedy_params(40)))[-1].stats
+    assert (stats.finish_reason, stats.truncated_by) == ("length", "kv_cache")
+    assert 0 < stats.completion_tokens and stats.prompt_tokens + stats.completion_tokens <= 2 * BS + 1
+
+
 def test_step_exception_fails_in_flight_and_engine_recovers(make_engine):
     eng = make_engine()
     expected = tokens_of(eng.submit(prompt_of(12), greedy_params(6)))

@@ -259,8 +259,8 @@ class PagedEngine(EngineBase):
             if seq.cancelled.is_set():
                 self._finish(seq, "cancelled")
         plan = self.scheduler.plan()
-        for seq in plan.starved:
-            self._finish(seq, "length")
+        for seq in plan.starved:  # alone and still no free block: the KV pool is full
+            self._finish(seq, "length", cause="kv_cache")
         groups = []
         if plan.decode:
             groups.append((plan.decode, 1))
@@ -350,7 +350,7 @@ class PagedEngine(EngineBase):
         if seq.num_generated >= seq.max_tokens:
             return self._finish(seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str, stopped: bool = False) -> None:
+    def _finish(self, seq: Sequence, reason: str, stopped: bool = False, cause: str | None = None) -> None:
         tail = ""
         if not stopped:
             seq.detok.finalize()
@@ -359,7 +359,7 @@ class PagedEngine(EngineBase):
         st = seq.stats
         st.prompt_tokens = len(seq.prompt)
         st.completion_tokens = seq.num_generated
-        st.finish_reason = "stop" if stopped else reason
+        st.set_finish("stop" if stopped else reason, seq.params.max_tokens, cause)
         if seq.t_first:
             elapsed = time.perf_counter() - seq.t_first
             st.decode_tps = (seq.num_generated - 1) / elapsed if seq.num_generated > 1 and elapsed > 0 else 0.0

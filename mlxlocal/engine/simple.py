@@ -145,7 +145,7 @@ class SimpleEngine(EngineBase):
             session.tokens.extend(todo[: self.prefill_step])
             todo = todo[self.prefill_step :]
             if cancel is not None and cancel.is_set():
-                stats.finish_reason = "cancelled"
+                stats.set_finish("cancelled", params.max_tokens)
                 yield Chunk("", None, "cancelled", stats)
                 return
         session.tokens.extend(todo)
@@ -205,5 +205,5 @@ class SimpleEngine(EngineBase):
         stats.completion_tokens = len(generated)
         stats.decode_tps = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
         stats.peak_memory_bytes = int(mx.get_peak_memory())
-        stats.finish_reason = "stop" if hit else finish
+        stats.set_finish("stop" if hit else finish, params.max_tokens)
         yield Chunk(tail, None, stats.finish_reason, stats)

@@ -45,6 +45,20 @@ class GenerationStats:
     decode_tps: float = 0.0
     peak_memory_bytes: int = 0
     finish_reason: str | None = None
+    # Why a "length" finish happened: "max_tokens" (the caller's limit), "context" (the
+    # context window was full), "kv_cache" (the paged KV pool was); None otherwise.
+    truncated_by: str | None = None
+
+    def set_finish(self, reason: str, max_tokens: int, cause: str | None = None) -> None:
+        """Record the finish reason; call after completion_tokens is final. Both engines
+        clip max_tokens to the context left, so a short "length" reply means the context."""
+        self.finish_reason = reason
+        if reason != "length":
+            self.truncated_by = None
+        elif cause is not None:
+            self.truncated_by = cause
+        else:
+            self.truncated_by = "max_tokens" if self.completion_tokens >= max_tokens else "context"
 
     def as_dict(self) -> dict:
         return asdict(self)
