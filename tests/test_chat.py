@@ -521,3 +521,27 @@ def test_sigint_sets_event_and_restores_handler():
         time.sleep(0.05)  # let the handler run
         assert event.is_set()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_ctrl_c_during_prefill_keeps_nothing_and_the_repl(chat, tmp_path_factory):
+    # A long context and an 18k-token prompt: prefill runs in 512-token chunks for seconds,
+    # so a Ctrl-C right after the reply view appears lands before the first token.
+    cfg = dict(FAMILY_CONFIGS["qwen3"], max_position_embeddings=32768)
+    model = build_tiny(tmp_path_factory.mktemp("long_chat") / "long-chat", cfg)
+    c = chat(model=model, max_tokens=8)
+    c.prompt()
+    first = c.ask("hello there")
+    # Pasted as a terminal does (bracketed paste): one edit, not 100k keystrokes.
+    c.child.send("\x1b[200~" + " ".join(["the cat sat"] * 2000) + "\x1b[201~\r")
+    c.child.expect_exact("…")  # the request is in the engine: prefill has started
+    c.child.sendintr()
+    c.child.expect_exact("cancelled before the first token")
+    c.prompt()
+    saved = tmp_path_factory.mktemp("saved") / "chat.json"
+    c.command(f"/save {saved}", "saved 2 messages")  # the cancelled turn left nothing behind
+    again = c.ask("and now?")
+    # The conversation continues from the first turn: its prompt and reply are still cached
+    # (plus the few end-of-turn tokens the cancelled prompt shared with this one).
+    assert first.prompt + first.reply - 1 <= again.cached < again.prompt
+    assert again.prompt < first.prompt + first.reply + 30  # the long message is gone
+    assert c.exit() == 0
