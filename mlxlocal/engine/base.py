@@ -94,6 +94,20 @@ class EngineBase:
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
+        # The checks against the vocabulary: the logits' width, which may exceed the tokenizer's.
+        cfg = self.loaded.model_config
+        raw = self.loaded.config or {}
+        vocab = cfg.vocab_size if cfg is not None else (
+            raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size"))
+        if vocab:
+            if params.top_k > vocab:
+                raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got {params.top_k}")
+            bad = [t for t in params.logit_bias or () if t >= vocab]
+            if bad:
+                raise ValueError(f"logit_bias token ids must be below the vocabulary size ({vocab}), got {bad[0]}")
+            lo, hi = min(prompt), max(prompt)
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {lo if lo < 0 else hi}")
         if len(prompt) >= self.context_length:
             # At least one position must stay free for the first generated token.
             raise ContextLengthError(len(prompt), self.context_length)

@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, field
+
+# Limits SamplingParams.validate enforces. Most match OpenAI's; where OpenAI has none
+# (temperature, stop strings) they only keep a request from making the engine misbehave.
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # entries; each value in [-100, 100] as in OpenAI
+MAX_TOP_LOGPROBS = 20
+
+
+def _is_int(x) -> bool:
+    # bool is an int subclass: True would pass as 1, so it is rejected wherever a number is due.
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -18,21 +36,65 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; N >= 0: the sampled token's logprob plus the N most likely.
     logprobs: int | None = None
+    # OpenAI's: logits[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0),
+    # counting only the tokens generated so far, not the prompt (as OpenAI and vLLM do).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # Token id -> value added to its logit before sampling (OpenAI: in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> None:
-        checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (all(s for s in self.stop), "stop strings must not be empty"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "top logprobs must be in [0, 20]"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        """Raise ValueError naming the first field out of its range.
+
+        Everything that does not need the model is checked here, so a request that passes
+        cannot make the Sampler raise on the engine thread; EngineBase.validate adds the
+        checks against the model's vocabulary.
+        """
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            lo_ok = _is_real(v) and (v > lo if lo_open else v >= lo)
+            if not (lo_ok and v <= hi):
+                interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+                raise ValueError(f"{name} must be a finite number in {interval}, got {v!r}")
+
+        def integer(name: str, lo: int, hi: int, hi_text: str, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not (_is_int(v) and lo <= v < hi):
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi_text}), got {v!r}")
+
+        integer("max_tokens", 1, 2**31, "2**31")
+        number("temperature", 0.0, MAX_TEMPERATURE)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        integer("top_k", 0, 2**31, "2**31")
+        number("min_p", 0.0, 1.0)
+        number("repetition_penalty", 0.0, math.inf, lo_open=True)
+        number("frequency_penalty", -2.0, 2.0)
+        number("presence_penalty", -2.0, 2.0)
+        # mx.random.key takes the seed as a uint64; kept below 2**63 so it is also a valid int64.
+        integer("seed", 0, 2**63, "2**63", optional=True)
+        integer("logprobs", 0, MAX_TOP_LOGPROBS + 1, str(MAX_TOP_LOGPROBS + 1), optional=True)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        # A bare string would be taken one character at a time.
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a list of strings, got {type(self.stop).__name__}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token id to number, got {type(bias).__name__}")
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias allows at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+            for k, v in bias.items():
+                if not (_is_int(k) and k >= 0):
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+                if not (_is_real(v) and -100 <= v <= 100):
+                    raise ValueError(f"logit_bias values must be finite numbers in [-100, 100], got {v!r} for token {k}")
 
 
 @dataclass
