@@ -7,14 +7,14 @@ generate / new_session / encode_chat / encode_text / decode.
 
 from __future__ import annotations
 
-from mlxlocal.engine.handle import RequestHandle
+from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine
 from mlxlocal.engine.simple import SimpleEngine
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
 from mlxlocal.loader import LoadedModel
 
 __all__ = [
-    "CapacityError", "Chunk", "EngineConfig", "GenerationStats", "PagedEngine", "RequestHandle",
+    "CapacityError", "Chunk", "EngineConfig", "EngineDeadError", "GenerationStats", "PagedEngine", "RequestHandle",
     "SamplingParams", "SimpleEngine", "open_engine",
 ]
 

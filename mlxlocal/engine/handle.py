@@ -5,10 +5,19 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from mlxlocal.engine.types import Chunk
+from mlxlocal.errors import MlxLocalError
+
+# How often a waiting consumer checks that its engine still runs: the engine wakes its
+# consumers itself when it stops, so this only bounds a wait if that never happens.
+LIVENESS_POLL_S = 0.5
+
+
+class EngineDeadError(MlxLocalError):
+    """The engine has stopped (a fault, or shutdown): it serves no more requests (HTTP 503)."""
 
 
 def _done(item: Chunk | BaseException) -> bool:
@@ -20,9 +29,11 @@ def _done(item: Chunk | BaseException) -> bool:
 
 class RequestHandle:
     def __init__(self, cancelled: threading.Event | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None, seq: Any = None):
+                 loop: asyncio.AbstractEventLoop | None = None, seq: Any = None,
+                 dead: Callable[[], str | None] | None = None):
         self.cancelled = cancelled or threading.Event()
         self.seq = seq  # the engine's view of the request (paged engine), for inspection
+        self._dead = dead  # why the engine serving this request stopped, or None while it runs
         self._out: queue.Queue = queue.Queue()
         self._loop = loop
         self._aqueue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
@@ -43,11 +54,23 @@ class RequestHandle:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def _dead_error(self) -> EngineDeadError | None:
+        reason = self._dead() if self._dead is not None else None
+        return EngineDeadError(f"the engine stopped before this request finished: {reason}") if reason else None
+
     def __iter__(self) -> Iterator[Chunk]:
         done = False
         try:
             while not done:
-                item = self._out.get()
+                try:
+                    item = self._out.get(timeout=LIVENESS_POLL_S)
+                except queue.Empty:
+                    if (error := self._dead_error()) is None:
+                        continue
+                    try:  # what the engine sent before it stopped comes first
+                        item = self._out.get_nowait()
+                    except queue.Empty:
+                        item = error
                 done = _done(item)
                 yield item
         finally:
@@ -58,11 +81,26 @@ class RequestHandle:
         if self._aqueue is None:
             raise ValueError("astream() needs the request submitted with loop=<the running event loop>")
         done = False
+        getter: asyncio.Future | None = None  # kept across polls, so no chunk is lost to a timeout
         try:
             while not done:
-                item = await self._aqueue.get()
+                if not self._aqueue.empty():
+                    item = self._aqueue.get_nowait()
+                else:
+                    getter = getter or asyncio.ensure_future(self._aqueue.get())
+                    finished, _ = await asyncio.wait({getter}, timeout=LIVENESS_POLL_S)
+                    if not finished:
+                        if (error := self._dead_error()) is None:
+                            continue
+                        # What the engine posted to this loop just before it stopped comes first.
+                        finished, _ = await asyncio.wait({getter}, timeout=0.05)
+                    if not finished:
+                        raise error
+                    item, getter = getter.result(), None
                 done = _done(item)
                 yield item
         finally:
+            if getter is not None:
+                getter.cancel()
             if not done:
                 self.cancel()

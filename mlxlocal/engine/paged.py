@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -20,7 +21,7 @@ import mlx.core as mx
 
 from mlxlocal.cache import BlockManager, KVPools, PagedLayerView, StepBatch
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
-from mlxlocal.engine.handle import RequestHandle
+from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
@@ -28,6 +29,8 @@ from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.loader import LoadedModel
+
+log = logging.getLogger("mlxlocal.engine")
 
 
 class CapacityError(MlxLocalError):
@@ -97,6 +100,9 @@ class PagedEngine(EngineBase):
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        # Set once, when the engine stops for good (a fault, or shutdown). Checked and set
+        # under _start_lock with the inbox's puts and drain, so no request slips past it.
+        self.dead_reason: str | None = None
         self.tokens_in = 0
         self.tokens_out = 0
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
@@ -134,6 +140,8 @@ class PagedEngine(EngineBase):
             )
         if self._queued >= self.config.max_waiting:
             raise QueueFullError(f"{self._queued} requests are already waiting (limit {self.config.max_waiting})")
+        if self.dead_reason is not None:
+            raise self._dead_error()
         if session is not None:
             if session.busy:
                 raise ValueError("this session is already generating")
@@ -143,12 +151,17 @@ class PagedEngine(EngineBase):
             detok=self.tokenizer.detokenizer, stops=StopMatcher(params.stop),
             eos=set() if params.ignore_eos else set(self.tokenizer.eos_token_ids),
             max_tokens=min(params.max_tokens, self.context_length - len(prompt)),
-            handle=RequestHandle(cancel, loop), session=session, t_submit=time.perf_counter(),
+            handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason), session=session,
+            t_submit=time.perf_counter(),
         )
         seq.handle.seq = seq
-        self._ensure_thread()
+        try:
+            self._post(("submit", seq))
+        except EngineDeadError:
+            if session is not None:
+                session.busy = False
+            raise
         self._queued += 1
-        self._inbox.put(("submit", seq))
         return seq.handle
 
     def generate(self, prompt, params=None, session=None, cancel=None) -> Iterator[Chunk]:
@@ -157,79 +170,166 @@ class PagedEngine(EngineBase):
 
     def call(self, fn, timeout: float = 60.0):
         """Run fn on the engine thread (where all cache state lives) and return its result."""
-        if self._thread is None:
+        if self._thread is None and self.dead_reason is None:
             return fn()
         reply: queue.Queue = queue.Queue()
-        self._inbox.put(("call", fn, reply))
-        ok, value = reply.get(timeout=timeout)
+        self._post(("call", fn, reply))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ok, value = reply.get(timeout=min(0.25, max(deadline - time.monotonic(), 0.001)))
+                break
+            except queue.Empty:  # a stopped engine answers every queued call; this is a backstop
+                if self.dead_reason is not None:
+                    raise self._dead_error() from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the engine did not answer within {timeout:g} s") from None
         if not ok:
             raise value
         return value
 
     def stats(self) -> dict:
+        if self.dead_reason is not None:  # no thread owns the state any more: read it here
+            return {**self._stats(), "dead_reason": self.dead_reason}
         return self.call(self._stats)
 
-    def shutdown(self) -> None:
-        if self._thread is not None:
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop for good within about `timeout` seconds: running requests end "cancelled"
+        at the next step, queued ones get EngineDeadError."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             self._inbox.put(("stop",))
-            self._thread.join(timeout=10)
-            self._thread = None
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("engine thread still busy after %.1f s; failing its requests", timeout)
+        # Idempotent; if the thread is stuck in a long step it stops at its next loop turn.
+        self._die("the engine was shut down")
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine for {self.info.name} has stopped: {self.dead_reason}")
+
+    def _post(self, item: tuple) -> None:
+        """Queue work for the engine thread, starting it; refused once the engine stopped."""
+        with self._start_lock:
+            if self.dead_reason is not None:
+                raise self._dead_error()
+            self._start_thread()
+            self._inbox.put(item)
 
     # --- engine thread ---------------------------------------------------------------
     def _ensure_thread(self) -> None:
         with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="mlxlocal-engine", daemon=True)
-                self._thread.start()
+            if self.dead_reason is None:
+                self._start_thread()
+
+    def _start_thread(self) -> None:  # under _start_lock
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mlxlocal-engine", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         # MLX streams belong to threads: all engine work runs on this thread's own stream,
         # destroyed when the thread ends (a leftover stream aborts the process at exit).
+        reason = "the engine was shut down"
         try:
             with mx.stream(WORKER_STREAM):
                 self._loop()
+        except BaseException as e:  # whatever it was, nobody may wait on this engine any more
+            log.exception("the engine thread for %s stopped", self.info.name)
+            reason = f"{type(e).__name__}: {e}"
         finally:
+            self._die(reason)
             mx.clear_streams()
 
+    def _die(self, reason: str) -> None:
+        """Stop for good: refuse new work, fail every request and call still held."""
+        with self._start_lock:
+            if self.dead_reason is None:
+                self.dead_reason = reason
+            held = []
+            while True:
+                try:
+                    held.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+        error = self._dead_error()
+        seqs = [item[1] for item in held if item[0] == "submit"]
+        seqs += list(self.scheduler.running) + list(self.scheduler.waiting)
+        if threading.current_thread() is self._thread:  # the owner may clear its own state
+            self.scheduler.running.clear()
+            self.scheduler.waiting.clear()
+            self._inflight = []
+        self._queued = 0
+        for seq in seqs:  # the KV state is abandoned with the engine: only the callers matter
+            seq.handle.cancel()
+            if seq.session is not None:
+                seq.session.busy = False
+            seq.emit(error)
+        for item in held:
+            if item[0] == "call":
+                item[2].put((False, error))
+
     def _loop(self) -> None:
-        while True:
+        while self.dead_reason is None:
             block = not self.scheduler.has_work
             try:
                 while True:
                     item = self._inbox.get(block=block)
                     block = False
                     if item[0] == "stop":
+                        for seq in list(self.scheduler.running):  # the waiting ones fail in _die
+                            self._guarded(seq, self._finish, seq, "cancelled")
                         return
                     self._handle(item)
             except queue.Empty:
                 pass
             try:
                 self.step()
-                self._queued = len(self.scheduler.waiting)
-            except Exception as e:  # a bug must not kill the thread: fail what is in flight
+            except Exception as e:  # not pinned on one request: fail what is in flight, go on
+                log.exception("engine step failed; failing %d requests", len(self.scheduler.running)
+                              + len(self.scheduler.waiting))
                 self._inflight = []
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self.scheduler.free(seq)
-                    self.scheduler.finish(seq)
-                    if seq.session is not None:  # its blocks were just freed: start over
-                        seq.session.tokens, seq.session.block_table = [], []
-                        seq.session.busy = False
-                    seq.emit(e)
+                    self._fail(seq, e)
+            self._queued = len(self.scheduler.waiting)
 
     def _handle(self, item) -> None:
         if item[0] == "submit":
             seq = item[1]
-            seq.sampler = Sampler(seq.params)  # its RNG key is an MLX array: made on this thread
-            if seq.session is not None:
-                self._attach_session(seq)
-            self.scheduler.add(seq)
-            self.tokens_in += len(seq.prompt)
+            try:
+                seq.sampler = Sampler(seq.params)  # its RNG key is an MLX array: made on this thread
+                if seq.session is not None:
+                    self._attach_session(seq)
+                self.scheduler.add(seq)
+                self.tokens_in += len(seq.prompt)
+            except Exception as e:  # a request the engine cannot take fails alone
+                self._fail(seq, e)
         elif item[0] == "call":
             _, fn, reply = item
             try:
                 reply.put((True, fn()))
             except Exception as e:
                 reply.put((False, e))
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End one request with an error: its blocks freed, its session emptied; others go on."""
+        if seq.status is not Status.FINISHED:
+            self.scheduler.free(seq)
+            if seq.session is not None:  # what it held may be half-written: start the next turn over
+                self.blocks.release(seq.session.block_table)
+                seq.session.tokens, seq.session.block_table = [], []
+                seq.session.busy = False
+            self.scheduler.finish(seq)
+            seq.pending = None
+        seq.emit(error)
+
+    def _guarded(self, seq: Sequence, fn, *args, **kwargs) -> None:
+        """fn(*args, **kwargs) on one request's behalf: if it raises, only that request fails."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:
+            log.exception("request %d failed", seq.id)
+            self._fail(seq, e)
 
     def _attach_session(self, seq: Sequence) -> None:
         """Reuse the session's blocks up to the longest common prefix with the new prompt."""
@@ -242,11 +342,13 @@ class PagedEngine(EngineBase):
             # Copy on write: never write new tokens into a block someone else can see.
             keep -= 1
             common = keep * bs
-        self.blocks.release(s.block_table[keep:])
-        seq.block_table, seq.num_computed = s.block_table[:keep], common
+        # Hand the blocks over before releasing any, so a failure never frees a block twice.
+        kept, dropped = s.block_table[:keep], s.block_table[keep:]
+        s.tokens, s.block_table = [], []
+        seq.block_table, seq.num_computed = kept, common
+        self.blocks.release(dropped)
         seq.stats.cached_tokens = common
         self.scheduler.prefix_hit_tokens += common
-        s.tokens, s.block_table = [], []
 
     def step(self) -> None:
         """Queue this step's forward, then accept the previous step's tokens while it runs.
@@ -257,10 +359,10 @@ class PagedEngine(EngineBase):
         """
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.cancelled.is_set():
-                self._finish(seq, "cancelled")
+                self._guarded(seq, self._finish, seq, "cancelled")
         plan = self.scheduler.plan()
         for seq in plan.starved:  # alone and still no free block: the KV pool is full
-            self._finish(seq, "length", cause="kv_cache")
+            self._guarded(seq, self._finish, seq, "length", cause="kv_cache")
         groups = []
         if plan.decode:
             groups.append((plan.decode, 1))
@@ -268,12 +370,16 @@ class PagedEngine(EngineBase):
             groups.append(([plan.prefill], plan.prefill_tokens))
         sampled: list[tuple[Sequence, mx.array, list[mx.array]]] = []
         for seqs, n in groups:
-            logits = self._forward(seqs, n)
+            logits = self._forward(seqs, n)  # a batch's failure is no one request's: _loop fails all
             for i, seq in enumerate(seqs):
                 seq.num_computed += n
                 if seq.remaining == 0:
-                    token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending)
-                    sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs)))
+                    try:
+                        token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending)
+                        sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs)))
+                    except Exception as e:
+                        log.exception("sampling failed for request %d", seq.id)
+                        self._fail(seq, e)
         if sampled or groups:
             mx.async_eval([t for _, t, _ in sampled] + [a for _, _, lp in sampled for a in lp]
                           + self.pools.state())
@@ -282,7 +388,7 @@ class PagedEngine(EngineBase):
             if seq.pending is token:
                 seq.pending = None
             if seq.status is not Status.FINISHED:
-                self._accept(seq, int(token.item()), lp)
+                self._guarded(seq, self._accept, seq, token, lp)
         for seq, token, _ in sampled:
             if seq.status is not Status.FINISHED:
                 seq.pending = token
@@ -324,7 +430,8 @@ class PagedEngine(EngineBase):
         top = mx.argsort(-logprobs, axis=-1)[:, :k]
         return [chosen, top, mx.take_along_axis(logprobs, top, axis=-1)]
 
-    def _accept(self, seq: Sequence, token: int, lp: list[mx.array] | None = None) -> None:
+    def _accept(self, seq: Sequence, token_array: mx.array, lp: list[mx.array] | None = None) -> None:
+        token = int(token_array.item())
         now = time.perf_counter()
         if seq.num_generated == 0 and seq.t_first == 0.0:
             seq.t_first = now

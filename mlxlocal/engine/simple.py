@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_sampler
 
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
-from mlxlocal.engine.handle import RequestHandle
+from mlxlocal.engine.handle import EngineDeadError, RequestHandle
+from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
 from mlxlocal.loader import LoadedModel
@@ -69,6 +70,8 @@ class SimpleEngine(EngineBase):
         self.prefill_step = max_step_tokens
         self._native = loaded.info.native
         self._busy = threading.Lock()  # submitted requests run one at a time
+        self._live: dict[RequestHandle, threading.Thread] = {}  # submitted, not yet ended
+        self.dead_reason: str | None = None  # set by shutdown: no more requests
 
     def new_session(self) -> Session:
         return Session(self.loaded.make_cache())
@@ -91,6 +94,7 @@ class SimpleEngine(EngineBase):
         """Validate now (errors raise here, before any chunk), then stream Chunks."""
         params = params or SamplingParams()
         self.validate(prompt, params)
+        self._check_alive()
         return self._generate(prompt, params, session or self.new_session(), cancel)
 
     def submit(
@@ -105,24 +109,61 @@ class SimpleEngine(EngineBase):
         thread per request, one request at a time, chunks through a RequestHandle."""
         params = params or SamplingParams()
         self.validate(prompt, params)  # bad requests raise here, before any thread starts
-        handle = RequestHandle(cancel, loop)
+        self._check_alive()
         session = session or self.new_session()
 
         def work():
             try:
                 # MLX streams belong to threads: this worker runs on its own.
                 with self._busy, mx.stream(WORKER_STREAM):
+                    self._check_alive()  # shut down while this one waited its turn?
                     for chunk in self._generate(prompt, params, session, handle.cancelled):
                         handle.put(chunk)
             except Exception as e:  # raised in the consumer
                 handle.put(e)
             finally:
+                self._live.pop(handle, None)
                 mx.clear_streams()
 
-        threading.Thread(target=work, daemon=True).start()
+        worker = threading.Thread(target=work, name="mlxlocal-simple-request", daemon=True)
+        # Should the worker end without a last word, its consumer still wakes up.
+        handle = RequestHandle(cancel, loop, dead=lambda: None if worker.is_alive() else "its worker thread ended")
+        self._live[handle] = worker
+        worker.start()
         return handle
 
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Refuse new requests, cancel the submitted ones (they stop at the next token or
+        prefill chunk) and wait for them about `timeout` seconds; fail any still going."""
+        self.dead_reason = self.dead_reason or "the engine was shut down"
+        live = list(self._live.items())
+        for handle, _ in live:
+            handle.cancel()
+        deadline = time.monotonic() + timeout
+        for handle, worker in live:
+            worker.join(max(deadline - time.monotonic(), 0))
+            if worker.is_alive():
+                handle.put(self._dead_error())
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine for {self.info.name} has stopped: {self.dead_reason}")
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise self._dead_error()
+
     def _generate(
+        self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None
+    ) -> Iterator[Chunk]:
+        try:
+            yield from self._stream(prompt, params, session, cancel)
+        except Exception:
+            # A step that failed halfway leaves the cache out of step with session.tokens:
+            # the session's next turn starts over on a fresh cache.
+            session.cache, session.tokens = self.loaded.make_cache(), []
+            raise
+
+    def _stream(
         self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None
     ) -> Iterator[Chunk]:
         t_start = time.perf_counter()
@@ -130,33 +171,36 @@ class SimpleEngine(EngineBase):
         if params.seed is not None:
             mx.random.seed(params.seed)
         sampler = make_sampler(params.temperature, params.top_p, params.min_p, 1, params.top_k)
-        processors = make_logits_processors(None, params.repetition_penalty if params.repetition_penalty != 1.0 else None)
+        # Penalties and logit_bias through the paged engine's code; sampling stays mlx-lm's
+        # (seeded through the global generator, as mlx-lm's generate is).
+        shaper = Sampler(params, prompt_len=len(prompt))
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(prompt))
         stats.cached_tokens = session.reuse(prompt)
         cache = session.cache
-        history = mx.array(prompt, mx.uint32)
 
         # Prefill what the cache does not hold, in chunks; only the last chunk's logits matter.
+        # A cancel is honoured between chunks (before the first one too).
         todo = prompt[stats.cached_tokens :]
-        while len(todo) > self.prefill_step:
-            self._forward(mx.array(todo[: self.prefill_step], mx.uint32), cache)
-            mx.eval([c.state for c in cache])
-            session.tokens.extend(todo[: self.prefill_step])
-            todo = todo[self.prefill_step :]
+        while True:
             if cancel is not None and cancel.is_set():
                 stats.set_finish("cancelled", params.max_tokens)
                 yield Chunk("", None, "cancelled", stats)
                 return
+            if len(todo) <= self.prefill_step:
+                break
+            self._forward(mx.array(todo[: self.prefill_step], mx.uint32), cache)
+            mx.eval([c.state for c in cache])
+            session.tokens.extend(todo[: self.prefill_step])
+            todo = todo[self.prefill_step :]
         session.tokens.extend(todo)
 
-        def sample(logits: mx.array, history: mx.array) -> mx.array:
-            for proc in processors:
-                logits = proc(history, logits)
+        def sample(logits: mx.array, history: list[int]) -> mx.array:
+            logits = shaper.adjust(logits, history)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return sampler(logprobs)
 
-        y = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
+        y = sample(self._forward(mx.array(todo, mx.uint32), cache), prompt)
         mx.async_eval(y)
         room = self.context_length - len(prompt)
         max_tokens = min(params.max_tokens, room)
@@ -180,9 +224,7 @@ class SimpleEngine(EngineBase):
             more = len(generated) < max_tokens and not cancelled
             if more:
                 # Queue the next step before handing this token out, so the device keeps working.
-                if processors:
-                    history = mx.concatenate([history, y.astype(mx.uint32).reshape(1)])
-                next_y = sample(self._forward(y.reshape(1), cache), history)
+                next_y = sample(self._forward(y.reshape(1), cache), prompt + generated)
                 mx.async_eval(next_y)
                 session.tokens.append(token)
             detok.add_token(token)

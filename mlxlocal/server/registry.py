@@ -7,6 +7,7 @@ The registry's `find` is the one place that knows which names mean which model. 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from mlxlocal.engine import open_engine
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.server.errors import APIError
+
+log = logging.getLogger("mlxlocal.server")
 
 
 def parse_duration(value: Any) -> float | None:
@@ -88,6 +91,11 @@ class ServedModel:
         """Every name it answers to, its id first."""
         return list(dict.fromkeys([self.name, *self.aliases, *sorted(self.found_names)]))
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why its loaded engine stopped (it is restarted on the next request), or None."""
+        return getattr(self.engine, "dead_reason", None) if self.engine is not None else None
+
 
 class ModelRegistry:
     def __init__(self, specs: list[str], engine_options: dict, keep_alive: float,
@@ -119,6 +127,11 @@ class ModelRegistry:
         """The model's engine, loading it first if needed; refreshes its idle timer."""
         m = self.find(name)
         async with m.lock:
+            if m.dead_reason is not None:
+                # A stopped engine serves nothing: drop it, like a keep_alive unload, and load afresh.
+                log.warning("engine for %s had stopped (%s); restarting it", m.name, m.dead_reason)
+                engine, m.engine = m.engine, None
+                await asyncio.to_thread(engine.shutdown)
             if m.engine is None:
                 try:
                     m.engine = await asyncio.to_thread(self._load, m.spec)
@@ -147,6 +160,7 @@ class ModelRegistry:
         for m in self.models:
             if m.engine is None or now < m.expires_at:
                 continue
+            # A stopped engine answers stats at once; it stays until a request restarts it.
             stats = m.engine.stats() if hasattr(m.engine, "stats") else {"running": 0, "waiting": 0}
             if stats["running"] or stats["waiting"]:
                 continue
@@ -158,6 +172,16 @@ class ModelRegistry:
 
     def loaded(self) -> list[ServedModel]:
         return [m for m in self.models if m.engine is not None]
+
+    def health(self) -> tuple[int, dict]:
+        """/health: 200 while every loaded engine runs; 503 naming the models whose engine stopped."""
+        body = {"status": "ok", "models": [m.name for m in self.models], "loaded": [m.name for m in self.loaded()]}
+        dead = [m for m in self.loaded() if m.dead_reason is not None]
+        if not dead:
+            return 200, body
+        reasons = "; ".join(f"model '{m.name}': engine stopped: {m.dead_reason} (restarted on its next request)"
+                            for m in dead)
+        return 503, {**body, "status": "error", "reason": reasons}
 
     def shutdown(self) -> None:
         for m in self.models:
