@@ -14,6 +14,18 @@ from mlxlocal.engine import SamplingParams
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.generation import run
 from mlxlocal.server.parse import Event, OutputParser
+from mlxlocal.server.validation import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    boolean,
+    check_params,
+    number,
+    sized_list,
+    stop_strings,
+    string,
+    text_bytes,
+    tokenize,
+)
 
 router = APIRouter()
 
@@ -34,7 +46,7 @@ def _text_of(content: Any, where: str) -> str:
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            parts.append(str(block.get("text", "")))
+            parts.append(string(block, "text", f"{where}.{i}.text") or "")
         else:
             raise APIError(400, f"{where}.{i}: block type {kind!r} is not supported here (text only)",
                            param=f"{where}.{i}")
@@ -50,6 +62,7 @@ def convert_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: a non-empty list is required", param="messages")
+    sized_list(messages, "messages", MAX_MESSAGES)
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
@@ -67,11 +80,14 @@ def convert_messages(body: dict) -> list[dict]:
             bwhere = f"{where}.content.{j}"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                texts.append(str(block.get("text", "")))
+                texts.append(string(block, "text", f"{bwhere}.text") or "")
             elif kind == "tool_use" and role == "assistant":
                 args = block.get("input") or {}
-                calls.append({"id": str(block.get("id") or ""), "type": "function",
-                              "function": {"name": str(block.get("name", "")), "arguments": args}})
+                if not isinstance(args, dict):
+                    raise APIError(400, f"{bwhere}.input: must be an object", param=f"{bwhere}.input")
+                calls.append({"id": string(block, "id", f"{bwhere}.id") or "", "type": "function",
+                              "function": {"name": string(block, "name", f"{bwhere}.name", required=True),
+                                           "arguments": args}})
             elif kind == "tool_result" and role == "user":
                 text = _text_of(block.get("content"), f"{bwhere}.content")
                 if block.get("is_error"):
@@ -100,20 +116,23 @@ def convert_tools(body: dict) -> list[dict] | None:
     choice = body.get("tool_choice") or {"type": "auto"}
     if not tools:
         return None
-    if not isinstance(tools, list):
-        raise APIError(400, "tools: must be a list", param="tools")
+    sized_list(tools, "tools", MAX_TOOLS)
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise APIError(400, "tool_choice.type: must be auto, any, tool or none", param="tool_choice")
     if choice["type"] == "none":
         return None
     out = []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not t.get("name"):
-            raise APIError(400, f"tools.{i}.name: required", param=f"tools.{i}.name")
+        if not isinstance(t, dict):
+            raise APIError(400, f"tools.{i}: must be an object", param=f"tools.{i}")
+        string(t, "name", f"tools.{i}.name", required=True)
+        schema = t.get("input_schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise APIError(400, f"tools.{i}.input_schema: must be an object", param=f"tools.{i}.input_schema")
         if t.get("type") not in (None, "custom"):
             raise APIError(400, f"tools.{i}: server tool {t.get('type')!r} is not supported", param=f"tools.{i}")
         out.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
+            "name": t["name"], "description": string(t, "description", f"tools.{i}.description") or "",
             "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
     if choice["type"] == "tool":
         out = [t for t in out if t["function"]["name"] == choice.get("name")]
@@ -122,42 +141,43 @@ def convert_tools(body: dict) -> list[dict] | None:
     return out
 
 
+# SamplingParams field -> the name an Anthropic client knows it by.
+_NAMES = {"stop": "stop_sequences", "prompt": "messages"}
+
+
 def sampling_params(body: dict) -> SamplingParams:
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
+    if body.get("max_tokens") is None:
         raise APIError(400, "max_tokens: Field required", param="max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise APIError(400, "max_tokens: must be an integer >= 1", param="max_tokens")
-    temperature = body.get("temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 1:
-        raise APIError(400, "temperature: must be between 0 and 1", param="temperature")
-    stop = body.get("stop_sequences") or []
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "stop_sequences: must be a list of non-empty strings", param="stop_sequences")
-    top_p = body.get("top_p", 1.0)
-    top_k = body.get("top_k", 0)
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise APIError(400, "top_p: must be in (0, 1]", param="top_p")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise APIError(400, "top_k: must be an integer >= 0", param="top_k")
-    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                          top_k=top_k, stop=list(stop))
+    temperature = number(body, "temperature", 1.0, "temperature")
+    if not 0 <= temperature <= 1:  # Anthropic's range, narrower than the engine's
+        raise APIError(400, f"temperature: must be between 0 and 1, got {temperature:g}", param="temperature")
+    params = SamplingParams(
+        max_tokens=number(body, "max_tokens", None, "max_tokens", integer=True),
+        temperature=temperature,
+        top_p=number(body, "top_p", 1.0, "top_p"),
+        top_k=number(body, "top_k", 0, "top_k", integer=True),
+        stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
+    )
+    check_params(params, _NAMES)
+    boolean(body, "stream", False)
+    return params
 
 
-async def prepare(request: Request, body: dict):
-    """Validate, load the model, build the prompt: (engine, ids, tools)."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError(400, "model: Field required", param="model")
+async def prepare(request: Request, body: dict, params: SamplingParams | None = None):
+    """Validate, load the model, build the prompt: (engine, ids, tools). With `params`, the
+    prompt is also checked against the model (context, vocabulary), as it will be generated."""
+    model = string(body, "model", required=True)
     registry = request.app.state.registry
     registry.find(model)  # 404 before anything else
     messages = convert_messages(body)
     tools = convert_tools(body)
     engine = await registry.engine(model)
-    try:
-        ids = engine.encode_chat(messages, tools=tools)
-    except Exception as e:  # a template that rejects the conversation
-        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+    # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
+    sure = text_bytes(*(m["content"] for m in messages if m["role"] in ("system", "user", "tool")))
+    ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools,
+                         check_length=params is not None)
+    if params is not None:
+        check_params(params, _NAMES, engine, ids)
     return engine, ids, tools
 
 
@@ -285,7 +305,7 @@ def _sse(event: dict) -> str:
 async def messages(request: Request):
     body = await read_body(request)
     params = sampling_params(body)
-    engine, ids, tools = await prepare(request, body)
+    engine, ids, tools = await prepare(request, body, params)
     model = body["model"]
     chunks = run(request, engine, ids, params, request.app.state.metrics)
     try:
@@ -294,7 +314,7 @@ async def messages(request: Request):
         raise APIError(500, "the engine returned no output") from None
     events = _events(request, engine, ids, params, tools, first, chunks)
 
-    if not body.get("stream"):
+    if not body.get("stream", False):
         message = _message(model, [], len(ids))
         partial: dict[int, str] = {}
         async for ev in events:

@@ -20,6 +20,18 @@ from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.generation import run
 from mlxlocal.server.parse import OutputParser
 from mlxlocal.server.registry import parse_duration
+from mlxlocal.server.validation import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    boolean,
+    check_params,
+    number,
+    sized_list,
+    stop_strings,
+    string,
+    text_bytes,
+    tokenize,
+)
 
 router = APIRouter()
 
@@ -34,51 +46,47 @@ def now_iso(t: float | None = None) -> str:
     return datetime.fromtimestamp(time.time() if t is None else t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _number(options: dict, key: str, default, kind=float):
-    value = options.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(400, f"options.{key}: must be a number", param=f"options.{key}")
-    return kind(value)
+# SamplingParams field -> its Ollama option (the engine's range errors name these).
+_OPTION = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
+_NAMES = {f: f"options.{_OPTION.get(f, f)}" for f in (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+    "frequency_penalty", "presence_penalty")}
 
 
 def sampling_params(options: Any, context_length: int) -> SamplingParams:
-    """Ollama options -> SamplingParams (Ollama's defaults where a client sends nothing)."""
+    """Ollama options -> SamplingParams (Ollama's defaults where a client sends nothing).
+
+    Ranges are the engine's (SamplingParams.validate): temperature in [0, 100], top_p in
+    (0, 1] (Ollama lets 0 through; here it is refused rather than guessed at), top_k at most
+    the vocabulary (checked with the prompt), seed in [0, 2**63) or negative for a random one.
+    num_ctx is the model's context here (the KV pool is shared): other values are ignored.
+    """
     if options is None:
         options = {}
     if not isinstance(options, dict):
         raise APIError(400, "options: must be an object", param="options")
-    num_predict = _number(options, "num_predict", -1, int)
-    # -1: until the context is full; -2: fill the context. The engine clips to what is left.
-    max_tokens = context_length if num_predict < 0 else num_predict
-    if max_tokens == 0:
+
+    def opt(key: str, default, integer: bool = False):
+        return number(options, key, default, f"options.{key}", integer)
+
+    num_predict = opt("num_predict", -1, integer=True)
+    if num_predict == 0:
         raise APIError(400, "options.num_predict: must not be 0", param="options.num_predict")
-    stop = options.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, "options.stop: must be a list of strings", param="options.stop")
-    seed = options.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, "options.seed: must be an integer", param="options.seed")
-    # num_ctx is the model's context here (the KV pool is shared): larger values are ignored.
+    seed = opt("seed", None, integer=True)
     params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_number(options, "temperature", 0.8),
-        top_p=_number(options, "top_p", 0.9),
-        top_k=_number(options, "top_k", 40, int),
-        min_p=_number(options, "min_p", 0.0),
-        repetition_penalty=_number(options, "repeat_penalty", 1.0),
-        seed=seed if seed is None or seed >= 0 else None,
-        stop=[s for s in stop if s],
+        # Negative: until the context is full (-1) or fill it (-2); the engine clips to what is left.
+        max_tokens=context_length if num_predict < 0 else num_predict,
+        temperature=opt("temperature", 0.8),
+        top_p=opt("top_p", 0.9),
+        top_k=opt("top_k", 40, integer=True),
+        min_p=opt("min_p", 0.0),
+        repetition_penalty=opt("repeat_penalty", 1.0),
+        frequency_penalty=opt("frequency_penalty", 0.0),
+        presence_penalty=opt("presence_penalty", 0.0),
+        seed=seed if seed is None or seed >= 0 else None,  # Ollama: -1 is a random seed
+        stop=stop_strings(options.get("stop"), "options.stop"),
     )
-    if params.top_p == 0:
-        params.top_p = 1.0
-    try:
-        params.validate()
-    except ValueError as e:
-        raise APIError(400, f"options: {e}", param="options") from None
+    check_params(params, _NAMES)
     return params
 
 
@@ -94,9 +102,7 @@ def _check_format(body: dict) -> None:
 async def acquire(request: Request, body: dict):
     """Load (or find) the model; keep it loaded while the request runs. (engine, model, load_ns)."""
     registry = request.app.state.registry
-    name = body.get("model")
-    if not isinstance(name, str) or not name:
-        raise APIError(400, "model is required", param="model")
+    name = string(body, "model", required=True)
     m = registry.find(name)
     keep_alive = request_keep_alive(registry, body)
     t0 = time.perf_counter()
@@ -108,6 +114,8 @@ async def acquire(request: Request, body: dict):
 def request_keep_alive(registry, body: dict) -> float:
     """Like Ollama, a request without keep_alive gets the server's default, not the last one's."""
     keep_alive = parse_duration(body.get("keep_alive"))
+    if keep_alive is not None and math.isnan(keep_alive):
+        raise APIError(400, f"keep_alive: must be a duration, got {body.get('keep_alive')!r}", param="keep_alive")
     return registry.default_keep_alive if keep_alive is None else keep_alive
 
 
@@ -118,8 +126,7 @@ def release(m) -> None:
 # --- chat ----------------------------------------------------------------------------
 
 def convert_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, list):
-        raise APIError(400, "messages: must be a list", param="messages")
+    sized_list(messages, "messages", MAX_MESSAGES)
     out = []
     for i, m in enumerate(messages):
         where = f"messages.{i}"
@@ -132,18 +139,23 @@ def convert_messages(messages: Any) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, f"{where}.content: must be a string", param=f"{where}.content")
         msg: dict = {"role": m["role"], "content": content}
-        if m["role"] == "assistant" and m.get("tool_calls"):
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
             calls = []
-            for j, call in enumerate(m["tool_calls"]):
+            for j, call in enumerate(sized_list(m["tool_calls"], f"{where}.tool_calls", MAX_TOOLS)):
+                fwhere = f"{where}.tool_calls.{j}.function"
                 fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not fn.get("name"):
-                    raise APIError(400, f"{where}.tool_calls.{j}.function.name: required",
-                                   param=f"{where}.tool_calls.{j}")
+                if not isinstance(fn, dict):
+                    raise APIError(400, f"{fwhere}: must be an object", param=fwhere)
+                name = string(fn, "name", f"{fwhere}.name", required=True)
+                arguments = fn.get("arguments") or {}
+                if not isinstance(arguments, (dict, str)):
+                    raise APIError(400, f"{fwhere}.arguments: must be an object", param=f"{fwhere}.arguments")
                 calls.append({"id": f"call_{i}_{j}", "type": "function",
-                              "function": {"name": fn["name"], "arguments": fn.get("arguments") or {}}})
-            msg["tool_calls"] = calls
+                              "function": {"name": name, "arguments": arguments}})
+            if calls:
+                msg["tool_calls"] = calls
         if m["role"] == "tool" and m.get("tool_name"):
-            msg["name"] = m["tool_name"]
+            msg["name"] = string(m, "tool_name", f"{where}.tool_name")
         out.append(msg)
     if not out:
         raise APIError(400, "messages: at least one message is required", param="messages")
@@ -234,7 +246,7 @@ async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tool
     def final(reason, stats, n) -> dict:
         return {"done": True, "done_reason": reason, **_timings(t_start, load_ns, stats, n)}
 
-    if not body.get("stream", True):
+    if not body.get("stream", True):  # checked by _flags
         content, thinking, calls = [], [], []
         try:
             async for kind, value in pieces:
@@ -283,24 +295,36 @@ async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tool
     return StreamingResponse(stream(), media_type="application/x-ndjson")
 
 
+def _flags(body: dict, *names: str):
+    """Strict booleans (think may also be a level, as in Ollama's API)."""
+    boolean(body, "stream", True)
+    for name in names:
+        boolean(body, name, None)
+    think = body.get("think")
+    if think is not None and not isinstance(think, bool) and think not in ("low", "medium", "high"):
+        raise APIError(400, f"think: must be true, false, 'low', 'medium' or 'high', got {think!r}", param="think")
+
+
 @router.post("/api/chat")
 async def chat(request: Request):
     t_start = time.perf_counter()
     body = await read_body(request)
     _check_format(body)
+    _flags(body)
     messages = convert_messages(body["messages"]) if body.get("messages") else []
     tools = body.get("tools") or None
-    if tools is not None and not isinstance(tools, list):
-        raise APIError(400, "tools: must be a list", param="tools")
+    if tools is not None:
+        for i, t in enumerate(sized_list(tools, "tools", MAX_TOOLS)):
+            if not isinstance(t, dict):
+                raise APIError(400, f"tools.{i}: must be an object", param=f"tools.{i}")
     engine, m, load_ns = await acquire(request, body)
     try:
         if not messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
             return JSONResponse(_load_reply(body, m, chat=True))
         params = sampling_params(body.get("options"), engine.context_length)
-        try:
-            ids = engine.encode_chat(messages, tools=tools)
-        except Exception as e:
-            raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        sure = text_bytes(*(msg["content"] for msg in messages if msg["role"] != "assistant"))
+        ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools)
+        check_params(params, {**_NAMES, "prompt": "messages"}, engine, ids)
     except BaseException:
         release(m)
         raise
@@ -322,15 +346,15 @@ async def generate(request: Request):
     t_start = time.perf_counter()
     body = await read_body(request)
     _check_format(body)
+    _flags(body, "raw")
     for unsupported in ("suffix", "images", "template"):
         if body.get(unsupported):
             raise APIError(400, f"{unsupported}: not supported by this server", param=unsupported)
-    prompt = body.get("prompt") or ""
-    if not isinstance(prompt, str):
-        raise APIError(400, "prompt: must be a string", param="prompt")
+    prompt = string(body, "prompt") or ""
+    system = string(body, "system")
     registry = request.app.state.registry
     if not prompt:
-        m = registry.find(body.get("model"))
+        m = registry.find(string(body, "model", required=True))
         if request_keep_alive(registry, body) == 0:  # unload: no need to load it first
             m.keep_alive, m.expires_at = 0.0, 0.0
             return {"model": body["model"], "created_at": now_iso(), "response": "", "done": True,
@@ -341,12 +365,12 @@ async def generate(request: Request):
             return JSONResponse(_load_reply(body, m, chat=False))
         params = sampling_params(body.get("options"), engine.context_length)
         if body.get("raw"):
-            ids = engine.encode_text(prompt)
+            ids = await tokenize(engine, text_bytes(prompt), "prompt", engine.encode_text, prompt, template=False)
         else:
-            system = body.get("system")
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
-            ids = engine.encode_chat(messages)
+            ids = await tokenize(engine, text_bytes(prompt, system), "prompt", engine.encode_chat, messages)
+        check_params(params, {**_NAMES, "prompt": "prompt"}, engine, ids)
     except BaseException:
         release(m)
         raise
@@ -433,7 +457,7 @@ async def ps(request: Request):
 @router.post("/api/show")
 async def show(request: Request):
     body = await read_body(request)
-    name = body.get("model") or body.get("name")
+    name = string(body, "model") or string(body, "name", required=True)
     registry = request.app.state.registry
     m = registry.find(name)
     engine = m.engine

@@ -6,9 +6,14 @@ a client gets wrong is a 400 in OpenAI's error format (never a 5xx).
 Notes on behaviour:
 - temperature defaults to 1.0 and top_p to 1.0, as in OpenAI's API; max_tokens defaults to
   4096 for chat (the engine clips it to what is left of the context) and 16 for completions.
-- top_k, min_p and repetition_penalty are accepted as extensions; frequency_penalty,
-  presence_penalty, logit_bias, user, metadata, store, parallel_tool_calls are accepted
-  and ignored.
+- frequency_penalty and presence_penalty count the tokens generated so far (as OpenAI);
+  logit_bias maps token-id strings to a bias in [-100, 100] added to that token's logit.
+- top_k, min_p and repetition_penalty are accepted as extensions; user, metadata, store,
+  parallel_tool_calls are accepted and ignored.
+- Bodies go through the shared checks (validation.py) before FastAPI parses them: nested
+  at most 64 deep, valid UTF-8 with no lone surrogates; numbers must be finite, booleans
+  true/false; ranges the engine cannot honour (top_k over the vocabulary, seed outside
+  [0, 2**63)) are 400s naming the field.
 - tool_choice "none" renders the prompt without tools (and tool calls are not parsed);
   "required" or a named function adds a system hint telling the model to call a tool
   (for a named one only that tool is offered). Nothing forces the model: if it answers
@@ -18,7 +23,6 @@ Notes on behaviour:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -27,14 +31,24 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import Chunk, SamplingParams
 from mlxlocal.server import generation
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.parse import Event, OutputParser
+from mlxlocal.server.validation import (
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_TOOLS,
+    CheckedBodyRoute,
+    check_params,
+    stop_strings,
+    text_bytes,
+    tokenize,
+)
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedBodyRoute)
 
 _STARTED = int(time.time())
 DEFAULT_CHAT_MAX_TOKENS = 4096
@@ -46,7 +60,7 @@ MAX_STOP = 16
 class _Lenient(BaseModel):
     """OpenAI clients send fields this server does not know; ignore them rather than fail."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class ContentPart(_Lenient):
@@ -77,7 +91,7 @@ class FunctionDef(_Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(_Lenient):
@@ -95,7 +109,7 @@ class NamedToolChoice(BaseModel):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ResponseFormat(_Lenient):
@@ -109,39 +123,41 @@ class SamplingFields(_Lenient):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: Probability | None = None
-    top_k: int | None = Field(None, ge=0, description="extension: sample from the k most likely tokens (0 = off)")
+    top_k: int | None = Field(None, ge=0, lt=2**31,
+                              description="extension: sample from the k most likely tokens (0 = off)")
     min_p: float | None = Field(None, ge=0, le=1, description="extension")
     repetition_penalty: float | None = Field(None, gt=0, description="extension")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="accepted, ignored")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="accepted, ignored")
-    seed: int | None = None
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} stop strings of at most "
+                                                           f"{MAX_STOP_CHARS} characters")
     n: int | None = Field(None, ge=1, description="only 1 is supported")
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="accepted, ignored")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, lt=2**31)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, Any] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=2**31)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -151,25 +167,38 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def _sampling(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise APIError(400, f"logit_bias: keys must be token ids (decimal integers), got {key!r}",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _sampling(req: SamplingFields, max_tokens: int, logprobs: int | None, names: dict[str, str]) -> SamplingParams:
+    """The request's sampling fields as SamplingParams, range-checked by the engine's rules."""
     if req.n not in (None, 1):
         raise APIError(400, f"n={req.n} is not supported: this server returns one choice per request", param="n")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP:
-        raise APIError(400, f"stop: at most {MAX_STOP} stop strings (got {len(stop)})", param="stop")
-    if any(not s for s in stop):
-        raise APIError(400, "stop: stop strings must not be empty", param="stop")
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         min_p=req.min_p or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        logit_bias=_logit_bias(req.logit_bias),
         seed=req.seed,
-        stop=stop,
+        stop=stop_strings(req.stop, "stop"),  # how many: SamplingParams.validate
         logprobs=logprobs,
     )
+    check_params(params, names)
+    return params
 
 
 def _usage(stats) -> dict:
@@ -368,12 +397,14 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     messages = _template_messages(req.messages)
     tools = _tools(req, messages)
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+             "logprobs": "top_logprobs", "prompt": "messages"}
+    params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
     engine = await request.app.state.registry.engine(req.model)
-    try:
-        ids = await asyncio.to_thread(engine.encode_chat, messages, tools)
-    except Exception as e:  # a template that refuses the conversation (role order, ...)
-        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
+    sure = text_bytes(*(m["content"] for m in messages if m["role"] != "assistant"))
+    ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools)
+    check_params(params, names, engine, ids)
     return engine, ids, params, tools
 
 
@@ -483,7 +514,7 @@ async def _chat_stream(chunks, parser: OutputParser, meta: dict, params: Samplin
 
 
 # --- legacy completions -------------------------------------------------------------------------
-def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
+async def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
         tok = engine.tokenizer
@@ -500,7 +531,7 @@ def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
         prompt = prompt[0]
     if not prompt:
         raise APIError(400, "prompt: the prompt is empty", param="prompt")
-    return engine.encode_text(prompt)
+    return await tokenize(engine, text_bytes(prompt), "prompt", engine.encode_text, prompt, template=False)
 
 
 def _completion_logprobs(entries: list[tuple[Chunk, str]], text_of, offset: int) -> dict:
@@ -523,9 +554,11 @@ async def completions(req: CompletionRequest, request: Request):
         raise APIError(400, f"best_of={req.best_of} is not supported (only 1)", param="best_of")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
-    params = _sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs)
+    names = {"prompt": "prompt"}
+    params = _sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, names)
     engine = await request.app.state.registry.engine(req.model)
-    ids = _prompt_ids(req, engine)
+    ids = await _prompt_ids(req, engine)
+    check_params(params, names, engine, ids)
     echo = engine.decode(ids) if req.echo else ""
     first, chunks = await _first(request, engine, ids, params)
     meta = {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": req.model}

@@ -1,0 +1,312 @@
+"""Request checks shared by the three dialects, so a bad value is a 400 naming its field.
+
+Routers translate their dialect's fields into SamplingParams; SamplingParams.validate and
+EngineBase.validate hold the ranges, and `check_params` turns their ValueError into an
+APIError that names the field as the dialect calls it. What the engine cannot check (JSON
+depth, text that cannot be encoded, JSON value types, list sizes) is checked here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.routing import APIRoute
+
+from mlxlocal.engine import SamplingParams
+from mlxlocal.errors import ContextLengthError
+from mlxlocal.server.errors import APIError
+
+# Deeper JSON than any real request; json.loads, pydantic and Jinja recurse per level.
+MAX_DEPTH = 64
+MAX_MESSAGES = 10_000
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_STOP_CHARS = 1000  # the stop checker holds back this much streamed text
+# Over this, a body is parsed on a worker thread rather than on the event loop.
+_THREAD_BODY_BYTES = 1 << 20
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+# --- JSON bodies -----------------------------------------------------------------------
+def json_depth(raw: bytes) -> int:
+    """Nesting depth of JSON text, without parsing it (brackets inside strings ignored)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return 0  # cannot be deeper than the number of openers: the common case, no scan
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    a = np.frombuffer(brackets, np.uint8)
+    return int(np.cumsum(np.where((a == ord("[")) | (a == ord("{")), 1, -1)).max())
+
+
+def _unencodable(obj: Any) -> str | None:
+    """Path of the first string (key or value) that is not valid Unicode (a lone surrogate)."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        for k, v in items:
+            where = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str):
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+            stack.append((v, where))
+    return None
+
+
+def parse_json(raw: bytes, empty: bytes = b"null") -> Any:
+    """Bytes -> JSON value, or an APIError: not UTF-8, too deep, malformed, lone surrogates."""
+    try:
+        text = (raw or empty).decode("utf-8")  # RFC 8259: JSON between systems is UTF-8
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8: {e}") from None
+    # Before json.loads: it recurses once per level and a deep enough body is a RecursionError.
+    if json_depth(raw) > MAX_DEPTH:
+        raise APIError(400, f"the request body nests JSON deeper than {MAX_DEPTH} levels")
+    try:
+        body = json.loads(text)
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    # Only a \uD800-\uDFFF escape can make a lone surrogate, which no encoder can write out.
+    if _SURROGATE_ESCAPE.search(text):
+        where = _unencodable(body)
+        if where is not None:
+            raise APIError(400, f"{where}: the text contains a lone UTF-16 surrogate (not valid Unicode)",
+                           param=where)
+    return body
+
+
+async def parse_body(raw: bytes, empty: bytes = b"null") -> Any:
+    if len(raw) > _THREAD_BODY_BYTES:
+        return await asyncio.to_thread(parse_json, raw, empty)
+    return parse_json(raw, empty)
+
+
+class CheckedBodyRoute(APIRoute):
+    """A pydantic-body route whose POST body gets `parse_json`'s checks before FastAPI parses
+    it: FastAPI's own json.loads recurses into any depth and passes lone surrogates through."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request):
+            raw = await request.body()
+            if raw and request.method == "POST":
+                # Starlette's Request.json() cache: FastAPI reuses it instead of parsing again.
+                request._json = await parse_body(raw)
+            return await handler(request)
+
+        return checked
+
+
+# --- JSON value types (for the dialects that read plain dicts) ----------------------------
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def number(obj: dict, key: str, default: Any, where: str, integer: bool = False) -> Any:
+    """obj[key] as a finite number (an int when `integer`: 40.0 is 40, 40.5 is refused)."""
+    v = obj.get(key)
+    if v is None:
+        return default
+    if not is_number(v) or not math.isfinite(v):
+        raise APIError(400, f"{where}: must be a finite number, got {v!r}", param=where)
+    if integer:
+        if v != int(v):
+            raise APIError(400, f"{where}: must be an integer, got {v!r}", param=where)
+        return int(v)
+    return float(v)
+
+
+def boolean(obj: dict, key: str, default: bool | None, where: str | None = None) -> bool | None:
+    """Strictly true/false: a client sending "yes" or 5 gets told, rather than a guess."""
+    v = obj.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        where = where or key
+        raise APIError(400, f"{where}: must be true or false, got {v!r}", param=where)
+    return v
+
+
+def string(obj: dict, key: str, where: str | None = None, required: bool = False) -> str | None:
+    v = obj.get(key)
+    where = where or key
+    if v is None or (required and v == ""):
+        if required:
+            raise APIError(400, f"{where}: required", param=where)
+        return None
+    if not isinstance(v, str):
+        raise APIError(400, f"{where}: must be a string, got {type(v).__name__}", param=where)
+    return v
+
+
+def sized_list(value: Any, where: str, limit: int) -> list:
+    if not isinstance(value, list):
+        raise APIError(400, f"{where}: must be a list", param=where)
+    if len(value) > limit:
+        raise APIError(400, f"{where}: at most {limit} entries (got {len(value)})", param=where)
+    return value
+
+
+def stop_strings(value: Any, where: str) -> list[str]:
+    """A string or a list of them, each non-empty and at most MAX_STOP_CHARS long."""
+    stops = [value] if isinstance(value, str) else value
+    if stops is None:
+        return []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"{where}: must be a string or a list of strings", param=where)
+    for s in stops:
+        if not s:
+            raise APIError(400, f"{where}: stop strings must not be empty", param=where)
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(400, f"{where}: a stop string is at most {MAX_STOP_CHARS} characters "
+                                f"(got {len(s)})", param=where)
+    return list(stops)
+
+
+# --- SamplingParams ranges, named in the dialect's terms ------------------------------------
+_FIELD = re.compile(r"^(?:prompt token ids|[a-z_]+)")
+
+
+def check_params(params: SamplingParams, names: dict[str, str], engine=None,
+                 ids: list[int] | None = None) -> None:
+    """SamplingParams.validate (and EngineBase.validate, given the engine and prompt) with the
+    field in the error renamed by `names` (SamplingParams field -> the dialect's name)."""
+    try:
+        if engine is None:
+            params.validate()
+        else:
+            engine.validate(ids, params)
+    except ContextLengthError as e:
+        raise APIError(400, str(e), param=names.get("prompt", "messages"), code="context_length_exceeded") from None
+    except ValueError as e:
+        message = str(e)
+        m = _FIELD.match(message)
+        field = "prompt" if m and m.group() == "prompt token ids" else m.group() if m else ""
+        where = names.get(field, field) or None
+        if where != field:
+            message = f"{where}: {message}"
+        raise APIError(400, message, param=where) from None
+
+
+# --- prompts: tokenized on a worker thread, refused early when they cannot fit ----------------
+_BYTE_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _normalizer_shrink(n: dict | None) -> int | None:
+    """By how much a tokenizers normalizer can shrink UTF-8 text at most (None: unbounded)."""
+    if n is None:
+        return 1
+    kind = n.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in n.get("normalizers") or []:
+            f = _normalizer_shrink(inner)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in ("NFC", "NFD", "NFKC", "NFKD", "Lowercase"):
+        return 4  # at worst a 4-byte character becomes a 1-byte one (NFKC: U+1D400 -> "A")
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern = (n.get("pattern") or {}).get("String")
+        if isinstance(pattern, str) and len(n.get("content", "").encode()) >= len(pattern.encode()):
+            return 1
+    return None  # strip, strip accents, precompiled char maps: text can vanish
+
+
+def _byte_limit_uncached(tokenizer) -> tuple[int, int] | None:
+    """(longest token in bytes, normalizer shrink factor), or None when no bound holds."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    byte_level = "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+    # Only when every byte has a token: otherwise unknown text of any length can be one <unk>.
+    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+        return None
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None:
+        return None
+    # A vocabulary string's UTF-8 length is at least the bytes of text it stands for
+    # (byte-level symbols are 1-2 bytes per byte, "<0x41>" and "▁" are longer than theirs).
+    longest = max((len(s.encode("utf-8")) for s in hf.get_vocab()), default=0)
+    return (longest, shrink) if longest else None
+
+
+def prompt_byte_limit(engine) -> tuple[int, int] | None:
+    """(max UTF-8 bytes of prompt text that can fit the context, longest token's bytes).
+
+    A prompt of N tokens stands for at most N x (longest token) bytes of text after
+    normalization, so text longer than context x longest x shrink cannot fit. Computed once
+    per tokenizer (reading the vocabulary is slow for large ones): call it off the event loop.
+    """
+    tok = engine.tokenizer
+    try:
+        cached = _BYTE_LIMITS.get(tok)
+    except TypeError:  # not weak-referenceable: compute each time
+        cached = None
+    if cached is None:
+        cached = _byte_limit_uncached(tok) or (0, 0)
+        try:
+            _BYTE_LIMITS[tok] = cached
+        except TypeError:
+            pass
+    longest, shrink = cached
+    if not longest:
+        return None
+    return engine.context_length * longest * shrink, longest
+
+
+def text_bytes(*texts: Any) -> int:
+    """UTF-8 size of the given strings (others are ignored)."""
+    return sum(len(t.encode("utf-8")) for t in texts if isinstance(t, str))
+
+
+async def tokenize(engine, n_bytes: int, where: str, encode: Callable[..., list[int]], *args,
+                   template: bool = True, check_length: bool = True, **kwargs) -> list[int]:
+    """`encode(*args)` on a worker thread; first refuse text that cannot fit the context.
+
+    `n_bytes` counts text the prompt is sure to contain (a template adds, never removes,
+    the user's messages). A chat template that raises is a 400 on `where`.
+    """
+    if check_length:
+        limit = await asyncio.to_thread(prompt_byte_limit, engine)
+        if limit is not None and n_bytes > limit[0]:
+            ctx = engine.context_length
+            raise APIError(400, f"{where}: the prompt is {n_bytes} bytes of text, more than the {limit[0]} bytes "
+                                f"the model's context length of {ctx} tokens can hold (its longest token "
+                                f"is {limit[1]} bytes)",
+                           param=where, code="context_length_exceeded")
+    try:
+        return await asyncio.to_thread(encode, *args, **kwargs)
+    except Exception as e:
+        if not template:
+            raise APIError(400, f"{where}: cannot tokenize the prompt: {e}", param=where) from None
+        raise APIError(400, f"{where}: the chat template rejected them: {e}", param=where) from None
