@@ -73,6 +73,10 @@ def engine_options(kv_cache_memory: Optional[str], kv_blocks: Optional[int], blo
 KV_MEMORY_HELP = "Memory for the paged KV cache, e.g. 4GB (default: sized from the request, at most 15% of RAM)"
 
 
+FREQ_HELP = "Lower a token's logit by this times its count in the reply so far, in [-2, 2]"
+PRES_HELP = "Lower the logit of every token already in the reply by this, in [-2, 2]"
+
+
 @app.command()
 def generate(
     model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
@@ -83,6 +87,8 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="0 disables top-k"),
     min_p: float = typer.Option(0.0, "--min-p"),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help=FREQ_HELP),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help=PRES_HELP),
     seed: Optional[int] = typer.Option(None, "--seed"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
@@ -106,6 +112,7 @@ def generate(
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
     try:
         params.validate()
@@ -177,6 +184,8 @@ def chat(
     top_k: int = typer.Option(0, "--top-k"),
     min_p: float = typer.Option(0.0, "--min-p"),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help=FREQ_HELP),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help=PRES_HELP),
     seed: Optional[int] = typer.Option(None, "--seed"),
     history_file: Optional[Path] = typer.Option(None, "--history-file", help="Input history (default under ~/.local/state/mlxlocal)"),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
@@ -191,6 +200,7 @@ def chat(
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
     try:
         params.validate()
@@ -259,6 +269,10 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXLOCAL_API_KEY",
                                           help="Require this key (Bearer or x-api-key) on every route but /health"),
     allow_origin: list[str] = typer.Option([], "--allow-origin", help="Browser origin allowed besides localhost (repeatable; * for any)"),
+    allow_host: list[str] = typer.Option(
+        [], "--allow-host", help="Host header accepted besides loopback names (repeatable; * for any). On a "
+        "loopback bind only loopback names are accepted otherwise (DNS-rebinding defence); on other addresses "
+        "any host unless this is given"),
     keep_alive: str = typer.Option("-1", "--keep-alive", help="Unload a model after this idle time (5m, 1h; -1 never)"),
     max_body: str = typer.Option("8MB", "--max-body", help="Largest request body"),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests allowed to wait; more get 429"),
@@ -289,7 +303,8 @@ def serve(
                   "this address can use the models", highlight=False)
     config = ServerConfig(models=list(model), host=host, port=port, api_key=api_key,
                           allowed_origins=list(allow_origin), max_body_bytes=parse_size(max_body),
-                          keep_alive=keep, engine_options=options, served_model_names=list(served_model_name))
+                          keep_alive=keep, engine_options=options, served_model_names=list(served_model_name),
+                          allowed_hosts=list(allow_host))
     if not run_server(config, err):
         raise typer.Exit(1)
 

@@ -74,6 +74,24 @@ def server(tiny_model):
         yield url, app
 
 
+@pytest.fixture
+def doomed_scheduler(monkeypatch):
+    """Arm it with an engine's scheduler: that engine's loop then raises outside any request
+    (the engine dies), to test that nothing waits on it forever."""
+    from mlxlocal.engine.scheduler import Scheduler
+
+    doomed: list[Scheduler] = []
+    original = Scheduler.has_work
+
+    def has_work(self):
+        if self in doomed:
+            raise RuntimeError("injected loop fault")
+        return original.fget(self)
+
+    monkeypatch.setattr(Scheduler, "has_work", property(has_work))
+    return doomed
+
+
 # Fixtures that start `mlxlocal` as a subprocess (a pty for chat): such tests are `slow`,
 # left out of the quick subset (`python -m pytest -m "not slow"`) like modules marked slow.
 SUBPROCESS_FIXTURES = {"chat", "home"}

@@ -112,12 +112,14 @@ def test_too_many_waiting_requests_get_429(server, tiny_model):
     body = {"model": str(tiny_model), "prompt": "count with me", "max_tokens": 200, "ignore_eos": True}
 
     def post(_):
-        return httpx.post(f"{url}/v1/completions", headers=auth(), json=body, timeout=120).status_code
+        return httpx.post(f"{url}/v1/completions", headers=auth(), json=body, timeout=120)
 
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
-        codes = list(pool.map(post, range(24)))
+        responses = list(pool.map(post, range(24)))
+    codes = [r.status_code for r in responses]
     assert 429 in codes and 200 in codes
     assert set(codes) <= {200, 429}
+    assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 429)
 
 
 def test_client_gone_mid_stream_frees_its_blocks(server, tiny_model):

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -33,6 +34,11 @@ class ServerConfig:
     keep_alive: float = float("inf")  # seconds a model stays loaded when idle
     engine_options: dict = field(default_factory=dict)
     served_model_names: list[str] = field(default_factory=list)  # see registry.assign_names
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond loopback; "*" = any
+    body_timeout: float = 30.0  # seconds for a whole request body to arrive (else 408)
+    header_timeout: float = 10.0  # seconds for a request's headers to arrive (else closed)
+    keep_alive_timeout: int = 5  # idle seconds between requests on one connection
+    max_connections: int | None = None  # None: half the open-file limit, at most 4096
 
 
 def is_loopback_origin(origin: str) -> bool:
@@ -44,32 +50,141 @@ def is_loopback_origin(origin: str) -> bool:
     return False
 
 
-class BodyLimit:
-    """Refuse request bodies over the limit (413), whether or not Content-Length is sent."""
+class _BodyError(Exception):
+    """The request body broke a limit while the app read it; Guard answers with `status`."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _host_name(host: str) -> str:
+    """`Host` header -> lower-case name or IP without port or brackets ("[::1]:80" -> "::1")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def is_loopback_host(name: str) -> bool:
+    if name in ("localhost", "localhost.") or name.endswith(".localhost"):
+        return True
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(name).is_loopback
+    return False
+
+
+class Guard:
+    """Pure ASGI guard: Host, Origin, API key, body size and read time, request metrics.
+
+    Pure ASGI rather than @app.middleware("http") (BaseHTTPMiddleware), which hides the
+    client's disconnect from request.is_disconnected() so abandoned requests ran to the end.
+    """
+
+    def __init__(self, app, config: ServerConfig, metrics: Metrics, routes=None):
+        self.app, self.config, self.metrics, self.routes = app, config, metrics, routes
+        self._paths: set[str] | None = None
+        self.allowed_hosts = {h.lower() for h in config.allowed_hosts}
+        # Loopback bind: only loopback names reach us legitimately; anything else is a page on
+        # another site that re-pointed its DNS at 127.0.0.1 (DNS rebinding).
+        self.check_host = bool(self.allowed_hosts) or is_loopback_host(_host_name(config.host))
+
+    def host_allowed(self, host: str | None) -> bool:
+        if not self.check_host or host is None or "*" in self.allowed_hosts:
+            return True  # no Host header: not a browser (browsers always send one)
+        name = _host_name(host)
+        return is_loopback_host(name) or name in self.allowed_hosts or host.lower() in self.allowed_hosts
+
+    def refusal(self, scope) -> tuple[int, str, dict | None] | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        path, cfg = scope["path"], self.config
+        if path != "/health" and not self.host_allowed(headers.get("host")):
+            return 421, f"host {headers.get('host')!r} is not served here (see --allow-host)", None
+        origin = headers.get("origin")
+        allowed = cfg.allowed_origins
+        if origin and not ("*" in allowed or origin in allowed or is_loopback_origin(origin)):
+            # A web page from another site must not drive a local model (CSRF); preflights too.
+            return 403, f"origin {origin} is not allowed (see --allow-origin)", None
+        if cfg.api_key and path != "/health" and scope["method"] != "OPTIONS":
+            bearer = headers.get("authorization", "")
+            given = bearer[7:] if bearer.lower().startswith("bearer ") else headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
+                return 401, "missing or wrong API key", {"WWW-Authenticate": "Bearer"}
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cfg.max_body_bytes:
+            return 413, f"request body over the {cfg.max_body_bytes}-byte limit", {"Connection": "close"}
+        return None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-        too_big = error_response(scope["path"], 413, f"request body over the {self.limit}-byte limit")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await too_big(scope, receive, send)
-        seen = 0
+        path, status = scope["path"], 500
+        refused = self.refusal(scope)
+        if refused is not None:
+            status = refused[0]
+            await error_response(path, refused[0], refused[1], headers=refused[2])(scope, receive, send)
+            return self.count(scope, status)
+        limit, timeout = self.config.max_body_bytes, self.config.body_timeout
+        deadline = time.monotonic() + timeout
+        seen, body_done, failed, started = 0, False, None, False
 
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
+        async def guarded_receive():
+            nonlocal seen, body_done, failed
+            if body_done or failed is not None:
+                return await receive()  # after the body: disconnect polling must not time out
+            try:
+                # One deadline for the whole body: a byte a second must not keep a slot forever.
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                failed = _BodyError(408, f"request body not received within {timeout:g} s")
+                raise failed from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise APIError(413, f"request body over the {self.limit}-byte limit")
+                body_done = not message.get("more_body", False)
+                if seen > limit:
+                    failed = _BodyError(413, f"request body over the {limit}-byte limit")
+                    raise failed
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message):
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                if failed is not None:  # the route turned our error into its own: answer ours
+                    raise failed
+                started, status = True, message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, guarded_send)
+        except BaseException as e:
+            error = failed if failed is not None else _body_error_in(e)
+            if error is None or started:
+                raise
+            # Close: the client may still be sending the rest of the body.
+            status = error.status
+            await error_response(path, error.status, error.message, headers={"Connection": "close"})(
+                scope, receive, send)
+        finally:
+            self.count(scope, status)
+
+    def count(self, scope, status: int) -> None:
+        if self._paths is None:
+            self._paths = {getattr(r, "path", "") for r in getattr(self.routes, "routes", [])}
+        # Route templates, not raw paths: a scan of random URLs must not grow the label set.
+        path = scope["path"]
+        label = path if path in self._paths else getattr(scope.get("route"), "path", None) or "other"
+        self.metrics.requests.labels(label, str(status)).inc()
+
+
+def _body_error_in(e: BaseException) -> _BodyError | None:
+    """Our body error, possibly wrapped (ExceptionGroup, `raise ... from`) by the framework."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, _BodyError):
+            return e
+        e = e.exceptions[0] if getattr(e, "exceptions", None) else (e.__cause__ or e.__context__)
+    return None
 
 
 def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> FastAPI:
@@ -96,26 +211,6 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app = FastAPI(title="mlxlocal", version=__version__, lifespan=lifespan)
     app.state.registry, app.state.metrics, app.state.config = registry, metrics, config
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        origin = request.headers.get("origin")
-        allowed = config.allowed_origins
-        if origin and not ("*" in allowed or origin in allowed or is_loopback_origin(origin)):
-            # A web page from another site must not drive a local model (CSRF, DNS rebinding).
-            return error_response(request.url.path, 403, f"origin {origin} is not allowed (see --allow-origin)")
-        if config.api_key and request.url.path != "/health" and request.method != "OPTIONS":
-            bearer = request.headers.get("authorization", "")
-            given = bearer[7:] if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(given.encode(), config.api_key.encode()):
-                return error_response(request.url.path, 401, "missing or wrong API key",
-                                      headers={"WWW-Authenticate": "Bearer"})
-        try:
-            response = await call_next(request)
-        except APIError as e:  # raised by the body limit while a route reads the body
-            response = error_response(request.url.path, e.status, e.message, e.param, e.code)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
-
     app.add_middleware(
         CORSMiddleware,
         allow_origins=[o for o in config.allowed_origins if o != "*"] or [],
@@ -124,11 +219,12 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         allow_methods=["*"],
         allow_headers=["*"],
     )
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    # Outermost, so a foreign preflight gets a JSON 403 before CORSMiddleware answers it.
+    app.add_middleware(Guard, config=config, metrics=metrics, routes=app)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return error_response(request.url.path, e.status, e.message, e.param, e.code)
+        return error_response(request.url.path, e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
@@ -148,7 +244,8 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         while getattr(cause, "exceptions", None):
             cause = cause.exceptions[0]
         if isinstance(cause, APIError):
-            return error_response(request.url.path, cause.status, cause.message, cause.param, cause.code)
+            return error_response(request.url.path, cause.status, cause.message, cause.param, cause.code,
+                                  cause.headers)
         return error_response(request.url.path, e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
@@ -157,8 +254,10 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "models": [m.name for m in registry.models],
-                "loaded": [m.name for m in registry.loaded()]}
+        from fastapi.responses import JSONResponse
+
+        status, body = registry.health()  # 503 naming the model while its engine is stopped
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus():

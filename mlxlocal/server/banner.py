@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import resource
+import time
+
 import uvicorn
 from rich.console import Console
 from rich.text import Text
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxlocal import __version__
 from mlxlocal.server.app import ServerConfig, create_app
@@ -69,11 +74,125 @@ class BannerServer(uvicorn.Server):
         self.console.print(Text("\n") + text + Text("\n"), highlight=False)
 
 
+class HeaderDeadline(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline for a request's headers.
+
+    uvicorn times out idle keep-alive connections, but a client that trickles its headers (a
+    byte every few seconds: slowloris) resets nothing and holds its socket forever. The clock
+    starts when the connection opens or a new request's first byte arrives, stops once the
+    headers are parsed (a cycle exists), and closes the connection when it runs out.
+    """
+
+    header_timeout = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and getattr(self, "_header_timer", None) is None:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._stop_header_timer()  # the headers are in: the body has its own timeout
+
+    def connection_lost(self, exc) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def _stop_header_timer(self) -> None:
+        timer, self._header_timer = getattr(self, "_header_timer", None), None
+        if timer is not None:
+            timer.cancel()
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            self.transport.close()
+
+
+def raise_open_file_limit() -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit (every connection is a descriptor); the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def connection_cap(config: ServerConfig, open_files: int) -> int:
+    """Connections served at once (more get 503): well below the open-file limit, which also
+    covers model files, the log and the accept loop."""
+    if config.max_connections:
+        return config.max_connections
+    return max(32, min(4096, open_files // 2))
+
+
+def uvicorn_config(app, config: ServerConfig, open_files: int | None = None, **kwargs) -> uvicorn.Config:
+    """uvicorn settings that bound what one client can hold: connections, idle and header time,
+    the size of an unfinished request head."""
+    protocol = type("HeaderDeadline", (HeaderDeadline,), {"header_timeout": config.header_timeout})
+    files = open_files or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return uvicorn.Config(app, host=config.host, port=config.port, http=protocol,
+                          limit_concurrency=connection_cap(config, files),
+                          timeout_keep_alive=config.keep_alive_timeout,
+                          h11_max_incomplete_event_size=64 * 1024,
+                          # On SIGTERM, streams get this long to finish, then are cancelled: a
+                          # 400-token stream must not hold the shutdown for minutes.
+                          timeout_graceful_shutdown=5, **kwargs)
+
+
+class RepeatFilter(logging.Filter):
+    """Let the first `burst` copies of a log message through per `interval` seconds, then drop
+    them; the next copy after the interval says how many were suppressed. A flood of identical
+    errors ("Too many open files" from the accept loop) must not fill the disk."""
+
+    def __init__(self, burst: int = 5, interval: float = 10.0, max_keys: int = 1024):
+        super().__init__()
+        self.burst, self.interval, self.max_keys = burst, interval, max_keys
+        self.seen: dict[tuple, list] = {}  # key -> [window start, count in window, suppressed]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, str(record.msg)[:200], str(record.exc_info and record.exc_info[0]))
+        now = time.monotonic()
+        entry = self.seen.get(key)
+        if entry is None or now - entry[0] >= self.interval:
+            suppressed = entry[2] if entry else 0
+            if len(self.seen) >= self.max_keys:
+                self.seen.clear()  # bounded memory; at worst a few extra lines get through
+            self.seen[key] = [now, 1, 0]
+            if suppressed:
+                record.msg = f"{record.msg} (suppressed {suppressed} similar messages)"
+            return True
+        entry[1] += 1
+        if entry[1] <= self.burst:
+            return True
+        entry[2] += 1
+        return False
+
+
+def install_log_filter(names=("asyncio", "uvicorn", "uvicorn.error", "mlxlocal")) -> RepeatFilter:
+    """One RepeatFilter on the loggers that can flood (a logger's filters see only its own records)."""
+    flt = RepeatFilter()
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RepeatFilter) for f in logger.filters):
+            logger.addFilter(flt)
+    return flt
+
+
 def run_server(config: ServerConfig, console: Console | None = None) -> bool:
     """Serve until interrupted (uvicorn's logs, access log included); False if it never started."""
     app = create_app(config)
-    server = BannerServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info"),
-                          config, app.state.registry, console or Console(stderr=True, soft_wrap=True))
+    files = raise_open_file_limit()
+    uv = uvicorn_config(app, config, files, log_level="info")
+    install_log_filter()  # after uvicorn.Config, which (re)configures uvicorn's loggers
+    server = BannerServer(uv, config, app.state.registry, console or Console(stderr=True, soft_wrap=True))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it handled, once shut down

@@ -11,6 +11,12 @@ class Metrics:
         self.requests = Counter("mlxlocal_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("mlxlocal_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generated_tokens = Counter("mlxlocal_generated_tokens", "Tokens generated", registry=r)
+        self.cancelled = Counter("mlxlocal_requests_cancelled", "Generations cut short because the client went away",
+                                 registry=r)
+        self.cancelled_unspent = Counter(
+            "mlxlocal_cancelled_max_tokens_unspent",
+            "Upper bound of generation tokens saved by cancellations (max_tokens minus tokens generated)",
+            registry=r)
         self.running = Gauge("mlxlocal_requests_running", "Requests decoding or prefilling", registry=r)
         self.waiting = Gauge("mlxlocal_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_used = Gauge("mlxlocal_kv_blocks_used", "KV blocks referenced by sequences", registry=r)
