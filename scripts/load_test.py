@@ -146,7 +146,8 @@ def start_server(model: str) -> tuple[str, object]:
     # The settings `mlxlocal serve` uses (header timeout, connection cap, keep-alive).
     files = raise_open_file_limit()
     server = uvicorn.Server(uvicorn_config(create_app(config), config, files, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    server.thread = threading.Thread(target=server.run, daemon=True)
+    server.thread.start()
     deadline = time.monotonic() + 120
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -209,7 +210,10 @@ def main() -> None:
     }
     print(json.dumps(report) if args.json else "\n".join(f"{k:28} {v}" for k, v in report.items()))
     if server is not None:
+        # Wait for the lifespan shutdown (engine thread joined): exiting while the engine
+        # thread still holds its MLX stream aborts the process.
         server.should_exit = True
+        server.thread.join(timeout=30)
 
 
 if __name__ == "__main__":

@@ -272,6 +272,10 @@ class PagedEngine(EngineBase):
     def _loop(self) -> None:
         while self.dead_reason is None:
             block = not self.scheduler.has_work
+            if block and not self._inflight:
+                # Idle: hand MLX's buffer cache back to the system, so one large request
+                # does not keep its peak memory for the life of the server.
+                mx.clear_cache()
             try:
                 while True:
                     item = self._inbox.get(block=block)
