@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlxlocal.errors import ModelLoadError, UnsupportedModelError
 from mlxlocal.models import llama
 from mlxlocal.models.config import ModelConfig, parse_config
+from mlxlocal.models.hf_compat import normalize_for_mlx_lm
 from mlxlocal.models.kv import DenseKV, LayerKV
 
 __all__ = [
@@ -61,6 +62,8 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array], path: str)
             # Configs that omit the flag: the checkpoint itself says whether a head exists.
             cfg.tie_word_embeddings = "lm_head.weight" not in weights
         return NATIVE_TYPES[model_type].Model(cfg), cfg
+    # mlx-lm 0.32 reads transformers-4 field names; configs saved by transformers 5 need mapping.
+    config = normalize_for_mlx_lm(config)
     model_cls, args_cls = _mlx_lm_classes(config)
     try:
         return model_cls(args_cls.from_dict(config)), None
