@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal.engine import SamplingParams
 from mlxlocal.server.errors import APIError, read_json_object
-from mlxlocal.server.generation import run
-from mlxlocal.server.parse import Event, OutputParser
+from mlxlocal.server.events import Finish, StreamEvent, open_events
+from mlxlocal.server.parse import Event
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -181,12 +181,6 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
     return engine, ids, tools
 
 
-def _starts_in_reasoning(engine, ids: list[int]) -> bool:
-    tok = engine.tokenizer
-    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
-    return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
-
-
 def new_message_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
@@ -239,14 +233,13 @@ class Blocks:
         return out
 
 
-def stop_info(engine, parser: OutputParser, finish: str | None, tokens: list[int],
-              stops: list[str]) -> tuple[str, str | None]:
-    if parser.made_tool_calls:
+def stop_info(engine, done: Finish, stops: list[str]) -> tuple[str, str | None]:
+    if done.tool_calls:
         return "tool_use", None
-    if finish == "length":
+    if done.reason == "length":
         return "max_tokens", None
-    if finish == "stop" and stops:
-        raw = engine.decode(tokens)
+    if done.reason == "stop" and stops:
+        raw = engine.decode(done.tokens)
         hits = [(raw.find(s), s) for s in stops if s in raw]
         if hits:
             return "stop_sequence", min(hits)[1]
@@ -259,35 +252,22 @@ def usage(stats, prompt_len: int, out_tokens: int) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-async def _events(request, engine, ids, params, tools, first, chunks) -> AsyncIterator[dict]:
+async def _events(engine, ids, params, events: AsyncIterator[StreamEvent]) -> AsyncIterator[dict]:
     """All of a message's stream events after message_start."""
-    parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning=_starts_in_reasoning(engine, ids))
     blocks = Blocks()
-    tokens: list[int] = []
-    last = None
-
-    async def all_chunks():
-        yield first
-        async for c in chunks:
-            yield c
-
-    async for chunk in all_chunks():
-        if chunk.token is not None:
-            tokens.append(chunk.token)
-        for ev in parser.feed(chunk.text):
+    async for ev in events:
+        if ev.kind == "token":
+            continue
+        if ev.kind != "finish":
             for out in blocks.feed(ev):
                 yield out
-        last = chunk
-    for ev in parser.finish():
-        for out in blocks.feed(ev):
+            continue
+        for out in blocks.close():
             yield out
-    for out in blocks.close():
-        yield out
-    stats = last.stats if last else None
-    reason, seq = stop_info(engine, parser, last.finish_reason if last else None, tokens, params.stop)
-    out_tokens = stats.completion_tokens if stats else len(tokens)
-    yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-           "usage": usage(stats, len(ids), out_tokens)}
+        reason, seq = stop_info(engine, ev, params.stop)
+        out_tokens = ev.stats.completion_tokens if ev.stats else len(ev.tokens)
+        yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+               "usage": usage(ev.stats, len(ids), out_tokens)}
 
 
 def _message(model: str, content: list, prompt_len: int) -> dict:
@@ -307,12 +287,9 @@ async def messages(request: Request):
     params = sampling_params(body)
     engine, ids, tools = await prepare(request, body, params)
     model = body["model"]
-    chunks = run(request, engine, ids, params, request.app.state.metrics)
-    try:
-        first = await chunks.__anext__()  # errors before any output are real HTTP errors
-    except StopAsyncIteration:
-        raise APIError(500, "the engine returned no output") from None
-    events = _events(request, engine, ids, params, tools, first, chunks)
+    # Errors before any output (context, queue, dead engine) raise here, as HTTP errors.
+    parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
+    events = _events(engine, ids, params, parsed)
 
     if not body.get("stream", False):
         message = _message(model, [], len(ids))

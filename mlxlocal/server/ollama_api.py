@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mlxlocal import __version__
 from mlxlocal.engine import SamplingParams
 from mlxlocal.server.errors import APIError, read_json_object
-from mlxlocal.server.generation import run
-from mlxlocal.server.parse import OutputParser
+from mlxlocal.server.events import StreamEvent, open_events
 from mlxlocal.server.registry import parse_duration
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
@@ -162,12 +161,6 @@ def convert_messages(messages: Any) -> list[dict]:
     return out
 
 
-def _starts_in_reasoning(engine, ids: list[int]) -> bool:
-    tok = engine.tokenizer
-    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
-    return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
-
-
 def _timings(t_start: float, load_ns: int, stats, n_out: int) -> dict:
     total = int((time.perf_counter() - t_start) * NS)
     prompt_ns = int(stats.ttft_s * NS) if stats else 0
@@ -177,59 +170,31 @@ def _timings(t_start: float, load_ns: int, stats, n_out: int) -> dict:
             "eval_count": stats.completion_tokens if stats else n_out, "eval_duration": eval_ns}
 
 
-async def _pieces(request, engine, ids, params, tools, think) -> AsyncIterator[tuple[str, Any]]:
-    """("content"|"thinking", text), ("tool_call", {...}) and finally ("done", (reason, stats))."""
-    chunks = run(request, engine, ids, params, request.app.state.metrics)
-    first = await chunks.__anext__()  # errors before any output are HTTP errors
-    yield "started", None
-    parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning=_starts_in_reasoning(engine, ids))
-    last = first
-    n = 0
-
-    async def all_chunks():
-        yield first
-        async for c in chunks:
-            yield c
-
-    after_reasoning = False
-
-    def convert(events):
-        nonlocal after_reasoning
-        for ev in events:
-            if ev.kind == "content":
-                text = ev.text.lstrip() if after_reasoning else ev.text  # the blank line after </think>
-                after_reasoning = after_reasoning and not text
-                if text:
-                    yield "content", text
-            elif ev.kind == "reasoning":
-                after_reasoning = True
-                if think is not False:
-                    yield "thinking", ev.text
-            else:
-                try:
-                    args = json.loads(ev.arguments or "{}")
-                except ValueError:
-                    args = {"_raw": ev.arguments}
-                yield "tool_call", {"function": {"name": ev.name, "arguments": args}}
-
-    async for chunk in all_chunks():
-        last = chunk
-        n += chunk.token is not None
-        for piece in convert(parser.feed(chunk.text)):
-            yield piece
-    for piece in convert(parser.finish()):
-        yield piece
-    reason = "length" if last.finish_reason == "length" else "stop"
-    yield "done", (reason, last.stats, n)
+async def _pieces(events: AsyncIterator[StreamEvent], think) -> AsyncIterator[tuple[str, Any]]:
+    """("content"|"thinking", text), ("tool_call", {...}) and finally ("done", (reason, stats, n))."""
+    async for ev in events:
+        if ev.kind == "content":
+            yield "content", ev.text
+        elif ev.kind == "reasoning":
+            if think is not False:
+                yield "thinking", ev.text
+        elif ev.kind == "tool_call":
+            try:
+                args = json.loads(ev.arguments or "{}")
+            except ValueError:
+                args = {"_raw": ev.arguments}
+            yield "tool_call", {"function": {"name": ev.name, "arguments": args}}
+        elif ev.kind == "finish":
+            yield "done", ("length" if ev.reason == "length" else "stop", ev.stats, len(ev.tokens))
 
 
 async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tools, think, chat: bool):
-    pieces = _pieces(request, engine, ids, params, tools, think)
-    try:
-        await pieces.__anext__()  # "started": bad requests fail here, as HTTP errors
+    try:  # bad requests fail here, as HTTP errors
+        events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
     except BaseException:
         release(m)
         raise
+    pieces = _pieces(events, think)
     model = body["model"]
 
     def base() -> dict:

@@ -34,9 +34,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import Chunk, SamplingParams
-from mlxlocal.server import generation
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.parse import Event, OutputParser
+from mlxlocal.server.events import StreamEvent, open_chunks, open_events
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
@@ -227,29 +226,6 @@ def _stream_response(body: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _first(request: Request, engine, ids: list[int], params: SamplingParams):
-    """Start the request and wait for its first chunk, so a refused request is a real HTTP error."""
-    chunks = generation.run(request, engine, ids, params, request.app.state.metrics)
-    try:
-        first = await chunks.__anext__()
-    except StopAsyncIteration:  # pragma: no cover - the engine always ends with a final chunk
-        first = Chunk("", None, "stop")
-    except BaseException:
-        await chunks.aclose()
-        raise
-    return first, chunks
-
-
-async def _all(first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    try:
-        yield first
-        if first.finish_reason is None:
-            async for chunk in chunks:
-                yield chunk
-    finally:
-        await chunks.aclose()
-
-
 def _error_event(e: BaseException) -> str:
     if isinstance(e, APIError):
         return _sse({"error": {"message": e.message, "type": "invalid_request_error", "param": e.param,
@@ -379,15 +355,6 @@ def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | Non
     return tools
 
 
-def _starts_in_reasoning(engine, ids: list[int]) -> bool:
-    tok = engine.tokenizer
-    if not getattr(tok, "has_thinking", False):
-        return False
-    tail = engine.decode(ids[-20:])
-    start = tail.rfind(tok.think_start)
-    return start >= 0 and start > tail.rfind(tok.think_end)
-
-
 async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, f"response_format type '{req.response_format.type}' is not supported by this "
@@ -411,40 +378,32 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     engine, ids, params, tools = await _prepare_chat(req, request)
-    parser = OutputParser(engine.tokenizer, tools, _starts_in_reasoning(engine, ids))
-    first, chunks = await _first(request, engine, ids, params)
+    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
     meta = {"id": _new_id("chatcmpl"), "created": int(time.time()), "model": req.model}
     text_of = _TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream_response(_chat_stream(_all(first, chunks), parser, meta, params, include_usage, text_of))
-    return await _chat_whole(_all(first, chunks), parser, meta, params, text_of)
+        return _stream_response(_chat_stream(events, meta, params, include_usage, text_of))
+    return await _chat_whole(events, meta, params, text_of)
 
 
-async def _chat_whole(chunks, parser: OutputParser, meta: dict, params: SamplingParams, text_of) -> dict:
+async def _chat_whole(events: AsyncIterator[StreamEvent], meta: dict, params: SamplingParams, text_of) -> dict:
     content, reasoning, calls, logprobs = [], [], [], []
-    last = None
-
-    def take(events: list[Event]):
-        for e in events:
-            if e.kind == "content":
-                content.append(e.text)
-            elif e.kind == "reasoning":
-                reasoning.append(e.text)
-            else:
-                calls.append({"id": e.id, "type": "function",
-                              "function": {"name": e.name, "arguments": e.arguments}})
-
-    async for chunk in chunks:
-        last = chunk
-        take(parser.feed(chunk.text))
-        if params.logprobs is not None and chunk.token is not None:
-            logprobs.append(_chat_logprob(chunk, text_of))
-    take(parser.finish())
-    text = "".join(content)
-    message: dict[str, Any] = {"role": "assistant", "content": text.lstrip() if reasoning else text}
+    async for e in events:
+        if e.kind == "token":
+            if params.logprobs is not None:
+                logprobs.append(_chat_logprob(e.chunk, text_of))
+        elif e.kind == "content":
+            content.append(e.text)
+        elif e.kind == "reasoning":
+            reasoning.append(e.text)
+        elif e.kind == "tool_call":
+            calls.append({"id": e.id, "type": "function", "function": {"name": e.name, "arguments": e.arguments}})
+        else:
+            done = e
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
     if reasoning:
-        message["reasoning_content"] = "".join(reasoning).strip()
+        message["reasoning_content"] = "".join(reasoning).rstrip()
     if calls:
         message["tool_calls"] = calls
         if not message["content"].strip():
@@ -453,17 +412,16 @@ async def _chat_whole(chunks, parser: OutputParser, meta: dict, params: Sampling
         "index": 0,
         "message": message,
         "logprobs": {"content": logprobs, "refusal": None} if params.logprobs is not None else None,
-        "finish_reason": _finish_reason(last.finish_reason if last else None, bool(calls)),
+        "finish_reason": _finish_reason(done.reason, bool(calls)),
     }
-    return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(last.stats if last else None)}
+    return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(done.stats)}
 
 
-async def _chat_stream(chunks, parser: OutputParser, meta: dict, params: SamplingParams,
+async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: SamplingParams,
                        include_usage: bool, text_of) -> AsyncIterator[str]:
     base = {**meta, "object": "chat.completion.chunk"}
-    pending_logprobs: list[dict] = []
+    pending_logprobs: list[dict] = []  # sent with the next delta
     n_calls = 0
-    trim = {"reasoning": True, "content": False}  # drop whitespace that only pads the think block
 
     def delta_chunk(delta: dict, finish: str | None = None) -> str:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -472,42 +430,23 @@ async def _chat_stream(chunks, parser: OutputParser, meta: dict, params: Samplin
             pending_logprobs.clear()
         return _sse({**base, "choices": [choice]})
 
-    def render(events: list[Event]) -> list[str]:
-        nonlocal n_calls
-        out = []
-        for e in events:
-            if e.kind == "tool_call":
-                out.append(delta_chunk({"tool_calls": [{
-                    "index": n_calls, "id": e.id, "type": "function",
-                    "function": {"name": e.name, "arguments": e.arguments}}]}))
-                n_calls += 1
-                continue
-            text = e.text
-            if e.kind == "reasoning":
-                trim["content"] = True
-            if trim[e.kind]:
-                text = text.lstrip()
-                if not text:
-                    continue
-                trim[e.kind] = False
-            out.append(delta_chunk({"reasoning_content": text} if e.kind == "reasoning" else {"content": text}))
-        return out
-
-    last = None
     try:
         yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]})
-        async for chunk in chunks:
-            last = chunk
-            if params.logprobs is not None and chunk.token is not None:
-                pending_logprobs.append(_chat_logprob(chunk, text_of))
-            for line in render(parser.feed(chunk.text)):
-                yield line
-        for line in render(parser.finish()):
-            yield line
-        yield delta_chunk({}, _finish_reason(last.finish_reason if last else None, n_calls > 0))
-        if include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(last.stats if last else None)})
+        async for e in events:
+            if e.kind == "token":
+                if params.logprobs is not None:
+                    pending_logprobs.append(_chat_logprob(e.chunk, text_of))
+            elif e.kind == "tool_call":
+                yield delta_chunk({"tool_calls": [{"index": n_calls, "id": e.id, "type": "function",
+                                                   "function": {"name": e.name, "arguments": e.arguments}}]})
+                n_calls += 1
+            elif e.kind in ("content", "reasoning"):
+                yield delta_chunk({"reasoning_content" if e.kind == "reasoning" else "content": e.text})
+            else:
+                yield delta_chunk({}, _finish_reason(e.reason, n_calls > 0))
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": _usage(e.stats)})
     except Exception as e:  # after the headers went out: report in the stream
         yield _error_event(e)
     yield "data: [DONE]\n\n"
@@ -560,7 +499,7 @@ async def completions(req: CompletionRequest, request: Request):
     ids = await _prompt_ids(req, engine)
     check_params(params, names, engine, ids)
     echo = engine.decode(ids) if req.echo else ""
-    first, chunks = await _first(request, engine, ids, params)
+    chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics)
     meta = {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": req.model}
     text_of = _TokenText(engine.tokenizer)
     want_logprobs = params.logprobs is not None
@@ -573,7 +512,7 @@ async def completions(req: CompletionRequest, request: Request):
                 if echo:
                     yield _sse({**meta, "choices": [{"index": 0, "text": echo, "logprobs": None,
                                                      "finish_reason": None}]})
-                async for chunk in _all(first, chunks):
+                async for chunk in chunks:
                     last = chunk
                     lp = None
                     if want_logprobs and chunk.token is not None:
@@ -591,7 +530,7 @@ async def completions(req: CompletionRequest, request: Request):
 
         return _stream_response(stream())
     texts, entries, last = [echo], [], None
-    async for chunk in _all(first, chunks):
+    async for chunk in chunks:
         last = chunk
         texts.append(chunk.text)
         if want_logprobs and chunk.token is not None:

@@ -1,0 +1,126 @@
+"""Engine chunks -> parsed events, once for every API dialect; the routers only translate.
+
+`open_events` starts a request and awaits its first chunk, so a refused request (context,
+queue, pool, dead engine) raises as a real HTTP error before any response byte. The
+stream it returns yields, in order:
+  Token(chunk)                  each generated token, before the text events it produced
+  Event("reasoning"|"content")  text (parse.Event), whitespace that only pads a think block
+                                already dropped
+  Event("tool_call")            a parsed call (name, arguments as JSON text, id)
+  Finish(...)                   last: the engine's finish reason, stats, generated ids
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from mlxlocal.engine import Chunk, SamplingParams
+from mlxlocal.engine.types import GenerationStats
+from mlxlocal.server import generation
+from mlxlocal.server.errors import APIError
+from mlxlocal.server.metrics import Metrics
+from mlxlocal.server.parse import Event, OutputParser
+
+
+@dataclass
+class Token:
+    chunk: Chunk  # for logprobs
+    kind: str = "token"
+
+
+@dataclass
+class Finish:
+    reason: str | None  # the engine's: "stop" | "length" | "cancelled"
+    stats: GenerationStats | None
+    tokens: list[int] = field(default_factory=list)  # generated ids
+    tool_calls: bool = False  # the parser found at least one call
+    kind: str = "finish"
+
+
+StreamEvent = Token | Event | Finish
+
+
+def starts_in_reasoning(engine, ids: list[int]) -> bool:
+    """Whether generation begins inside a think block: the prompt ends with the opening
+    marker (templates such as DeepSeek-R1 / QwQ put it after the assistant header).
+    Only the very end counts: an unclosed marker earlier in the tail is message text (a
+    user asking about `<think>`), and treating it as open would file the answer as reasoning."""
+    tok = engine.tokenizer
+    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
+    return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
+
+
+async def open_chunks(request: Request, engine, ids: list[int], params: SamplingParams,
+                      metrics: Metrics) -> AsyncIterator[Chunk]:
+    """Start the request and await its first chunk (errors raise here, as HTTP errors);
+    return all of its chunks, that first one included."""
+    chunks = generation.run(request, engine, ids, params, metrics)
+    try:
+        first = await chunks.__anext__()
+    except StopAsyncIteration:  # the engine always ends with a final chunk
+        raise APIError(500, "the engine returned no output") from None
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return _rest(first, chunks)
+
+
+async def _rest(first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    try:
+        yield first
+        if first.finish_reason is None:
+            async for chunk in chunks:
+                yield chunk
+    finally:
+        await chunks.aclose()  # cancels the request if the consumer stopped early
+
+
+async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
+                      tools: list[dict] | None, metrics: Metrics) -> AsyncIterator[StreamEvent]:
+    """`open_chunks`, parsed into events (see the module docstring)."""
+    parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning(engine, ids))
+    return parse_chunks(await open_chunks(request, engine, ids, params, metrics), parser)
+
+
+class _Trim:
+    """Drop whitespace that only pads a think block: at the start of the reasoning, and at
+    the start of the answer after it (templates and models put newlines around the tags)."""
+
+    def __init__(self):
+        self.pending = {"reasoning": True, "content": False}
+
+    def __call__(self, events: Iterable[Event]) -> Iterable[Event]:
+        for e in events:
+            if e.kind == "tool_call":
+                yield e
+                continue
+            if e.kind == "reasoning":
+                self.pending["content"] = True
+            if self.pending[e.kind]:
+                text = e.text.lstrip()
+                if not text:
+                    continue
+                self.pending[e.kind] = False
+                e = Event(e.kind, text)
+            yield e
+
+
+async def parse_chunks(chunks: AsyncIterator[Chunk], parser: OutputParser) -> AsyncIterator[StreamEvent]:
+    trim, tokens, last = _Trim(), [], None
+    try:
+        async for chunk in chunks:
+            last = chunk
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+                yield Token(chunk)
+            for e in trim(parser.feed(chunk.text)):
+                yield e
+        for e in trim(parser.finish()):
+            yield e
+    finally:
+        await chunks.aclose()
+    yield Finish(last.finish_reason if last else None, last.stats if last else None, tokens,
+                 parser.made_tool_calls)
