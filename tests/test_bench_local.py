@@ -12,7 +12,7 @@ from conftest import FAMILY_CONFIGS, build_tiny
 from typer.testing import CliRunner
 
 from mlxlocal.bench import roofline
-from mlxlocal.cli_bench import register
+from mlxlocal.cli.bench import register
 
 app = typer.Typer()
 register(app)

@@ -324,11 +324,11 @@ def test_convert_output_loads_in_mlx_lm(ggufs, tmp_path, family, qtype):
     import typer
     from typer.testing import CliRunner
 
-    from mlxlocal import cli_convert
+    from mlxlocal.cli import convert as cli_convert
 
     app = typer.Typer()
     cli_convert.register(app)
-    app.command("noop")(lambda: None)  # a multi-command app, as in cli.py
+    app.command("noop")(lambda: None)  # a multi-command app, as in mlxlocal.cli
     out = tmp_path / "mlx"
     src = ggufs(family, qtype)
     result = CliRunner().invoke(app, ["convert", "--model", str(src), "--out", str(out), "--json"])

@@ -13,7 +13,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from mlxlocal import cli_models, hub, synthetic
+from mlxlocal import hub, synthetic
+from mlxlocal.cli import models as cli_models
 from mlxlocal.errors import ModelLoadError, ModelNotFoundError
 
 REPO = "mlx-community/Qwen3-0.6B-4bit"  # what the `qwen3-0.6b` alias points at

@@ -306,7 +306,7 @@ def test_cli_quantize_and_perplexity(fp_model, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from mlxlocal.cli_quant import register
+    from mlxlocal.cli.quant import register
 
     app = typer.Typer()
     register(app)

@@ -10,14 +10,21 @@ first stream ends).
 
 from __future__ import annotations
 
-import random
 import statistics
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
+from mlxlocal.bench import scenarios
+from mlxlocal.bench.common import (
+    StreamTimes,
+    log,
+    mean_sd,
+    peak_memory,
+    random_prompt,
+    reset_peak,
+    run_streams,
+    window_decode_tps,
+)
 from mlxlocal.bench.roofline import (
     DTYPE_BYTES,
     decode_roofline,
@@ -40,102 +47,6 @@ def on_metal() -> bool:
 
 def defaults() -> dict:
     return dict(METAL_DEFAULTS if on_metal() else CPU_DEFAULTS, backend="metal" if on_metal() else "cpu")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def reset_peak() -> None:
-    import mlx.core as mx
-
-    mx.reset_peak_memory()
-
-
-def peak_memory() -> int:
-    import mlx.core as mx
-
-    return int(mx.get_peak_memory())
-
-
-def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
-    """n token ids, deterministic in seed, clear of the special tokens at the top of the vocab."""
-    rng = random.Random(seed)
-    hi = max(20, vocab - 256)
-    return [rng.randrange(10, hi) for _ in range(n)]
-
-
-def mean_sd(xs: list[float]) -> dict:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return dict(mean=None, sd=None, n=0)
-    return dict(mean=statistics.fmean(xs), sd=statistics.stdev(xs) if len(xs) > 1 else 0.0, n=len(xs))
-
-
-def median(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else float("nan")
-
-
-# ------------------------------------------------------------------ timing one stream
-@dataclass
-class StreamTimes:
-    t0: float
-    times: list[float] = field(default_factory=list)
-    stats: Any = None  # the engine's GenerationStats (None for mlx-lm)
-
-    @property
-    def ttft(self) -> float:
-        return self.times[0] - self.t0
-
-    @property
-    def decode_tps(self) -> float | None:
-        n = len(self.times)
-        span = self.times[-1] - self.times[0] if n else 0.0
-        return (n - 1) / span if n > 1 and span > 0 else None
-
-
-class Consumer(threading.Thread):
-    """Drain one request handle, timestamping each token as it arrives."""
-
-    def __init__(self, handle, t0: float):
-        super().__init__(daemon=True)
-        self.handle, self.st = handle, StreamTimes(t0)
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for c in self.handle:
-                if c.token is not None:
-                    self.st.times.append(time.perf_counter())
-                if c.finish_reason is not None:
-                    self.st.stats = c.stats
-        except BaseException as e:  # surfaced by the caller
-            self.error = e
-
-
-def run_streams(engine, prompts: list[list[int]], params) -> list[StreamTimes]:
-    """Submit all prompts at once (engine.submit is thread-safe), drain each in a thread."""
-    t0 = time.perf_counter()
-    consumers = [Consumer(engine.submit(p, params), t0) for p in prompts]
-    for c in consumers:
-        c.start()
-    for c in consumers:
-        c.join()
-    for c in consumers:
-        if c.error is not None:
-            raise c.error
-    return [c.st for c in consumers]
-
-
-def window_decode_tps(streams: list[StreamTimes]) -> float | None:
-    """Aggregate decode tok/s while every stream decodes (see module docstring)."""
-    if any(len(s.times) < 2 for s in streams):
-        return None
-    w0 = max(s.times[0] for s in streams)
-    w1 = min(s.times[-1] for s in streams)
-    n = sum(1 for s in streams for t in s.times if w0 < t <= w1)
-    return n / (w1 - w0) if w1 > w0 and n else None
 
 
 def run_ours(engine, prompts: list[list[int]], gen_tokens: int) -> dict:
@@ -259,7 +170,6 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
     """Load the model and run the speed section, or one scenario; one JSON-able dict."""
     import mlx.core as mx
 
-    from mlxlocal.bench import scenarios
     from mlxlocal.loader import load
 
     d = defaults()

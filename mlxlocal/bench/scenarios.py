@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from mlxlocal.bench.local import log, median, random_prompt, run_streams, window_decode_tps
+from mlxlocal.bench.common import log, median, random_prompt, run_streams, window_decode_tps
 
 # ------------------------------------------------------------------ agent trace
 SYSTEM_SENTENCES = [

@@ -1,7 +1,7 @@
-"""Model management commands: `pull`, `list`, `rm`.
+"""Model commands: `show` (load and describe), `pull`, `list`, `rm` (the HF cache).
 
-`cli.py` calls `register(app)`; each command prints errors from mlxlocal.errors as one
-red line on stderr and exits with code 1.
+The package calls `register(app)`; pull / list / rm print errors from mlxlocal.errors as
+one red line on stderr and exit with code 1.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rich.text import Text
 
 from mlxlocal import hub, synthetic
 from mlxlocal.catalog import load_catalog
+from mlxlocal.cli.common import MODEL_HELP, fail, human_bytes, human_count
 from mlxlocal.errors import MlxLocalError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -132,8 +133,54 @@ def rm(
     _console().print(f"deleted {model}, freed {human_size(freed)}")
 
 
+def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
+    """Load a model and print its architecture, size, quantization and how it was loaded."""
+    from mlxlocal.loader import load
+
+    try:
+        loaded = load(model)
+    except MlxLocalError as e:
+        fail(str(e))
+    info, cfg = loaded.info, loaded.model_config
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold cyan")
+    table.add_column()
+    rows = [
+        ("model", info.name),
+        ("source", f"{info.source}: {info.path}"),
+        ("architecture", f"{info.model_type} ({'native mlxlocal' if info.native else 'mlx-lm compatibility path'})"),
+        ("parameters", f"{human_count(info.n_params)} ({info.n_params:,})"),
+        ("quantization", info.quantization),
+        ("dtype", info.dtype),
+        ("context length", f"{info.context_length:,}"),
+    ]
+    if cfg is not None:
+        rows += [
+            ("layers", str(cfg.num_hidden_layers)),
+            ("hidden / intermediate", f"{cfg.hidden_size} / {cfg.intermediate_size}"),
+            ("heads (q / kv) x dim", f"{cfg.num_attention_heads} / {cfg.num_key_value_heads} x {cfg.head_dim}"),
+            ("vocab", f"{cfg.vocab_size:,}"),
+            ("rope", f"theta {cfg.rope_theta:g}" + (f", {cfg.rope_scaling['rope_type']} x{cfg.rope_scaling.get('factor')}" if cfg.rope_scaling else "")),
+            ("tied embeddings", str(cfg.tie_word_embeddings).lower()),
+        ]
+        if cfg.sliding_window:
+            rows.append(("sliding window", f"{cfg.sliding_window} ({cfg.layer_types.count('sliding_attention')} layers)"))
+    for name, size in info.weights.files:
+        rows.append(("file", f"{name}  {human_bytes(size)}"))
+    rows += [
+        ("weights", f"{human_bytes(info.weights.total_bytes)} in {len(info.weights.files)} file(s), {info.weights.n_tensors} tensors"),
+        ("loaded by", info.weights.load_path),
+        ("load time", f"{info.load_seconds:.2f} s"),
+    ]
+    rows += [("note", note) for note in info.notes]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
 def register(app: typer.Typer) -> None:
-    """Add `pull`, `list` and `rm` to the main Typer app."""
+    """Add `show`, `pull`, `list` and `rm` to the main Typer app."""
+    app.command()(show)  # catches its own errors (fail), like generate
     app.command("pull")(_handle_errors(pull))
     app.command("list")(_handle_errors(list_models))
     app.command("rm")(_handle_errors(rm))

@@ -1,6 +1,6 @@
 """`mlxlocal convert`: a GGUF file -> an MLX checkpoint directory.
 
-`cli.py` calls `register(app)`. The output (config.json with per-layer quantization,
+The package calls `register(app)`. The output (config.json with per-layer quantization,
 model.safetensors, tokenizer files with the chat template) loads in mlxlocal and mlx-lm.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from mlxlocal.cli_models import _console, _handle_errors, human_size
+from mlxlocal.cli.models import _console, _handle_errors, human_size
 from mlxlocal.errors import ModelLoadError
 
 

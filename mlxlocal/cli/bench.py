@@ -1,5 +1,5 @@
 """`mlxlocal bench`: local engine speed (vs mlx-lm, roofline), agent / concurrent scenarios,
-or an OpenAI-compatible endpoint with --url. Call register(app) from the main CLI."""
+or an OpenAI-compatible endpoint with --url. The package calls register(app)."""
 
 from __future__ import annotations
 
@@ -100,8 +100,3 @@ def bench(
 def register(app: typer.Typer) -> None:
     app.command("bench", help=BENCH_HELP)(bench)
 
-
-if __name__ == "__main__":  # python -m mlxlocal.cli_bench ...: a one-command app for smoke runs
-    _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    register(_app)
-    _app()

@@ -1,0 +1,75 @@
+"""The `mlxlocal` command line (Typer). Front end only: it talks to the loader and the engine.
+
+One module per command group, each adding its commands with `register(app)`:
+generate.py (generate, chat), models.py (show, pull, list, rm), serve.py, bench.py,
+convert.py, quant.py (quantize, perplexity); common.py holds what they share.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from mlxlocal import __version__
+from mlxlocal.cli import bench, convert, generate, models, quant, serve
+
+# Re-exported: `mlxlocal.cli.fail` etc. stay importable from the package as before the split.
+from mlxlocal.cli.common import (  # noqa: F401
+    MODEL_HELP,
+    engine_options,
+    err,
+    fail,
+    human_bytes,
+    human_count,
+    parse_size,
+)
+from mlxlocal.cli.generate import stats_line  # noqa: F401
+from mlxlocal.errors import MlxLocalError
+
+app = typer.Typer(
+    name="mlxlocal",
+    help="Local LLM inference on Apple Silicon, built on MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def version() -> None:
+    """Print versions of mlxlocal, MLX and mlx-lm."""
+    import mlx.core as mx
+    import mlx_lm
+
+    metal = mx.metal.is_available()
+    print(f"mlxlocal {__version__}\nmlx {mx.__version__} ({'Metal' if metal else 'CPU backend'})\nmlx-lm {mlx_lm.__version__}")
+
+
+# Registration order is the order `mlxlocal --help` lists the commands in.
+generate.register(app)
+models.register(app)
+serve.register(app)
+app.command()(version)
+bench.register(app)
+convert.register(app)
+quant.register(app)
+
+
+def main() -> None:
+    try:
+        app()
+    except MlxLocalError as e:  # anything a command did not catch itself
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # a bug of ours: one line by default, the traceback on request
+        if os.environ.get("MLXLOCAL_DEBUG"):
+            raise
+        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (MLXLOCAL_DEBUG=1 for the traceback)", highlight=False)
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""What every command module of the CLI shares: the stderr console, `fail`, size and count
+formatting, --kv-* option parsing and the common help strings. It imports nothing else of the
+CLI, so command modules depend on it (and convert on models), never on the package."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+err = Console(stderr=True, soft_wrap=True)  # never break a path across lines
+
+MODEL_HELP = "Local HF-layout directory, catalog alias (models.toml), Hugging Face repo id, or synthetic:NAME"
+
+
+def fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def parse_size(text: str) -> int:
+    """'4GB', '512MiB', '2g', '1000000' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m or float(m[1]) <= 0:
+        raise typer.BadParameter(f"cannot read a positive size from {text!r} (e.g. 4GB, 512MiB, 2g)")
+    return int(float(m[1]) * 1024 ** " kmgt".index(m[2] or " "))
+
+
+def engine_options(kv_cache_memory: Optional[str], kv_blocks: Optional[int], block_size: int,
+                   no_prefix_cache: bool) -> dict:
+    options: dict = {"block_size": block_size, "prefix_cache": not no_prefix_cache}
+    if kv_blocks is not None:
+        if kv_blocks < 1:
+            fail("--kv-blocks must be >= 1", 2)
+        options["kv_blocks"] = kv_blocks
+    if kv_cache_memory is not None:
+        options["kv_memory"] = parse_size(kv_cache_memory)
+    if block_size not in (8, 16, 32, 64):
+        fail("--block-size must be one of 8, 16, 32, 64", 2)
+    return options
+
+
+KV_MEMORY_HELP = "Memory for the paged KV cache, e.g. 4GB (default: sized from the request, at most 15% of RAM)"
+
+
+FREQ_HELP = "Lower a token's logit by this times its count in the reply so far, in [-2, 2]"
+PRES_HELP = "Lower the logit of every token already in the reply by this, in [-2, 2]"

@@ -1,0 +1,159 @@
+"""`mlxlocal generate` (one prompt, streamed) and `mlxlocal chat` (the REPL in mlxlocal.chat)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mlxlocal.cli.common import (
+    FREQ_HELP,
+    KV_MEMORY_HELP,
+    MODEL_HELP,
+    PRES_HELP,
+    engine_options,
+    err,
+    fail,
+    human_bytes,
+)
+from mlxlocal.errors import MlxLocalError
+
+
+def generate(
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; '-' or omitted reads stdin"),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum tokens to generate"),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 disables top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help=FREQ_HELP),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help=PRES_HELP),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Encode the prompt as plain text"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming"),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+) -> None:
+    """Generate a completion for one prompt, streamed to the terminal."""
+    from mlxlocal.engine import SamplingParams, open_engine
+    from mlxlocal.engine.base import EngineBase
+    from mlxlocal.loader import load
+
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            fail("no prompt: pass --prompt or pipe text on stdin", 2)
+        prompt = sys.stdin.read()
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        fail(str(e), 2)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    try:
+        loaded = load(model)
+        prompts = EngineBase(loaded)
+        if no_chat_template:
+            text = (system + "\n\n" + prompt) if system else prompt
+            ids = prompts.encode_text(text)
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            ids = prompts.encode_chat(messages)
+        # One request: a pool just big enough for it, unless told otherwise.
+        options.setdefault("kv_tokens", len(ids) + max_tokens)
+        engine = open_engine(loaded, max_num_seqs=1, **options)
+        pieces: list[str] = []
+        tokens: list[int] = []
+        stats = None
+        for chunk in engine.generate(ids, params):
+            pieces.append(chunk.text)
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            if chunk.stats is not None:
+                stats = chunk.stats
+            if not as_json and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except MlxLocalError as e:
+        fail(str(e))
+    assert stats is not None
+    synthetic = engine.info.source == "synthetic"
+    if as_json:
+        result = {"model": engine.info.name, "text": "".join(pieces), "tokens": tokens, **stats.as_dict(),
+                  "synthetic": synthetic}
+        print(json.dumps(result))
+        return
+    sys.stdout.write("\n")
+    err.print(stats_line(stats, engine.context_length), style="dim", highlight=False, markup=False)
+    if synthetic:
+        err.print("(random weights: the text is gibberish on purpose; the numbers above are the "
+                  "real speed of this model shape)", style="dim", highlight=False, markup=False)
+
+
+def stats_line(stats, context_length: int) -> str:
+    """The footer under a reply: every number labelled, and why a "length" finish happened."""
+    finish = stats.finish_reason or "unknown"
+    why = {"max_tokens": "max tokens", "context": f"context full: {context_length} tokens",
+           "kv_cache": "KV cache full: raise --kv-cache-memory"}.get(stats.truncated_by)
+    if why:
+        finish += f" ({why})"
+    return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), {stats.prefill_tps:.1f} tok/s"
+            f" · reply {stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s"
+            f" · TTFT {stats.ttft_s * 1000:.0f} ms · peak memory {human_bytes(stats.peak_memory_bytes)}"
+            f" · finish: {finish}")
+
+
+def chat(
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", "-n"),
+    temp: float = typer.Option(0.0, "--temp"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help=FREQ_HELP),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help=PRES_HELP),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    history_file: Optional[Path] = typer.Option(None, "--history-file", help="Input history (default under ~/.local/state/mlxlocal)"),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+) -> None:
+    """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
+    from mlxlocal.chat import run_chat
+    from mlxlocal.engine import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, seed=seed,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        fail(str(e), 2)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
+                              engine_options=options))
+
+def register(app: typer.Typer) -> None:
+    """Add `generate` and `chat` to the main Typer app."""
+    app.command()(generate)
+    app.command()(chat)

@@ -1,0 +1,65 @@
+"""`mlxlocal serve`: the OpenAI / Anthropic / Ollama HTTP server in mlxlocal.server."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, err, fail, parse_size
+
+
+def serve(
+    model: list[str] = typer.Option(..., "--model", "-m", help=MODEL_HELP + " (repeatable: serve several)"),
+    served_model_name: list[str] = typer.Option(
+        [], "--served-model-name", help="Name clients use for the model (repeatable). With one --model, every "
+        "name is accepted and the first is the id listed (/v1/models, /api/tags); with several --model, give "
+        "exactly one per --model, in the same order. The --model value stays accepted too."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only)"),
+    port: int = typer.Option(8080, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXLOCAL_API_KEY",
+                                          help="Require this key (Bearer or x-api-key) on every route but /health"),
+    allow_origin: list[str] = typer.Option([], "--allow-origin", help="Browser origin allowed besides localhost (repeatable; * for any)"),
+    allow_host: list[str] = typer.Option(
+        [], "--allow-host", help="Host header accepted besides loopback names (repeatable; * for any). On a "
+        "loopback bind only loopback names are accepted otherwise (DNS-rebinding defence); on other addresses "
+        "any host unless this is given"),
+    keep_alive: str = typer.Option("-1", "--keep-alive", help="Unload a model after this idle time (5m, 1h; -1 never)"),
+    max_body: str = typer.Option("8MB", "--max-body", help="Largest request body"),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests allowed to wait; more get 429"),
+    max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Sequences decoded together"),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+) -> None:
+    """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
+    from mlxlocal.server import ServerConfig
+    from mlxlocal.server.banner import run_server
+    from mlxlocal.server.errors import APIError
+    from mlxlocal.server.registry import assign_names, parse_duration
+
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
+    try:
+        keep = parse_duration(keep_alive)
+    except APIError as e:
+        fail(e.message.replace("keep_alive", "--keep-alive"), 2)
+    try:
+        assign_names(list(model), list(served_model_name))
+    except ValueError as e:
+        fail(str(e), 2)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
+                  "this address can use the models", highlight=False)
+    config = ServerConfig(models=list(model), host=host, port=port, api_key=api_key,
+                          allowed_origins=list(allow_origin), max_body_bytes=parse_size(max_body),
+                          keep_alive=keep, engine_options=options, served_model_names=list(served_model_name),
+                          allowed_hosts=list(allow_host))
+    if not run_server(config, err):
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `serve` to the main Typer app."""
+    app.command()(serve)
