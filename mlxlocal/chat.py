@@ -29,7 +29,7 @@ from rich.markdown import Markdown
 from rich.segment import Segment
 from rich.text import Text
 
-from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, SimpleEngine, open_engine
+from mlxlocal.engine import Engine, GenerationStats, SamplingParams, open_engine
 from mlxlocal.errors import ContextLengthError, MlxLocalError
 
 PROMPT = ">>> "
@@ -91,8 +91,7 @@ def format_footer(stats: GenerationStats) -> str:
     ]
     if stats.finish_reason and stats.finish_reason != "stop":
         finish = f"finish: {stats.finish_reason}"
-        # getattr: `truncated_by` is newer than some GenerationStats this may be handed.
-        if stats.finish_reason == "length" and getattr(stats, "truncated_by", None) == "context":
+        if stats.finish_reason == "length" and stats.truncated_by == "context":
             finish += " (context full)"
         parts.append(finish)
     return " · ".join(parts)
@@ -199,7 +198,7 @@ class ReplyView:
 
 # --- the REPL ---------------------------------------------------------------------------
 class ChatRepl:
-    def __init__(self, engine: PagedEngine | SimpleEngine, console: Console, *, system: str | None = None,
+    def __init__(self, engine: Engine, console: Console, *, system: str | None = None,
                  params: SamplingParams | None = None, history: History | None = None,
                  engine_options: dict | None = None):
         self.engine = engine
@@ -373,10 +372,13 @@ class ChatRepl:
         self.say(f"weights  {info.weights.describe()}")
         self.say(f"session  {self.session.cached_len} tokens cached, {len(self.ids)} conversation tokens, "
                  f"{len(self.messages)} messages")
-        if hasattr(self.engine, "stats"):
-            st = self.engine.stats()
+        st = self.engine.stats()
+        if self.engine.kv_pool["kind"] == "paged":
             self.say(f"kv cache {st['blocks_used']}/{st['blocks_total']} blocks of {st['block_size']} tokens "
                      f"in use, {st['blocks_cached']} cached for reuse, "
+                     f"{st['prefix_hit_tokens']} prompt tokens served from cache")
+        else:  # dense caches: no blocks to count
+            self.say(f"kv cache dense, one per session (mlx-lm path), "
                      f"{st['prefix_hit_tokens']} prompt tokens served from cache")
         self.say(f"last     {format_footer(self.last_stats) if self.last_stats else 'no reply yet'}")
 
@@ -392,8 +394,7 @@ class ChatRepl:
             return self.error(f"{e} (still using {self.engine.info.name})")
         except Exception as e:  # a failed switch must not end the chat
             return self.error(f"{type(e).__name__}: {e} (still using {self.engine.info.name})")
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()  # free the old model's engine thread and KV pools
+        self.engine.shutdown()  # free the old model's engine thread and KV pools
         self.engine = engine
         # Another tokenizer: the old ids and KV mean nothing; the next turn re-encodes the text.
         self.session = engine.new_session()

@@ -188,6 +188,11 @@ class PagedEngine(EngineBase):
             raise value
         return value
 
+    @property
+    def kv_pool(self) -> dict:
+        return {"kind": "paged", "blocks": self.num_blocks, "block_size": self.config.block_size,
+                "bytes": self.pools.nbytes}
+
     def stats(self) -> dict:
         if self.dead_reason is not None:  # no thread owns the state any more: read it here
             return {**self._stats(), "dead_reason": self.dead_reason}

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
@@ -25,19 +26,24 @@ from mlxlocal.loader import LoadedModel
 class Session:
     """A conversation's KV cache and the tokens it holds, reused across turns."""
 
-    def __init__(self, cache: list[Any]):
+    def __init__(self, cache: list[Any], make_cache: Callable[[], list[Any]] | None = None):
         self.cache = cache
         self.tokens: list[int] = []
+        self._make_cache = make_cache
 
     @property
     def cached_len(self) -> int:
-        # After an interrupted step, layers may disagree: trust the shortest.
-        return min(int(c.offset) for c in self.cache) if self.cache else 0
+        # After an interrupted step, layers may disagree: trust the shortest. Recurrent
+        # caches (ArraysCache, CacheList of hybrids) have no offset: they hold self.tokens.
+        lengths = [int(c.offset) for c in self.cache if hasattr(c, "offset")]
+        return min(lengths) if lengths else len(self.tokens)
 
     def reuse(self, prompt: list[int]) -> int:
         """Trim the cache to the longest common prefix with `prompt`; return its length.
 
         At least one prompt token is always left to prefill: its logits start decoding.
+        A cache that cannot be trimmed (a recurrent state) is kept only when the prompt
+        extends everything it holds; otherwise the turn starts on a fresh cache.
         """
         held = self.tokens[: self.cached_len]
         common = 0
@@ -47,6 +53,7 @@ class Session:
         drop = self.cached_len - common
         if drop and not self._trim(drop):
             common = 0
+            self._fresh()
         self.tokens = held[:common]
         return common
 
@@ -57,9 +64,22 @@ class Session:
             return True
         return False
 
-    def reset(self) -> None:
-        self._trim(self.cached_len)
+    def _fresh(self) -> None:
+        # The engine's new_session always passes the factory; a caller-built cache without one
+        # cannot be renewed here, so its owner must not reuse it after a failed trim.
+        if self._make_cache is not None:
+            self.cache = self._make_cache()
         self.tokens = []
+
+    def reset(self) -> None:
+        if not self._trim(self.cached_len):
+            self._fresh()
+        self.tokens = []
+
+
+def _cache_arrays(cache: list[Any]) -> list[mx.array]:
+    # CacheList.state holds type names and ArraysCache.state may hold None: eval arrays only.
+    return [v for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array)]
 
 
 class SimpleEngine(EngineBase):
@@ -72,9 +92,15 @@ class SimpleEngine(EngineBase):
         self._busy = threading.Lock()  # submitted requests run one at a time
         self._live: dict[RequestHandle, threading.Thread] = {}  # submitted, not yet ended
         self.dead_reason: str | None = None  # set by shutdown: no more requests
+        # The paged engine's counters, so stats() has the same keys; updated by the one
+        # generating thread at a time (plain ints).
+        self.tokens_in = 0
+        self.tokens_out = 0
+        self.prefix_hit_tokens = 0
+        self._running = 0
 
     def new_session(self) -> Session:
-        return Session(self.loaded.make_cache())
+        return Session(self.loaded.make_cache(), self.loaded.make_cache)
 
     # --- generation ----------------------------------------------------------------
     def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
@@ -132,6 +158,23 @@ class SimpleEngine(EngineBase):
         worker.start()
         return handle
 
+    @property
+    def kv_pool(self) -> dict:
+        return {"kind": "dense"}  # a growing cache per request or session, no shared pool
+
+    def stats(self) -> dict:
+        """The paged engine's keys: no blocks (dense caches), one request running at a time."""
+        running = min(self._running, 1)
+        stats = {
+            "blocks_total": 0, "blocks_used": 0, "blocks_cached": 0, "blocks_free": 0, "block_size": 0,
+            "waste": 0.0, "prefix_hit_tokens": self.prefix_hit_tokens,
+            "running": running, "waiting": max(len(self._live) - running, 0),
+            "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
+        }
+        if self.dead_reason is not None:
+            stats["dead_reason"] = self.dead_reason
+        return stats
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Refuse new requests, cancel the submitted ones (they stop at the next token or
         prefill chunk) and wait for them about `timeout` seconds; fail any still going."""
@@ -155,6 +198,7 @@ class SimpleEngine(EngineBase):
     def _generate(
         self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None
     ) -> Iterator[Chunk]:
+        self._running += 1
         try:
             yield from self._stream(prompt, params, session, cancel)
         except Exception:
@@ -162,6 +206,8 @@ class SimpleEngine(EngineBase):
             # the session's next turn starts over on a fresh cache.
             session.cache, session.tokens = self.loaded.make_cache(), []
             raise
+        finally:
+            self._running -= 1
 
     def _stream(
         self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None
@@ -177,6 +223,8 @@ class SimpleEngine(EngineBase):
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(prompt))
         stats.cached_tokens = session.reuse(prompt)
+        self.tokens_in += len(prompt)
+        self.prefix_hit_tokens += stats.cached_tokens
         cache = session.cache
 
         # Prefill what the cache does not hold, in chunks; only the last chunk's logits matter.
@@ -190,7 +238,7 @@ class SimpleEngine(EngineBase):
             if len(todo) <= self.prefill_step:
                 break
             self._forward(mx.array(todo[: self.prefill_step], mx.uint32), cache)
-            mx.eval([c.state for c in cache])
+            mx.eval(_cache_arrays(cache))
             session.tokens.extend(todo[: self.prefill_step])
             todo = todo[self.prefill_step :]
         session.tokens.extend(todo)
@@ -220,6 +268,7 @@ class SimpleEngine(EngineBase):
                 finish = "stop"
                 break
             generated.append(token)
+            self.tokens_out += 1
             cancelled = cancel is not None and cancel.is_set()
             more = len(generated) < max_tokens and not cancelled
             if more:

@@ -12,6 +12,7 @@ from rich.text import Text
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxlocal import __version__
+from mlxlocal.engine import Engine
 from mlxlocal.server.app import ServerConfig, create_app
 from mlxlocal.server.registry import ModelRegistry
 
@@ -31,15 +32,15 @@ def _bytes(n: int) -> str:
     return ""
 
 
-def kv_pool(engine) -> str:
+def kv_pool(engine: Engine | None) -> str:
     """The engine's KV pool: blocks × block size and bytes, or why there is none."""
     if engine is None:
         return "KV pool: allocated when the model is first used"
-    pools = getattr(engine, "pools", None)
-    if pools is None:  # SimpleEngine (mlx-lm path): one growing cache per request
+    kv = engine.kv_pool
+    if kv["kind"] != "paged":  # SimpleEngine (mlx-lm path): one growing cache per request
         return "KV cache: per request (mlx-lm path, no paged pool)"
-    blocks, size = engine.num_blocks, engine.config.block_size
-    return f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens, {_bytes(pools.nbytes)}"
+    blocks, size = kv["blocks"], kv["block_size"]
+    return f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens, {_bytes(kv['bytes'])}"
 
 
 def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None = None) -> str:

@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from mlxlocal.engine import CapacityError, Chunk, EngineDeadError, SamplingParams
+from mlxlocal.engine import CapacityError, Chunk, Engine, EngineDeadError, SamplingParams
 from mlxlocal.engine.paged import QueueFullError
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.server.errors import RETRY_AFTER, APIError
 from mlxlocal.server.metrics import Metrics
 
 
-def start(engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
+def start(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
     """Submit; return (async chunk stream, cancel function). Raises APIError on a bad request."""
     try:
         handle = engine.submit(prompt, params, loop=loop)
@@ -53,7 +53,7 @@ async def _dead_is_503(stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER}) from None
 
 
-async def run(request: Request, engine, prompt: list[int], params: SamplingParams,
+async def run(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
               metrics: Metrics) -> AsyncIterator[Chunk]:
     """Stream a request's chunks; a client that goes away cancels it (blocks freed next step)."""
     stream, cancel = start(engine, prompt, params, asyncio.get_running_loop())
@@ -79,5 +79,5 @@ async def run(request: Request, engine, prompt: list[int], params: SamplingParam
         cancel()  # no-op once finished; frees the request if the consumer stopped early
         if not finished:  # the client went away (or the response stopped reading): cut short
             metrics.cancelled.inc()
-            budget = min(params.max_tokens, getattr(engine, "context_length", params.max_tokens) - len(prompt))
+            budget = min(params.max_tokens, engine.context_length - len(prompt))
             metrics.cancelled_unspent.inc(max(0, budget - generated))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mlxlocal.engine import Engine
+
 
 class Metrics:
     def __init__(self):
@@ -32,14 +34,13 @@ class Metrics:
         here rather than by prometheus_client's process-wide disable_created_metrics()."""
         return generate_latest(_WithoutCreated(self.registry))
 
-    def refresh(self, engines: list) -> None:
+    def refresh(self, engines: list[Engine]) -> None:
         """Gauges from the engines' own counters, at scrape time."""
         totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "prefix_hit_tokens": 0}
         for engine in engines:
-            if hasattr(engine, "stats"):
-                stats = engine.stats()
-                for key in totals:
-                    totals[key] += stats[key]
+            stats = engine.stats()
+            for key in totals:
+                totals[key] += stats[key]
         self.running.set(totals["running"])
         self.waiting.set(totals["waiting"])
         self.kv_used.set(totals["blocks_used"])

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxlocal.engine import open_engine
+from mlxlocal.engine import Engine, open_engine
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.server.errors import APIError
 
@@ -79,7 +79,7 @@ class ServedModel:
     spec: str  # what --model said: loaded from this
     aliases: list[str]  # other names it answers to: further served names, then the spec
     found_names: set[str] = field(default_factory=set)  # its own name and directory, once loaded
-    engine: Any = None
+    engine: Engine | None = None
     keep_alive: float = float("inf")
     expires_at: float = float("inf")
     loaded_at: float = 0.0
@@ -94,7 +94,7 @@ class ServedModel:
     @property
     def dead_reason(self) -> str | None:
         """Why its loaded engine stopped (it is restarted on the next request), or None."""
-        return getattr(self.engine, "dead_reason", None) if self.engine is not None else None
+        return self.engine.dead_reason if self.engine is not None else None
 
 
 class ModelRegistry:
@@ -161,11 +161,10 @@ class ModelRegistry:
             if m.engine is None or now < m.expires_at:
                 continue
             # A stopped engine answers stats at once; it stays until a request restarts it.
-            stats = m.engine.stats() if hasattr(m.engine, "stats") else {"running": 0, "waiting": 0}
+            stats = m.engine.stats()
             if stats["running"] or stats["waiting"]:
                 continue
-            if hasattr(m.engine, "shutdown"):
-                m.engine.shutdown()
+            m.engine.shutdown()
             m.engine = None
             dropped.append(m.name)
         return dropped
@@ -185,6 +184,6 @@ class ModelRegistry:
 
     def shutdown(self) -> None:
         for m in self.models:
-            if m.engine is not None and hasattr(m.engine, "shutdown"):
+            if m.engine is not None:
                 m.engine.shutdown()
             m.engine = None

@@ -1,0 +1,79 @@
+"""The engine contract: everything a front end (chat, server, bench) may use on an engine.
+
+Both engines implement all of it, so front ends call it directly instead of probing
+with hasattr / getattr for what one engine lacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from mlxlocal.engine.handle import RequestHandle
+from mlxlocal.engine.types import Chunk, SamplingParams
+from mlxlocal.loader import ModelInfo
+
+# The keys of Engine.stats(), identical for both engines (a dense engine reports 0 blocks);
+# a stopped engine adds "dead_reason".
+STATS_KEYS = frozenset({
+    "blocks_total", "blocks_used", "blocks_cached", "blocks_free", "block_size", "waste",
+    "prefix_hit_tokens", "running", "waiting", "tokens_in", "tokens_out",
+})
+
+
+@runtime_checkable
+class EngineSession(Protocol):
+    """A conversation's cached KV, reused across turns."""
+
+    @property
+    def cached_len(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    tokenizer: Any
+    # Why the engine stopped for good (then every request raises EngineDeadError), or None.
+    dead_reason: str | None
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def kv_pool(self) -> dict[str, Any]:
+        """The KV memory, known without asking the engine thread: {"kind": "paged", "blocks",
+        "block_size", "bytes"} for the paged pools, {"kind": "dense"} for per-request caches."""
+        ...
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]: ...
+
+    def encode_continuation(self, messages: list[dict[str, Any]], new_messages: list[dict[str, Any]],
+                            tools: list[dict] | None = None) -> list[int] | None: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: list[int]) -> str: ...
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None: ...
+
+    def new_session(self) -> EngineSession: ...
+
+    def submit(self, prompt: list[int], params: SamplingParams | None = None, session: Any = None,
+               cancel: threading.Event | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle: ...
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None, session: Any = None,
+                 cancel: threading.Event | None = None) -> Iterator[Chunk]: ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters with the keys in STATS_KEYS (plus "dead_reason" once stopped)."""
+        ...
+
+    def shutdown(self, timeout: float = 5.0) -> None: ...

@@ -1,0 +1,92 @@
+"""The engine contract: both engines implement the whole `Engine` protocol, with the same
+stats() keys, so front ends (chat /stats, the serve banner, /metrics) need no probing."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from conftest import BASE, build_tiny
+from rich.console import Console
+
+from mlxlocal.chat import ChatRepl
+from mlxlocal.engine import (
+    STATS_KEYS,
+    Engine,
+    EngineSession,
+    PagedEngine,
+    SamplingParams,
+    SimpleEngine,
+    open_engine,
+)
+from mlxlocal.loader import load_from_dir
+from mlxlocal.server import ServerConfig
+from mlxlocal.server.banner import banner_text
+from mlxlocal.server.metrics import Metrics
+from mlxlocal.server.registry import ModelRegistry
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    # gemma has no native implementation: it runs on mlx-lm's code, on the simple engine.
+    return build_tiny(tmp_path_factory.mktemp("gemma") / "gemma", dict(BASE, model_type="gemma", rope_theta=10000.0))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, gemma_dir):
+    paged, simple = open_engine(load_from_dir(tiny_model)), open_engine(load_from_dir(gemma_dir))
+    yield paged, simple
+    paged.shutdown()
+    simple.shutdown()
+
+
+def test_both_engines_satisfy_the_protocol(engines):
+    paged, simple = engines
+    assert isinstance(paged, PagedEngine) and isinstance(simple, SimpleEngine)
+    for engine in engines:
+        assert isinstance(engine, Engine)
+        assert isinstance(engine.new_session(), EngineSession)
+        assert engine.dead_reason is None and engine.context_length == engine.info.context_length
+
+
+def test_stats_have_the_same_keys_before_and_after_a_request(engines):
+    paged, simple = engines
+    assert set(paged.stats()) == set(simple.stats()) == STATS_KEYS
+    for engine in engines:
+        chunks = list(engine.generate([5, 17, 42, 99], SamplingParams(max_tokens=3, ignore_eos=True)))
+        st = engine.stats()
+        assert set(st) == STATS_KEYS
+        assert st["tokens_in"] >= 4 and st["tokens_out"] >= len([c for c in chunks if c.token is not None]) > 0
+        assert st["running"] == st["waiting"] == 0
+    assert simple.stats()["blocks_total"] == 0
+
+
+def test_kv_pool_describes_paged_and_dense(engines):
+    paged, simple = engines
+    assert paged.kv_pool == {"kind": "paged", "blocks": paged.num_blocks, "block_size": paged.config.block_size,
+                             "bytes": paged.pools.nbytes}
+    assert simple.kv_pool == {"kind": "dense"}
+
+
+def test_chat_stats_on_the_mlx_lm_path(engines):
+    simple = engines[1]
+    out = io.StringIO()
+    repl = ChatRepl(simple, Console(file=out, width=200), params=SamplingParams(max_tokens=4))
+    repl.turn("hello")
+    repl.command("/stats")
+    text = out.getvalue()
+    assert "mlx-lm" in text and "kv cache dense" in text and "2 messages" in text, text
+
+
+def test_serve_banner_metrics_and_unload_on_the_mlx_lm_path(gemma_dir):
+    simple = open_engine(load_from_dir(gemma_dir))  # its own: unload_idle shuts it down
+    config = ServerConfig(models=[str(gemma_dir)])
+    registry = ModelRegistry(config.models, {}, 0.0, config.served_model_names)
+    registry.models[0].engine, registry.models[0].expires_at = simple, 0.0
+    assert "KV cache: per request (mlx-lm path, no paged pool)" in banner_text(config, registry)
+    metrics = Metrics()
+    metrics.refresh([simple])
+    assert metrics.kv_total._value.get() == 0 and metrics.running._value.get() == 0
+    assert registry.models[0].dead_reason is None
+    assert registry.unload_idle() == [registry.models[0].name]  # idle, keep_alive 0: stats say nothing runs
+    assert simple.dead_reason == "the engine was shut down" and set(simple.stats()) == STATS_KEYS | {"dead_reason"}
