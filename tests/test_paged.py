@@ -281,12 +281,20 @@ def test_partial_block_never_shared(make_engine):
     eng = make_engine()
     p = prompt_of(20, shift=2)
     first = tokens_of(eng.submit(p, greedy_params(4)))
-    # Only whole blocks of computed tokens entered the tree: 23 computed -> 1 block.
-    chunks = eng.call(lambda: [n.chunk for n in eng.blocks.radix.by_block.values()])
-    assert len(chunks) == 1 and all(len(c) == BS for c in chunks)
+    # 23 computed tokens -> one full block and a partial leaf of 7 tokens.
+    nodes = eng.call(lambda: {n.block: len(n.chunk) for n in eng.blocks.radix.by_block.values()})
+    assert sorted(nodes.values()) == [7, BS]
+    partial_block = next(b for b, n in nodes.items() if n == 7)
     again = eng.submit(p, greedy_params(4))
-    assert tokens_of(again) == first
-    assert again.seq.stats.cached_tokens == BS
+    it = iter(again)
+    next(it)
+    # The partial block was copied into a block of its own, not shared for writing.
+    table = eng.call(lambda: list(again.seq.block_table))
+    assert partial_block not in table
+    assert [next(it).token for _ in range(3)] == first[1:] and again.seq.tokens[len(p)] == first[0]
+    list(it)
+    assert again.seq.stats.cached_tokens == len(p) - 1  # exact: 16 shared + 3 copied
+    assert_no_leak(eng)
 
 
 def test_session_divergence_inside_cached_block_does_not_overwrite(make_engine):
@@ -428,7 +436,7 @@ def test_stats_waste_counts_and_prefix_hits(make_engine):
     tokens_of(eng.submit(p, greedy_params(2)))
     assert eng.stats()["prefix_hit_tokens"] == before
     tokens_of(eng.submit(p, greedy_params(2)))
-    assert eng.stats()["prefix_hit_tokens"] == before + 32
+    assert eng.stats()["prefix_hit_tokens"] == before + len(p) - 1  # to the token: 32 shared + 7 copied
 
 
 # --- 10. asyncio ----------------------------------------------------------------------------------

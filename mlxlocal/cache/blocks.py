@@ -7,6 +7,7 @@ or more sequences), or cached (ref == 0 but held by the radix tree, reclaimable)
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from mlxlocal.cache.radix import RadixCache
 
@@ -66,14 +67,38 @@ class BlockManager:
     # --- prefix cache -------------------------------------------------------------
     def match_prefix(self, tokens: list[int]) -> list[int]:
         """Shared blocks for the longest cached prefix; the caller now references them."""
-        if self.radix is None:
-            return []
-        blocks = self.radix.match(tokens)
-        self.share(blocks)
-        return blocks
+        return self.match_tokens(tokens)[0]
 
-    def cache_prefix(self, tokens: list[int], blocks: list[int]) -> list[int]:
-        """Put the full blocks of a sequence into the prefix cache.
+    def match_tokens(self, tokens: list[int], copy: Callable[[int, int], None] | None = None
+                     ) -> tuple[list[int], int]:
+        """Block table and token count of the longest cached prefix, to the token.
+
+        Full blocks are shared. With `copy`, a further k tokens matching the start of a
+        cached block (full or partial) are reused copy-on-write: a new block, filled by
+        copy(src, dst), ends the table. The caller now references every block returned.
+        """
+        if self.radix is None:
+            return [], 0
+        blocks, partial = self.radix.match_partial(tokens, partial=copy is not None)
+        self.share(blocks)
+        n = len(blocks) * self.block_size
+        if partial is not None:
+            src, k = partial
+            self.share([src])  # not evicted by the allocation below
+            try:
+                dst = self.allocate(1)[0]
+            except OutOfBlocks:
+                dst = None
+            if dst is not None:
+                copy(src, dst)
+                blocks.append(dst)
+                n += k
+            self.release([src])
+        return blocks, n
+
+    def cache_prefix(self, tokens: list[int], blocks: list[int], partial: bool = False) -> list[int]:
+        """Put the full blocks of a sequence into the prefix cache, and with `partial`
+        its partially filled last block as a partial leaf (copied, never shared, on reuse).
 
         Where the tree already holds a block with the same content, the sequence switches
         to that block (its own copy is released), so equal prefixes share one copy.
@@ -82,7 +107,10 @@ class BlockManager:
         if self.radix is None:
             return blocks
         n_full = len(tokens) // self.block_size
-        held = self.radix.insert(tokens[: n_full * self.block_size], blocks[:n_full])
+        if partial:
+            held = self.radix.insert(tokens, blocks[: n_full + 1], partial=True)
+        else:
+            held = self.radix.insert(tokens[: n_full * self.block_size], blocks[:n_full])
         table = list(blocks)
         for i, (mine, kept) in enumerate(zip(blocks, held)):
             if mine != kept:

@@ -29,6 +29,11 @@ class KVPools:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block src's K/V rows into block dst in every layer (copy-on-write reuse)."""
+        for pool in self.k + self.v:
+            pool[dst] = pool[src]
+
     def state(self) -> list[mx.array]:
         return self.k + self.v
 

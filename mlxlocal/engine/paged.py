@@ -2,7 +2,8 @@
 
 Each step the scheduler picks a decode batch and at most one prefill chunk; the model
 runs them through the paged KV pools; sampled tokens stream back to each request's
-queue. Finished sequences leave their full blocks in the radix prefix cache.
+queue. Finished sequences leave their blocks (the last one as a partial leaf, copied on
+reuse) in the radix prefix cache.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class PagedEngine(EngineBase):
         self.pools = KVPools(mc.num_hidden_layers, self.num_blocks, cfg.block_size,
                              mc.num_key_value_heads, mc.head_dim, dtype)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens, self.pools.copy_block)
         self.windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
@@ -447,8 +448,10 @@ class PagedEngine(EngineBase):
             seq.stats.ttft_s = now - seq.t_submit
             fresh = len(seq.prompt) - seq.stats.cached_tokens
             seq.stats.prefill_tps = fresh / max(seq.stats.ttft_s, 1e-9)
-            # The prompt's full blocks are now computed: share them with later requests.
-            seq.block_table = self.blocks.cache_prefix(seq.tokens[: seq.num_computed], seq.block_table)
+            # The prompt is now computed: share its full blocks with later requests, and
+            # (no session pins it) its partial last block as a leaf they may copy from.
+            seq.block_table = self.blocks.cache_prefix(seq.tokens[: seq.num_computed], seq.block_table,
+                                                       partial=seq.session is None)
         if token in seq.eos:
             return self._finish(seq, "stop")
         seq.tokens.append(token)
@@ -482,7 +485,7 @@ class PagedEngine(EngineBase):
         st.peak_memory_bytes = int(mx.get_peak_memory())
         computed = seq.tokens[: seq.num_computed]
         if seq.block_table:
-            seq.block_table = self.blocks.cache_prefix(computed, seq.block_table)
+            seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
         if seq.session is not None:
             seq.session.tokens, seq.session.block_table = computed, seq.block_table
             seq.block_table = []

@@ -10,6 +10,7 @@ freed and it goes back to the front of the queue to be recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxlocal.cache import BlockManager, OutOfBlocks
@@ -30,8 +31,10 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_step_tokens: int = 512):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_step_tokens: int = 512,
+                 copy_block: Callable[[int, int], None] | None = None):
         self.blocks = blocks
+        self.copy_block = copy_block  # KVPools.copy_block: reuse a partly matching block by copying it
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
@@ -72,11 +75,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def admit(self, seq: Sequence) -> None:
-        """Waiting -> running: share the cached prefix (all but the last token)."""
+        """Waiting -> running: reuse the cached prefix (all but the last token), to the token."""
         if not seq.block_table:
-            shared = self.blocks.match_prefix(seq.tokens[:-1])
-            seq.block_table = shared
-            seq.num_computed = len(shared) * self.block_size
+            seq.block_table, seq.num_computed = self.blocks.match_tokens(seq.tokens[:-1], self.copy_block)
             if seq.preemptions == 0:
                 seq.stats.cached_tokens = seq.num_computed
                 self.prefix_hit_tokens += seq.num_computed

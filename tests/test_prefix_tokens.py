@@ -1,0 +1,199 @@
+"""Prefix reuse to the token: partial leaves in the radix tree, copy-on-write on admission."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mlxlocal.cache import BlockManager, RadixCache
+from mlxlocal.engine import PagedEngine, SamplingParams, open_engine
+from mlxlocal.loader import load_from_dir
+
+BS = 16
+
+
+def prompt_of(n: int, shift: int = 0, vocab: int = 300) -> list[int]:
+    return [(i * 37 + 11 + shift * 101) % vocab for i in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def tokens_of(handle) -> list[int]:
+    chunks = list(handle)
+    assert chunks[-1].finish_reason is not None
+    return [c.token for c in chunks if c.token is not None]
+
+
+def idle(eng: PagedEngine) -> dict:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        st = eng.stats()
+        if st["running"] + st["waiting"] == 0:
+            return st
+        time.sleep(0.005)
+    raise AssertionError("engine not idle")
+
+
+def assert_no_leak(eng: PagedEngine) -> None:
+    st = idle(eng)
+    assert st["blocks_used"] == 0, st
+    assert eng.call(lambda: eng.blocks.num_referenced) == 0
+    eng.call(eng.blocks.clear_prefix_cache)
+    st = eng.stats()
+    assert st["blocks_free"] == st["blocks_total"] and st["blocks_cached"] == 0, st
+    assert eng.call(lambda: len(set(eng.blocks.free))) == eng.num_blocks
+
+
+def partial_nodes(eng: PagedEngine) -> dict[int, int]:
+    """block -> tokens held, for the partial leaves in the tree."""
+    return eng.call(lambda: {b: len(n.chunk) for b, n in eng.blocks.radix.by_block.items() if len(n.chunk) < BS})
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models):
+    return load_from_dir(tiny_models["qwen3"])
+
+
+@pytest.fixture
+def make_engine(loaded):
+    engines = []
+
+    def make(**kw) -> PagedEngine:
+        kw.setdefault("block_size", BS)
+        kw.setdefault("kv_blocks", 256)
+        eng = open_engine(loaded, **kw)
+        assert isinstance(eng, PagedEngine)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.shutdown()
+
+
+# --- unit: the tree and the block manager ------------------------------------------------------
+def test_radix_partial_leaf_match_upgrade_and_evict():
+    r = RadixCache(4)
+    r.insert([1, 1, 1, 1, 2, 2], [10, 11], partial=True)  # a full node and a partial leaf of 2
+    assert r.match([1, 1, 1, 1, 2, 2, 3]) == [10]  # full blocks only
+    assert r.match_partial([1, 1, 1, 1, 2, 2, 3]) == ([10], (11, 2))
+    assert r.match_partial([1, 1, 1, 1, 2, 9]) == ([10], (11, 1))
+    assert r.match_partial([1, 1, 1, 1, 9]) == ([10], None)
+    assert r.match_partial([1, 1, 5]) == ([], (10, 2))  # a full child matches partially too
+    # The same block grown full: its partial leaf is replaced by a full node.
+    r.insert([1, 1, 1, 1, 2, 2, 2, 2, 3], [10, 11, 12], partial=True)
+    assert len(r.by_block[11].chunk) == 4 and len(r.by_block[12].chunk) == 1 and len(r) == 3
+    assert r.match_partial([1, 1, 1, 1, 2, 2, 2, 2, 3, 3]) == ([10, 11], (12, 1))
+    # Partial leaves are evictable leaves like any other.
+    assert r.evict(1, lambda b: True) == [12]
+    assert r.clear(lambda b: True) == [11, 10] and len(r) == 0
+
+
+def test_block_manager_match_tokens_copies_and_pins_source():
+    bm = BlockManager(3, 4)
+    a = bm.allocate(2)
+    bm.cache_prefix([1, 1, 1, 1, 2, 2], a, partial=True)
+    bm.release(a)
+    assert bm.num_cached == 2 and len(bm.free) == 1
+    copies = []
+    table, n = bm.match_tokens([1, 1, 1, 1, 2, 7], lambda s, d: copies.append((s, d)))
+    assert n == 5 and table[0] == a[0] and copies == [(a[1], table[1])] and table[1] != a[1]
+    assert bm.radix.contains(a[1])  # the source stayed cached: it was pinned while allocating
+    bm.release(table)
+    # No room for the copy: the full blocks alone.
+    b = bm.allocate(1)
+    table, n = bm.match_tokens([1, 1, 1, 1, 2, 7], lambda s, d: copies.append((s, d)))
+    assert n == 4 and table == [a[0]]
+    bm.release(table + b)
+    assert bm.clear_prefix_cache() == 2 and len(bm.free) == 3 and bm.num_referenced == 0
+
+
+# --- (a) a prompt diverging mid-block ---------------------------------------------------------
+@pytest.mark.parametrize("first_len", [40, 60])  # the shared 37 tokens end in a partial leaf / a full block
+def test_mid_block_divergence_reuses_exact_prefix(make_engine, first_len):
+    warm, cold = make_engine(), make_engine(prefix_cache=False)
+    common = prompt_of(37, shift=3)
+    pa = common + prompt_of(first_len - 37, shift=8)
+    pb = common + [299, 298, 297, 296, 5, 6]
+    assert pa[37] != pb[37]
+    assert tokens_of(warm.submit(pa, greedy(2))) == tokens_of(cold.submit(pa, greedy(2)))
+    hb = warm.submit(pb, greedy(12))
+    assert tokens_of(hb) == tokens_of(cold.submit(pb, greedy(12)))
+    assert hb.seq.stats.cached_tokens == 37  # not 32
+    assert_no_leak(warm)
+
+
+def test_copy_from_a_block_its_owner_is_still_writing(make_engine):
+    warm, cold = make_engine(), make_engine(prefix_cache=False)
+    pa = prompt_of(41, shift=9)  # the prompt's partial last block enters the tree after prefill
+    pb = pa[:38] + [1, 2, 3]
+    ha = warm.submit(pa, greedy(40))
+    ia = iter(ha)
+    next(ia)
+    assert partial_nodes(warm)  # the prompt's tail is a partial leaf, still written by pa
+    hb = warm.submit(pb, greedy(20))
+    assert tokens_of(hb) == tokens_of(cold.submit(pb, greedy(20)))
+    assert hb.seq.stats.cached_tokens == 38
+    rest = [c.token for c in ia if c.token is not None]
+    assert ha.seq.tokens[len(pa):] == tokens_of(cold.submit(pa, greedy(40)))
+    assert len(rest) == 39
+    assert_no_leak(warm)
+
+
+# --- (b) multi-turn: prompt + reply + new tokens ----------------------------------------------
+def test_next_turn_reuses_prompt_and_reply(make_engine):
+    warm, cold = make_engine(), make_engine(prefix_cache=False)
+    prompt, reused = prompt_of(45, shift=1), 0
+    for turn in range(3):
+        h = warm.submit(prompt, greedy(7))
+        reply = tokens_of(h)
+        assert reply == tokens_of(cold.submit(prompt, greedy(7)))
+        assert h.seq.stats.cached_tokens >= reused
+        reused = len(prompt) + len(reply) - 1  # the last reply token was never fed
+        prompt = prompt + reply + prompt_of(9 + turn, shift=20 + turn)
+    assert_no_leak(warm)
+
+
+# --- (c) a small pool: partial leaves get evicted, nothing leaks -------------------------------
+def test_small_pool_evicts_partial_leaves_without_leaks(make_engine):
+    warm, cold = make_engine(kv_blocks=8), make_engine(prefix_cache=False)
+    first = prompt_of(37, shift=30)
+    assert tokens_of(warm.submit(first, greedy(3))) == tokens_of(cold.submit(first, greedy(3)))
+    chunks = lambda: warm.call(lambda: {n.chunk for n in warm.blocks.radix.by_block.values()})  # noqa: E731
+    leaf = tuple(first[32:])
+    assert any(len(c) < BS and c[:5] == leaf[:5] for c in chunks())  # first's partial leaf
+    for i in range(6):
+        p = prompt_of(37 + i, shift=40 + i)
+        assert tokens_of(warm.submit(p, greedy(5))) == tokens_of(cold.submit(p, greedy(5)))
+    assert not any(c[:5] == leaf[:5] for c in chunks())  # evicted
+    assert any(len(c) < BS for c in chunks())  # newer partial leaves are there
+    # Concurrent requests sharing mid-block prefixes, with preemption in a pool this small.
+    base = prompt_of(21, shift=50)
+    prompts = [base + prompt_of(3 + i, shift=60 + i) for i in range(4)]
+    handles = [warm.submit(p, greedy(30)) for p in prompts]
+    outs = [tokens_of(h) for h in handles]
+    assert outs == [tokens_of(cold.submit(p, greedy(30))) for p in prompts]
+    assert any(h.seq.preemptions for h in handles)
+    assert sum(h.seq.stats.cached_tokens for h in handles) > 0
+    st = idle(warm)
+    assert st["blocks_used"] == 0
+    assert_no_leak(warm)
+
+
+def test_cancel_and_session_release_everything(make_engine):
+    eng = make_engine(kv_blocks=16)
+    p = prompt_of(35, shift=70)
+    tokens_of(eng.submit(p, greedy(4)))
+    h = eng.submit(p[:30] + [7, 7], greedy(200))
+    it = iter(h)
+    next(it)
+    h.cancel()
+    list(it)
+    s = eng.new_session()
+    tokens_of(eng.generate(p[:33] + [8], greedy(3), session=s))
+    tokens_of(eng.generate(p[:33] + [8, 9], greedy(3), session=s))
+    s.reset()
+    assert_no_leak(eng)
