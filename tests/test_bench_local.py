@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import types
 
@@ -105,6 +106,64 @@ def test_concurrent_scenario(tiny_model):
     assert c["e2e_ratio"] > 0
 
 
+def test_concurrent_compare_mlx_lm(tiny_model):
+    c = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "2", "-p", "8", "-g", "5",
+              "-n", "2", "--warmup", "0", "--compare", "mlx-lm", "--json")["concurrent"]
+    assert "BatchGenerator" in c["mlx_lm_method"]
+    # A B A B: each of ours directly followed by mlx-lm's on the same stream count; levels
+    # reversed on the second repeat.
+    assert c["order"] == ["mlxlocal:1", "mlx-lm:1", "mlxlocal:2", "mlx-lm:2",
+                          "mlxlocal:2", "mlx-lm:2", "mlxlocal:1", "mlx-lm:1"]
+    for row in c["levels"]:
+        k = row["streams"]
+        assert row["generated"] == row["mlx_lm_generated"] == 5 * k  # same lengths, EOS ignored
+        assert len(row["decode_tps_runs"]) == len(row["mlx_lm_decode_tps_runs"]) == 2
+        assert row["decode_tps"] == pytest.approx(statistics.median(row["decode_tps_runs"]))
+        assert row["mlx_lm_decode_tps"] == pytest.approx(statistics.median(row["mlx_lm_decode_tps_runs"]))
+        assert row["mlx_lm_decode_tps"] > 0 and row["mlx_lm_e2e_tps"] > 0
+        assert row["decode_ratio_vs_mlx_lm"] == pytest.approx(row["decode_tps"] / row["mlx_lm_decode_tps"])
+        assert row["e2e_ratio_vs_mlx_lm"] == pytest.approx(row["e2e_tps"] / row["mlx_lm_e2e_tps"])
+
+
+def test_concurrent_without_compare_has_no_mlx_lm_fields(tiny_model):
+    c = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "1", "-p", "8", "-g", "3",
+              "-n", "1", "--warmup", "0", "--json")["concurrent"]
+    assert c["order"] == ["mlxlocal:1"] and "mlx_lm_method" not in c
+    assert "mlx_lm_decode_tps" not in c["levels"][0]
+
+
+def test_sessions_scenario_compare(tiny_model):
+    res = bench("-m", str(tiny_model), "--scenario", "sessions", "-c", "2", "-p", "40", "-g", "3",
+                "-n", "2", "--warmup", "0", "--compare", "mlx-lm", "--json")
+    s = res["sessions"]
+    assert s["sessions"] == 2 and s["prompt_tokens"] == 40 and s["clip_note"] is None
+    assert s["order"] == ["mlxlocal", "mlx-lm", "mlxlocal", "mlx-lm"]
+    ours, theirs = s["summary"]["mlxlocal"], s["summary"]["mlx_lm"]
+    for v in (ours, theirs):
+        assert v["peak_over_baseline_bytes"] > 0 and v["peak_memory_bytes"] > v["baseline_bytes"] > 0
+        assert v["peak_over_baseline_bytes"] == pytest.approx(v["peak_memory_bytes"] - v["baseline_bytes"], abs=1)
+        assert v["second_turn_ttft_s"] > 0 and len(v["second_turn_cached_tokens"]) == 2
+    # Both models stay loaded during either run: the baseline is more than one weight copy.
+    assert ours["baseline_bytes"] > res["weight_bytes"]
+    assert ours["baseline_bytes"] == pytest.approx(theirs["baseline_bytes"], abs=1 << 20)
+    # The second turn reuses the first turn's prompt + reply through the pinned session.
+    assert all(c >= 40 for c in ours["second_turn_cached_tokens"])
+    assert all(c >= 40 for c in theirs["second_turn_cached_tokens"])
+    assert ours["kv_pool_bytes"] > 0 and theirs["kv_cache_bytes"] > 0
+    assert s["ratios"]["peak_over_baseline"] == pytest.approx(
+        ours["peak_over_baseline_bytes"] / theirs["peak_over_baseline_bytes"])
+    assert s["ratios"]["second_turn_ttft"] == pytest.approx(ours["second_turn_ttft_s"] / theirs["second_turn_ttft_s"])
+    assert len(s["runs"]["mlxlocal"]) == len(s["runs"]["mlx_lm"]) == 2
+
+
+def test_sessions_prompt_clipped_to_context(tiny_model):
+    s = bench("-m", str(tiny_model), "--scenario", "sessions", "-c", "1", "-p", "5000", "-g", "2",
+              "-n", "1", "--warmup", "0", "--json")["sessions"]
+    assert s["context_length"] == 512 and s["prompt_tokens"] == 512 - 2 * 2 - s["new_turn_tokens"] - 1
+    assert "clipped from 5000" in s["clip_note"] and s["ratios"] is None
+    assert s["summary"]["mlxlocal"]["second_turn_cached_tokens"][0] > 0
+
+
 def test_plot_writes_png(tiny_model, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.png"
@@ -116,7 +175,8 @@ def test_plot_writes_png(tiny_model, tmp_path):
 
 def test_bad_options():
     runner = CliRunner()
-    for args in (["--compare", "llama.cpp"], ["--scenario", "chat"], ["-b", "0"], ["--bandwidth", "-1"]):
+    for args in (["--compare", "llama.cpp"], ["--scenario", "chat"], ["-b", "0"], ["--bandwidth", "-1"],
+                 ["--scenario", "sessions", "-c", "0"]):
         result = runner.invoke(app, ["bench", *args])
         assert result.exit_code == 2, (args, result.output)
 

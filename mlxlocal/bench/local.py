@@ -31,12 +31,15 @@ from mlxlocal.bench.roofline import (
     detect_bandwidth,
     kv_bytes_per_token,
 )
+from mlxlocal.bench.sessions import sessions_scenario
 
 METAL_DEFAULTS = dict(model="synthetic:qwen3-0.6b", prompt_tokens=512, gen_tokens=128,
-                      system_tokens=1500, turn_tokens=16, concurrency=8)
+                      system_tokens=1500, turn_tokens=16, concurrency=8,
+                      sessions=8, session_tokens=2048, session_gen_tokens=16)
 # The CPU backend (reference BLAS) runs the 0.6B shape at a few tok/s: use the tiny preset.
 CPU_DEFAULTS = dict(model="synthetic:tiny", prompt_tokens=256, gen_tokens=64,
-                    system_tokens=400, turn_tokens=8, concurrency=8)
+                    system_tokens=400, turn_tokens=8, concurrency=8,
+                    sessions=8, session_tokens=2048, session_gen_tokens=8)
 
 
 def on_metal() -> bool:
@@ -195,12 +198,14 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
             loaded, system_tokens=system_tokens or d["system_tokens"], turns=turns,
             max_tokens=gen_tokens or d["turn_tokens"], repeats=repeats, compare=compare, cache_on=prefix_cache)
     elif scenario == "concurrent":
-        if compare:
-            log("note: --compare is not run for the concurrent scenario (mlx-lm decodes one stream)")
         res["concurrent"] = scenarios.concurrent_scenario(
             loaded, concurrency=concurrency or d["concurrency"], prompt_tokens=p, gen_tokens=g,
-            repeats=repeats, warmup=warmup)
+            repeats=repeats, warmup=warmup, compare=compare)
+    elif scenario == "sessions":
+        res["sessions"] = sessions_scenario(
+            loaded, sessions=concurrency or d["sessions"], prompt_tokens=prompt_tokens or d["session_tokens"],
+            gen_tokens=gen_tokens or d["session_gen_tokens"], repeats=repeats, warmup=warmup, compare=compare)
     else:
-        raise ValueError(f"unknown scenario {scenario!r} (agent | concurrent)")
+        raise ValueError(f"unknown scenario {scenario!r} (agent | concurrent | sessions)")
     res["elapsed_s"] = time.perf_counter() - t0
     return res

@@ -40,6 +40,8 @@ def print_report(res: dict, console: Console | None = None) -> None:
         print_agent(res["agent"], con)
     if "concurrent" in res:
         print_concurrent(res["concurrent"], con)
+    if "sessions" in res:
+        print_sessions(res["sessions"], con)
 
 
 def print_speed(s: dict, con: Console) -> None:
@@ -100,16 +102,55 @@ def print_agent(a: dict, con: Console) -> None:
 
 
 def print_concurrent(c: dict, con: Console) -> None:
+    ref = "mlx_lm_method" in c
     t = Table(title=f"concurrent streams: prompt {c['prompt_tokens']}, generate {c['gen_tokens']}, "
                     f"median of {c['repeats']}")
     t.add_column("streams", justify="right")
     t.add_column("aggregate decode tok/s", justify="right")
     t.add_column("end-to-end tok/s", justify="right")
     t.add_column("max TTFT", justify="right")
+    if ref:
+        t.add_column("mlx-lm decode tok/s", justify="right")
+        t.add_column("mlx-lm e2e tok/s", justify="right")
+        t.add_column("decode ours ÷ mlx-lm", justify="right")
     for row in c["levels"]:
-        t.add_row(str(row["streams"]), _num(row["decode_tps"]), _num(row["e2e_tps"]), _ms(row["max_ttft_s"]))
+        cells = [str(row["streams"]), _num(row["decode_tps"]), _num(row["e2e_tps"]), _ms(row["max_ttft_s"])]
+        if ref:
+            cells += [_num(row["mlx_lm_decode_tps"]), _num(row["mlx_lm_e2e_tps"]),
+                      _num(row["decode_ratio_vs_mlx_lm"], "x{:.2f}")]
+        t.add_row(*cells)
     con.print(t)
     con.print(f"{c['concurrency']} streams ÷ 1: decode x{c['decode_ratio']:.2f}, end-to-end x{c['e2e_ratio']:.2f}")
+    if ref:
+        con.print(f"mlx-lm: {c['mlx_lm_method']}; runs alternate ours, mlx-lm per stream count")
+
+
+def print_sessions(s: dict, con: Console) -> None:
+    t = Table(title=f"sessions: {s['sessions']} x {s['prompt_tokens']}-token prompt + {s['gen_tokens']} tokens, "
+                    f"then +{s['new_turn_tokens']} tokens on the cache; median of {s['repeats']}")
+    t.add_column("")
+    names = {"mlxlocal": "mlxlocal (paged, pinned sessions)", "mlx_lm": "mlx-lm (prompt cache per session)"}
+    for name in s["summary"]:
+        t.add_column(names[name], justify="right")
+    if s["ratios"]:
+        t.add_column("ours ÷ mlx-lm", justify="right")
+    r = s["ratios"] or {}
+    rows = [("peak memory over baseline", "peak_over_baseline_bytes", _mib, "peak_over_baseline"),
+            ("peak memory (raw)", "peak_memory_bytes", _mib, None),
+            ("baseline (resident weights)", "baseline_bytes", _mib, None),
+            ("second-turn TTFT (median)", "second_turn_ttft_s", _ms, "second_turn_ttft"),
+            ("first turns (wall)", "first_turns_s", lambda x: f"{x:.2f} s", None)]
+    for label, key, fmt, rk in rows:
+        cells = [label] + [fmt(v[key]) for v in s["summary"].values()]
+        if s["ratios"]:
+            cells.append(_num(r.get(rk), "x{:.2f}") if rk else "")
+        t.add_row(*cells)
+    t.add_row("second-turn cached tokens", *[str(v["second_turn_cached_tokens"][0]) for v in s["summary"].values()],
+              *([""] if s["ratios"] else []))
+    con.print(t)
+    if s.get("clip_note"):
+        con.print(f"[yellow]{s['clip_note']}[/]")
+    con.print(f"memory: {s['memory_note']}; weights {_mib(s['weight_bytes'])} per copy")
 
 
 # ------------------------------------------------------------------ plot
@@ -126,6 +167,8 @@ def write_plot(res: dict, path: str | Path) -> Path:
     except ImportError as e:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'mlxlocal[bench]' (or matplotlib)") from e
     panels = [k for k in ("speed", "agent", "concurrent") if k in res]
+    if not panels:
+        raise PlotUnavailable("--plot draws the speed run and the agent / concurrent scenarios only")
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, key in zip(axes[0], panels):
         if key == "agent":
@@ -142,6 +185,9 @@ def write_plot(res: dict, path: str | Path) -> Path:
             xs = [r["streams"] for r in c["levels"]]
             ax.plot(xs, [r["decode_tps"] for r in c["levels"]], marker="o", label="aggregate decode")
             ax.plot(xs, [r["e2e_tps"] for r in c["levels"]], marker="s", label="end to end")
+            if "mlx_lm_method" in c:
+                ax.plot(xs, [r["mlx_lm_decode_tps"] for r in c["levels"]], marker="^", linestyle="--",
+                        label="mlx-lm aggregate decode")
             ax.set(title="throughput vs streams", xlabel="concurrent streams", ylabel="tok/s")
             ax.set_xscale("log", base=2)
             ax.legend()

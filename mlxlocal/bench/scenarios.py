@@ -7,7 +7,14 @@ import json
 import time
 from typing import Any
 
-from mlxlocal.bench.common import log, median, random_prompt, run_streams, window_decode_tps
+from mlxlocal.bench.common import (
+    StreamTimes,
+    log,
+    median,
+    random_prompt,
+    run_streams,
+    window_decode_tps,
+)
 
 # ------------------------------------------------------------------ agent trace
 SYSTEM_SENTENCES = [
@@ -201,36 +208,95 @@ def stream_levels(n: int) -> list[int]:
     return levels + [n]
 
 
+def mlx_lm_batch_streams(model, prompts: list[list[int]], gen_tokens: int) -> list[StreamTimes]:
+    """mlx-lm's continuous batching (BatchGenerator, its defaults, greedy, no stop tokens:
+    EOS ignored as in ours): all prompts inserted at once, each token timestamped on arrival."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=gen_tokens, completion_batch_size=max(32, len(prompts)))
+    try:
+        t0 = time.perf_counter()
+        uids = gen.insert(prompts, [gen_tokens] * len(prompts))
+        streams = {u: StreamTimes(t0) for u in uids}
+        while responses := gen.next_generated():
+            now = time.perf_counter()
+            for r in responses:
+                streams[r.uid].times.append(now)
+    finally:
+        gen.close()
+    return [streams[u] for u in uids]
+
+
+def _level_run(streams: list[StreamTimes]) -> dict:
+    end = max(s.times[-1] for s in streams)
+    return dict(decode_tps=window_decode_tps(streams),
+                e2e_tps=sum(len(s.times) for s in streams) / (end - streams[0].t0),
+                ttft_s=max(s.ttft for s in streams), generated=sum(len(s.times) for s in streams))
+
+
+def _rows(raw: dict[int, list[dict]], levels: list[int]) -> list[dict]:
+    return [dict(streams=k, decode_tps=median([x["decode_tps"] for x in raw[k]]),
+                 e2e_tps=median([x["e2e_tps"] for x in raw[k]]),
+                 max_ttft_s=median([x["ttft_s"] for x in raw[k]]),
+                 decode_tps_runs=[x["decode_tps"] for x in raw[k]],
+                 generated=raw[k][0]["generated"]) for k in levels]
+
+
 def concurrent_scenario(loaded, *, concurrency: int, prompt_tokens: int, gen_tokens: int,
-                        repeats: int = 1, warmup: int = 1) -> dict:
+                        repeats: int = 1, warmup: int = 1, compare: str | None = None) -> dict:
     """Aggregate decode tok/s (all streams decoding: after the last first token until the
-    first stream ends) and end-to-end tok/s at 1, 2, 4, ... N streams; same prompts."""
+    first stream ends) and end-to-end tok/s at 1, 2, 4, ... N streams; same prompts. With
+    compare="mlx-lm", mlx-lm's BatchGenerator on the same prompts right after each of ours
+    (A B A B), medians over repeats, and ratios ours / mlx-lm per stream count."""
     from mlxlocal.engine import SamplingParams, open_engine
 
     vocab = loaded.model_config.vocab_size if loaded.model_config else loaded.config["vocab_size"]
     prompts = [random_prompt(prompt_tokens, vocab, seed=2000 + i) for i in range(concurrency)]
+    ref = None
+    if compare == "mlx-lm":
+        import mlx_lm
+
+        log(f"loading {loaded.info.path} with mlx_lm.load ...")
+        ref, _ = mlx_lm.load(str(loaded.info.path))
     engine = open_engine(loaded, prefix_cache=False, max_num_seqs=max(concurrency, 1),
                          kv_tokens=concurrency * (prompt_tokens + gen_tokens + 32))
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True, temperature=0)
     levels = stream_levels(concurrency)
     raw: dict[int, list[dict]] = {k: [] for k in levels}
+    raw_ref: dict[int, list[dict]] = {k: [] for k in levels}
+    order: list[str] = []
     try:
         for _ in range(warmup):
             run_streams(engine, prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+            if ref is not None:
+                mlx_lm_batch_streams(ref, prompts[:2], 4)
         for r in range(repeats):
             for k in (levels if r % 2 == 0 else levels[::-1]):
                 log(f"concurrent repeat {r + 1}/{repeats}: {k} stream(s)")
-                streams = run_streams(engine, prompts[:k], params)
-                end = max(s.times[-1] for s in streams)
-                raw[k].append(dict(decode_tps=window_decode_tps(streams),
-                                   e2e_tps=sum(len(s.times) for s in streams) / (end - streams[0].t0),
-                                   ttft_s=max(s.ttft for s in streams)))
+                raw[k].append(_level_run(run_streams(engine, prompts[:k], params)))
+                order.append(f"mlxlocal:{k}")
+                if ref is not None:
+                    raw_ref[k].append(_level_run(mlx_lm_batch_streams(ref, prompts[:k], gen_tokens)))
+                    order.append(f"mlx-lm:{k}")
     finally:
         engine.shutdown()
-    rows = [dict(streams=k, decode_tps=median([x["decode_tps"] for x in raw[k]]),
-                 e2e_tps=median([x["e2e_tps"] for x in raw[k]]),
-                 max_ttft_s=median([x["ttft_s"] for x in raw[k]])) for k in levels]
+    rows = _rows(raw, levels)
     one, top = rows[0], rows[-1]
-    return dict(concurrency=concurrency, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats,
-                levels=rows, decode_ratio=top["decode_tps"] / one["decode_tps"],
-                e2e_ratio=top["e2e_tps"] / one["e2e_tps"])
+    out: dict[str, Any] = dict(
+        concurrency=concurrency, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats,
+        levels=rows, decode_ratio=top["decode_tps"] / one["decode_tps"], e2e_ratio=top["e2e_tps"] / one["e2e_tps"],
+        order=order)
+    if ref is not None:
+        ref_rows = _rows(raw_ref, levels)
+        for row, rr in zip(rows, ref_rows):
+            row["mlx_lm_decode_tps"], row["mlx_lm_e2e_tps"] = rr["decode_tps"], rr["e2e_tps"]
+            row["mlx_lm_max_ttft_s"], row["mlx_lm_decode_tps_runs"] = rr["max_ttft_s"], rr["decode_tps_runs"]
+            row["mlx_lm_generated"] = rr["generated"]
+            row["decode_ratio_vs_mlx_lm"] = _ratio(row["decode_tps"], rr["decode_tps"])
+            row["e2e_ratio_vs_mlx_lm"] = _ratio(row["e2e_tps"], rr["e2e_tps"])
+        out["mlx_lm_method"] = "mlx_lm.generate.BatchGenerator (defaults; greedy; no stop tokens)"
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None

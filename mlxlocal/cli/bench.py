@@ -16,7 +16,14 @@ memory on random prompts of exactly -p tokens (prefix cache off, greedy, EOS ign
 decode roofline (bandwidth ÷ bytes read per token), and with --compare mlx-lm the same model
 through mlx-lm in the same process, runs alternating, as ratios ours ÷ mlx-lm.
 Default model: synthetic:qwen3-0.6b on Metal (-p 512 -g 128); synthetic:tiny on the CPU
-backend (-p 256 -g 64)."""
+backend (-p 256 -g 64).
+
+Scenarios: agent (per-turn TTFT, prefix cache on/off, --compare: mlx-lm's prompt cache);
+concurrent (aggregate decode tok/s at 1, 2, 4 .. -c streams; --compare: mlx-lm's
+BatchGenerator, alternating, ratios per stream count); sessions (-c sessions, default 8,
+of -p tokens, default 2048 clipped to the context, then a second turn on the cache: peak
+memory over the resident weights and second-turn TTFT; --compare: one mlx-lm prompt
+cache per session)."""
 
 
 def bench(
@@ -27,8 +34,8 @@ def bench(
     repeats: int = typer.Option(3, "--repeats", "-n", help="Timed runs (mean ± sd; medians for scenarios)"),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs"),
     compare: Optional[str] = typer.Option(None, "--compare", help="Also run the same model through: mlx-lm"),
-    scenario: Optional[str] = typer.Option(None, "--scenario", help="agent | concurrent"),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", help="Streams (concurrent scenario, --url)"),
+    scenario: Optional[str] = typer.Option(None, "--scenario", help="agent | concurrent | sessions"),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", help="Streams (concurrent), sessions (sessions), or --url concurrency"),
     turns: int = typer.Option(6, "--turns", help="Turns of the agent trace"),
     bandwidth: Optional[float] = typer.Option(None, "--bandwidth", help="Memory bandwidth in GB/s for the roofline"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
@@ -56,8 +63,8 @@ def bench(
         return
     if compare not in (None, "mlx-lm"):
         fail(f"--compare supports only 'mlx-lm', not {compare!r}")
-    if scenario not in (None, "agent", "concurrent"):
-        fail(f"--scenario must be 'agent' or 'concurrent', not {scenario!r}")
+    if scenario not in (None, "agent", "concurrent", "sessions"):
+        fail(f"--scenario must be 'agent', 'concurrent' or 'sessions', not {scenario!r}")
     for name, value, low in (("--batch", batch, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0),
                              ("--prompt-tokens", prompt_tokens, 1), ("--gen-tokens", gen_tokens, 1),
                              ("--concurrency", concurrency, 1), ("--turns", turns, 1)):
