@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -101,6 +102,16 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if SUBPROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def wait_for(pred, timeout: float = 10.0) -> bool:
+    """Poll `pred` until it holds (engine threads settle asynchronously) or time runs out."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_for
 
 from mlxlocal.engine import EngineDeadError, PagedEngine, SamplingParams, SimpleEngine, open_engine
 from mlxlocal.engine.handle import RequestHandle
@@ -50,15 +51,6 @@ def drain(handle, timeout: float = 30.0):
 
 def tokens(chunks) -> list[int]:
     return [c.token for c in chunks if c.token is not None]
-
-
-def wait_for(pred, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 def idle_blocks(eng: PagedEngine) -> dict:

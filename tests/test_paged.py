@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+from conftest import wait_for
 from mlx_lm.generate import generate_step
 
 from mlxlocal.cache import BlockManager, OutOfBlocks, RadixCache
@@ -36,15 +36,6 @@ def tokens_of(handle) -> list[int]:
     chunks = list(handle)
     assert chunks[-1].finish_reason is not None
     return [c.token for c in chunks if c.token is not None]
-
-
-def wait_for(pred, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,18 @@ from mlxlocal.cli.common import (
 from mlxlocal.errors import MlxLocalError
 
 
+def sampling_params(**fields):
+    """SamplingParams from the command's options; a bad value exits 2 naming the option's field."""
+    from mlxlocal.engine import SamplingParams
+
+    params = SamplingParams(**fields)
+    try:
+        params.validate()
+    except ValueError as e:
+        fail(str(e), 2)
+    return params
+
+
 def generate(
     model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; '-' or omitted reads stdin"),
@@ -45,7 +57,7 @@ def generate(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
-    from mlxlocal.engine import SamplingParams, open_engine
+    from mlxlocal.engine import open_engine
     from mlxlocal.engine.base import EngineBase
     from mlxlocal.loader import load
 
@@ -53,15 +65,11 @@ def generate(
         if sys.stdin.isatty():
             fail("no prompt: pass --prompt or pipe text on stdin", 2)
         prompt = sys.stdin.read()
-    params = SamplingParams(
+    params = sampling_params(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
-    try:
-        params.validate()
-    except ValueError as e:
-        fail(str(e), 2)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     try:
         loaded = load(model)
@@ -138,17 +146,11 @@ def chat(
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.chat import run_chat
-    from mlxlocal.engine import SamplingParams
-
-    params = SamplingParams(
+    params = sampling_params(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
-    try:
-        params.validate()
-    except ValueError as e:
-        fail(str(e), 2)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
                               engine_options=options))
