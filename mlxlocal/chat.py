@@ -31,6 +31,7 @@ from rich.text import Text
 
 from mlxlocal.engine import Engine, GenerationStats, SamplingParams, open_engine
 from mlxlocal.errors import ContextLengthError, MlxLocalError
+from mlxlocal.units import human_bytes
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -55,14 +56,6 @@ def default_history_file() -> Path:
     if home:
         return Path(home) / "chat_history"
     return Path.home() / ".local" / "state" / "mlxlocal" / "chat_history"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def human_count(n: int) -> str:

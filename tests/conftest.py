@@ -64,6 +64,13 @@ def tiny_model(tiny_models) -> Path:
     return tiny_models["qwen3"]
 
 
+@pytest.fixture(scope="session")
+def gemma_model(tmp_path_factory) -> Path:
+    """A model on the mlx-lm path (gemma has no native implementation: SimpleEngine), with the
+    tiny models' 512-token context."""
+    return build_tiny(tmp_path_factory.mktemp("gemma") / "gemma", dict(BASE, model_type="gemma", rope_theta=10000.0))
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model):
     """`mlxlocal serve` on the tiny qwen3 model, on loopback: (base URL, app). One per module."""

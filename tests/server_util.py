@@ -21,12 +21,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(config: ServerConfig):
-    """Serve `config` on 127.0.0.1 in a thread; yield the base URL; stop on exit."""
+def running_server(config: ServerConfig, like_serve: bool = False):
+    """Serve `config` on 127.0.0.1 in a thread; yield the base URL; stop on exit.
+
+    like_serve: behind the uvicorn settings `mlxlocal serve` uses (header timeout,
+    connection cap, keep-alive) instead of uvicorn's defaults.
+    """
+    from mlxlocal.server.banner import uvicorn_config
+
     config.port = config.port if config.port not in (0, 8080) else free_port()
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",
-                                           lifespan="on"))
+    settings = (uvicorn_config(app, config, log_level="warning", lifespan="on") if like_serve
+                else uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(settings)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

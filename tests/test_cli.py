@@ -115,14 +115,6 @@ def test_help_shows_click_style_types(command):
         assert re.search(r"model\s+TEXT\s", out.output)
 
 
-@pytest.fixture(scope="module")
-def gemma_model(tmp_path_factory) -> Path:
-    """A model on the mlx-lm path (SimpleEngine), 512-token context like the tiny qwen3."""
-    from conftest import BASE, build_tiny
-
-    return build_tiny(tmp_path_factory.mktemp("gemma") / "gemma", dict(BASE, model_type="gemma", rope_theta=10000.0))
-
-
 @pytest.mark.parametrize("engine", ["paged", "mlx-lm path"])
 def test_reply_says_whether_context_or_max_tokens_ended_it(home, tiny_model, gemma_model, engine):
     model = str(tiny_model if engine == "paged" else gemma_model)

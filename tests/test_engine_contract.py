@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 
 import pytest
-from conftest import BASE, build_tiny
 from rich.console import Console
 
 from mlxlocal.chat import ChatRepl
@@ -27,14 +26,8 @@ from mlxlocal.server.registry import ModelRegistry
 
 
 @pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
-    # gemma has no native implementation: it runs on mlx-lm's code, on the simple engine.
-    return build_tiny(tmp_path_factory.mktemp("gemma") / "gemma", dict(BASE, model_type="gemma", rope_theta=10000.0))
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_model, gemma_dir):
-    paged, simple = open_engine(load_from_dir(tiny_model)), open_engine(load_from_dir(gemma_dir))
+def engines(tiny_model, gemma_model):
+    paged, simple = open_engine(load_from_dir(tiny_model)), open_engine(load_from_dir(gemma_model))
     yield paged, simple
     paged.shutdown()
     simple.shutdown()
@@ -78,9 +71,9 @@ def test_chat_stats_on_the_mlx_lm_path(engines):
     assert "mlx-lm" in text and "kv cache dense" in text and "2 messages" in text, text
 
 
-def test_serve_banner_metrics_and_unload_on_the_mlx_lm_path(gemma_dir):
-    simple = open_engine(load_from_dir(gemma_dir))  # its own: unload_idle shuts it down
-    config = ServerConfig(models=[str(gemma_dir)])
+def test_serve_banner_metrics_and_unload_on_the_mlx_lm_path(gemma_model):
+    simple = open_engine(load_from_dir(gemma_model))  # its own: unload_idle shuts it down
+    config = ServerConfig(models=[str(gemma_model)])
     registry = ModelRegistry(config.models, {}, 0.0, config.served_model_names)
     registry.models[0].engine, registry.models[0].expires_at = simple, 0.0
     assert "KV cache: per request (mlx-lm path, no paged pool)" in banner_text(config, registry)

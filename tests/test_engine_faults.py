@@ -265,11 +265,8 @@ def test_paged_cancel_during_prefill_drops_at_next_chunk(loaded):
 
 
 @pytest.fixture(scope="module")
-def simple_engine(tmp_path_factory):
-    from conftest import BASE, build_tiny
-
-    path = build_tiny(tmp_path_factory.mktemp("gemma"), dict(BASE, model_type="gemma", rope_theta=10000.0))
-    eng = SimpleEngine(load_from_dir(path), max_step_tokens=16)
+def simple_engine(gemma_model):
+    eng = SimpleEngine(load_from_dir(gemma_model), max_step_tokens=16)
     yield eng
     eng.shutdown(timeout=5)
 

@@ -179,18 +179,10 @@ def engine(loaded):
     eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
-    """A model on the mlx-lm path (SimpleEngine): penalties must work there too."""
-    from conftest import BASE, build_tiny
-
-    return build_tiny(tmp_path_factory.mktemp("gemma") / "gemma", dict(BASE, model_type="gemma", rope_theta=10000.0))
-
-
 @pytest.fixture(params=["paged", "mlx-lm path"])
-def any_engine(request, tiny_model, gemma_dir):
+def any_engine(request, tiny_model, gemma_model):
     """(engine, model dir) for both engines."""
-    path = tiny_model if request.param == "paged" else gemma_dir
+    path = tiny_model if request.param == "paged" else gemma_model
     eng = open_engine(load_from_dir(path), block_size=16, kv_blocks=64)
     assert isinstance(eng, PagedEngine) == (request.param == "paged")
     yield eng, path

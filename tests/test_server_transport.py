@@ -8,45 +8,22 @@ import json
 import logging
 import re
 import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
-import uvicorn
 from conftest import BASE, build_tiny
+from server_util import running_server
 
-from mlxlocal.server import ServerConfig, create_app
-from mlxlocal.server.banner import RepeatFilter, uvicorn_config
-
-
-@contextmanager
-def serve(config: ServerConfig):
-    """The app behind the same uvicorn settings `mlxlocal serve` uses, on 127.0.0.1:<free port>."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        config.port = s.getsockname()[1]
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn_config(app, config, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{config.port}", app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+from mlxlocal.server import ServerConfig
+from mlxlocal.server.banner import RepeatFilter
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
     config = ServerConfig(models=[str(tiny_model)], max_body_bytes=4096, body_timeout=1.0, header_timeout=1.0,
                           allowed_hosts=["api.example.test"], engine_options={"max_waiting": 1})
-    with serve(config) as (url, app):
+    with running_server(config, like_serve=True) as (url, app):
         yield url, app
 
 
@@ -70,7 +47,7 @@ PROMPT = " ".join(f"w{i % 50}" for i in range(700))  # ~1,800 tokens: prefill ta
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory):
     path = build_tiny(tmp_path_factory.mktemp("slow") / "m", SLOW)
-    with serve(ServerConfig(models=[str(path)])) as (url, app):
+    with running_server(ServerConfig(models=[str(path)]), like_serve=True) as (url, app):
         yield url, app, str(path)
 
 

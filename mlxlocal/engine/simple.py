@@ -53,7 +53,7 @@ class Session:
         drop = self.cached_len - common
         if drop and not self._trim(drop):
             common = 0
-            self._fresh()
+            self.start_over()
         self.tokens = held[:common]
         return common
 
@@ -64,16 +64,17 @@ class Session:
             return True
         return False
 
-    def _fresh(self) -> None:
-        # The engine's new_session always passes the factory; a caller-built cache without one
-        # cannot be renewed here, so its owner must not reuse it after a failed trim.
+    def start_over(self) -> None:
+        """A fresh cache holding nothing (a recurrent state cannot be trimmed, a failed step
+        leaves it out of step). The engine's new_session always passes the factory; a
+        caller-built cache without one cannot be renewed here."""
         if self._make_cache is not None:
             self.cache = self._make_cache()
         self.tokens = []
 
     def reset(self) -> None:
         if not self._trim(self.cached_len):
-            self._fresh()
+            self.start_over()
         self.tokens = []
 
 
@@ -204,7 +205,7 @@ class SimpleEngine(EngineBase):
         except Exception:
             # A step that failed halfway leaves the cache out of step with session.tokens:
             # the session's next turn starts over on a fresh cache.
-            session.cache, session.tokens = self.loaded.make_cache(), []
+            session.start_over()
             raise
         finally:
             self._running -= 1
@@ -248,7 +249,8 @@ class SimpleEngine(EngineBase):
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return sampler(logprobs)
 
-        y = sample(self._forward(mx.array(todo, mx.uint32), cache), prompt)
+        history = list(prompt)  # prompt + generated, grown in place: the sampler's penalties read it
+        y = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
         mx.async_eval(y)
         room = self.context_length - len(prompt)
         max_tokens = min(params.max_tokens, room)
@@ -268,12 +270,13 @@ class SimpleEngine(EngineBase):
                 finish = "stop"
                 break
             generated.append(token)
+            history.append(token)
             self.tokens_out += 1
             cancelled = cancel is not None and cancel.is_set()
             more = len(generated) < max_tokens and not cancelled
             if more:
                 # Queue the next step before handing this token out, so the device keeps working.
-                next_y = sample(self._forward(y.reshape(1), cache), prompt + generated)
+                next_y = sample(self._forward(y.reshape(1), cache), history)
                 mx.async_eval(next_y)
                 session.tokens.append(token)
             detok.add_token(token)

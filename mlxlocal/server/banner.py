@@ -15,6 +15,7 @@ from mlxlocal import __version__
 from mlxlocal.engine import Engine
 from mlxlocal.server.app import ServerConfig, create_app
 from mlxlocal.server.registry import ModelRegistry
+from mlxlocal.units import human_bytes
 
 DIALECTS = ("OpenAI /v1/chat/completions /v1/completions /v1/models · Anthropic /v1/messages"
             " · Ollama /api/chat /api/generate")
@@ -22,14 +23,6 @@ DIALECTS = ("OpenAI /v1/chat/completions /v1/completions /v1/models · Anthropic
 
 def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
 
 
 def kv_pool(engine: Engine | None) -> str:
@@ -40,7 +33,7 @@ def kv_pool(engine: Engine | None) -> str:
     if kv["kind"] != "paged":  # SimpleEngine (mlx-lm path): one growing cache per request
         return "KV cache: per request (mlx-lm path, no paged pool)"
     blocks, size = kv["blocks"], kv["block_size"]
-    return f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens, {_bytes(kv['bytes'])}"
+    return f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens, {human_bytes(kv['bytes'])}"
 
 
 def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None = None) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxlocal.errors import ModelLoadError, WeightFileError
+from mlxlocal.units import human_bytes
 from mlxlocal.weights.safetensors import (
     SafetensorsHeader,
     load_tensors,
@@ -47,20 +48,11 @@ class WeightsReport:
         dts = ", ".join(sorted(self.dtypes)) or "no dtypes"
         return (f"{_plural(self.n_tensors, 'tensor')}, {_human_count(self.n_params)} params "
                 f"({dts}) in {_plural(len(self.files), 'file')}, "
-                f"{_human_bytes(self.total_bytes)}; {self.load_path}")
+                f"{human_bytes(self.total_bytes)}; {self.load_path}")
 
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # unreachable; keeps type checkers happy
 
 
 def _human_count(n: int) -> str:
