@@ -41,6 +41,19 @@ FAMILY_CONFIGS = {
     "qwen3": dict(BASE, model_type="qwen3", tie_word_embeddings=True,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
+# Models that run mlx-lm's model code on the paged engine: gemma3 alternates sliding-window
+# (32 tokens, shorter than the tests' prompts) and global layers; nemotron_h is a hybrid of
+# Mamba-2 (recurrent state), attention and MLP layers.
+MLX_LM_CONFIGS = {
+    "gemma3": dict(BASE, model_type="gemma3_text", sliding_window=32, sliding_window_pattern=2,
+                   query_pre_attn_scalar=16, rope_theta=1e6, rope_local_base_freq=1e4),
+    "hybrid": dict(
+        model_type="nemotron_h", vocab_size=384, hidden_size=64, intermediate_size=128,
+        max_position_embeddings=512, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_bias=False, mamba_num_heads=8, mamba_head_dim=16, mamba_proj_bias=False,
+        ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
+        use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "*", "M", "-"]),
+}
 TEMPLATES = {"llama": "llama3", "mistral": "mistral", "qwen2": "chatml", "qwen3": "chatml"}
 
 
@@ -66,9 +79,15 @@ def tiny_model(tiny_models) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_model(tmp_path_factory) -> Path:
-    """A model on the mlx-lm path (gemma has no native implementation: SimpleEngine), with the
-    tiny models' 512-token context."""
+    """A model on the mlx-lm path (gemma has no native implementation: mlx-lm's model code on
+    the paged engine), with the tiny models' 512-token context."""
     return build_tiny(tmp_path_factory.mktemp("gemma") / "gemma", dict(BASE, model_type="gemma", rope_theta=10000.0))
+
+
+@pytest.fixture(scope="session")
+def mlx_lm_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mlx_lm_models")
+    return {name: build_tiny(root / name, cfg) for name, cfg in MLX_LM_CONFIGS.items()}
 
 
 @pytest.fixture(scope="module")

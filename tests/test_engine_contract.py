@@ -27,7 +27,8 @@ from mlxlocal.server.registry import ModelRegistry
 
 @pytest.fixture(scope="module")
 def engines(tiny_model, gemma_model):
-    paged, simple = open_engine(load_from_dir(tiny_model)), open_engine(load_from_dir(gemma_model))
+    # The dense engine is what a model the paged engine cannot hold gets; built directly here.
+    paged, simple = open_engine(load_from_dir(tiny_model)), SimpleEngine(load_from_dir(gemma_model))
     yield paged, simple
     paged.shutdown()
     simple.shutdown()
@@ -58,7 +59,7 @@ def test_kv_pool_describes_paged_and_dense(engines):
     paged, simple = engines
     assert paged.kv_pool == {"kind": "paged", "blocks": paged.num_blocks, "block_size": paged.config.block_size,
                              "bytes": paged.pools.nbytes}
-    assert simple.kv_pool == {"kind": "dense"}
+    assert simple.kv_pool["kind"] == "dense"
 
 
 def test_chat_stats_on_the_mlx_lm_path(engines):
@@ -72,7 +73,7 @@ def test_chat_stats_on_the_mlx_lm_path(engines):
 
 
 def test_serve_banner_metrics_and_unload_on_the_mlx_lm_path(gemma_model):
-    simple = open_engine(load_from_dir(gemma_model))  # its own: unload_idle shuts it down
+    simple = SimpleEngine(load_from_dir(gemma_model))  # its own: unload_idle shuts it down
     config = ServerConfig(models=[str(gemma_model)])
     registry = ModelRegistry(config.models, {}, 0.0, config.served_model_names)
     registry.models[0].engine, registry.models[0].expires_at = simple, 0.0
@@ -83,3 +84,23 @@ def test_serve_banner_metrics_and_unload_on_the_mlx_lm_path(gemma_model):
     assert registry.models[0].dead_reason is None
     assert registry.unload_idle() == [registry.models[0].name]  # idle, keep_alive 0: stats say nothing runs
     assert simple.dead_reason == "the engine was shut down" and set(simple.stats()) == STATS_KEYS | {"dead_reason"}
+
+
+def test_mlx_lm_models_run_paged_and_unpageable_caches_fall_back_with_a_reason(gemma_model):
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    from mlxlocal.engine import engine_kind
+
+    loaded = load_from_dir(gemma_model)
+    engine = open_engine(loaded)
+    assert isinstance(engine, PagedEngine) and engine.kv_pool["kind"] == "paged"
+    engine.shutdown()
+    assert engine_kind(loaded).startswith("paged (mlx-lm model code)")
+    # A cache type the pools cannot hold (llama4's chunked attention): the dense engine, and why.
+    loaded.model.make_cache = lambda: [ChunkedKVCache(8) for _ in loaded.model.layers]
+    engine = open_engine(loaded)
+    assert isinstance(engine, SimpleEngine)
+    assert "ChunkedKVCache" in engine.kv_pool["reason"] and "ChunkedKVCache" in engine_kind(loaded)
+    tokens = [c.token for c in engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))]
+    assert len([t for t in tokens if t is not None]) == 3
+    engine.shutdown()

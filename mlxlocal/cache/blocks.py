@@ -23,6 +23,10 @@ class BlockManager:
         self.free: deque[int] = deque(range(num_blocks))
         self.refs = [0] * num_blocks
         self.radix = RadixCache(block_size) if prefix_cache else None
+        # Told of every block that becomes free, so what was keyed by its content goes, and
+        # of a block replaced by an equal one already cached (old, new), so it can move over.
+        self.on_free: Callable[[int], None] | None = None
+        self.on_move: Callable[[int, int], None] | None = None
 
     # --- counts ------------------------------------------------------------------
     @property
@@ -42,7 +46,7 @@ class BlockManager:
     # --- allocation ----------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         if len(self.free) < n and self.radix is not None:
-            self.free.extend(self.radix.evict(n - len(self.free), self._unreferenced))
+            self._to_free(self.radix.evict(n - len(self.free), self._unreferenced))
         if len(self.free) < n:
             raise OutOfBlocks(n)
         blocks = [self.free.popleft() for _ in range(n)]
@@ -59,7 +63,7 @@ class BlockManager:
             self.refs[b] -= 1
             assert self.refs[b] >= 0, f"block {b} released twice"
             if self.refs[b] == 0 and not (self.radix and self.radix.contains(b)):
-                self.free.append(b)
+                self._to_free([b])
 
     def _unreferenced(self, block: int) -> bool:
         return self.refs[block] == 0
@@ -114,6 +118,8 @@ class BlockManager:
         table = list(blocks)
         for i, (mine, kept) in enumerate(zip(blocks, held)):
             if mine != kept:
+                if self.on_move is not None:
+                    self.on_move(mine, kept)
                 self.share([kept])
                 self.release([mine])
                 table[i] = kept
@@ -123,5 +129,11 @@ class BlockManager:
         if self.radix is None:
             return 0
         freed = self.radix.clear(self._unreferenced)
-        self.free.extend(freed)
+        self._to_free(freed)
         return len(freed)
+
+    def _to_free(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+        if self.on_free is not None:
+            for b in blocks:
+                self.on_free(b)

@@ -10,20 +10,32 @@ from mlxlocal.metal import paged_attention
 from mlxlocal.metal.paged_attention import step_mask
 
 
-class KVPools:
-    """Per layer, K and V pools of shape [num_blocks, block_size, n_kv_heads, head_dim]."""
+@dataclass(frozen=True)
+class KVShape:
+    """One attention layer's K and V rows per token (MLA-style models differ in K and V)."""
 
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
-                 head_dim: int, dtype: mx.Dtype):
-        shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        self.k = [mx.zeros(shape, dtype) for _ in range(n_layers)]
-        self.v = [mx.zeros(shape, dtype) for _ in range(n_layers)]
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+
+
+class KVPools:
+    """Per attention layer, K and V pools of shape [num_blocks, block_size, heads, dim]."""
+
+    def __init__(self, shapes: list[KVShape], num_blocks: int, block_size: int, dtype: mx.Dtype):
+        self.k = [mx.zeros((num_blocks, block_size, s.k_heads, s.k_dim), dtype) for s in shapes]
+        self.v = [mx.zeros((num_blocks, block_size, s.v_heads, s.v_dim), dtype) for s in shapes]
         mx.eval(self.k, self.v)
         self.block_size = block_size
 
     @staticmethod
-    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
-        return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.size
+    def uniform(n_layers: int, n_kv_heads: int, head_dim: int) -> list[KVShape]:
+        return [KVShape(n_kv_heads, head_dim, n_kv_heads, head_dim)] * n_layers
+
+    @staticmethod
+    def bytes_per_block(shapes: list[KVShape], block_size: int, dtype: mx.Dtype) -> int:
+        return block_size * dtype.size * sum(s.k_heads * s.k_dim + s.v_heads * s.v_dim for s in shapes)
 
     @property
     def nbytes(self) -> int:
@@ -33,6 +45,23 @@ class KVPools:
         """Copy block src's K/V rows into block dst in every layer (copy-on-write reuse)."""
         for pool in self.k + self.v:
             pool[dst] = pool[src]
+
+    def write(self, layer: int, batch: StepBatch, k: mx.array, v: mx.array) -> None:
+        """Store new k/v [B, H, L, D] at the step's slots, in the order of the slot mapping."""
+        rows = lambda x: x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731
+        self.k[layer][batch.slot_blocks, batch.slot_offsets] = rows(k)
+        self.v[layer][batch.slot_blocks, batch.slot_offsets] = rows(v)
+
+    def gather(self, layer: int, batch: StepBatch) -> tuple[mx.array, mx.array]:
+        """Every sequence's keys and values [B, H, n_keys, D] from position 0, through its
+        block table (positions past a sequence's context are masked by the caller)."""
+        n_keys = max(batch.host_context_lens)
+        B = batch.block_tables.shape[0]
+        out = []
+        for pool in (self.k[layer], self.v[layer]):
+            x = pool[batch.block_tables].reshape(B, -1, pool.shape[2], pool.shape[3])[:, :n_keys]
+            out.append(x.transpose(0, 2, 1, 3))
+        return out[0], out[1]
 
     def state(self) -> list[mx.array]:
         return self.k + self.v
@@ -78,12 +107,7 @@ class PagedLayerView:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         b, pools = self.batch, self.pools
-        _, H, _, D = k.shape
-        # [B, H, L, D] -> [B*L, H, D], in the order of the slot mapping.
-        new_k = k.transpose(0, 2, 1, 3).reshape(-1, H, D)
-        new_v = v.transpose(0, 2, 1, 3).reshape(-1, H, D)
-        pools.k[self.layer][b.slot_blocks, b.slot_offsets] = new_k
-        pools.v[self.layer][b.slot_blocks, b.slot_offsets] = new_v
+        pools.write(self.layer, b, k, v)
         return paged_attention(q, pools.k[self.layer], pools.v[self.layer], b.block_tables,
                                b.context_lens, scale, self.window,
                                n_keys=max(b.host_context_lens), mask=b.mask(q.shape[2], self.window))

@@ -135,6 +135,7 @@ def rm(
 
 def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
     """Load a model and print its architecture, size, quantization and how it was loaded."""
+    from mlxlocal.engine import engine_kind
     from mlxlocal.loader import load
 
     try:
@@ -149,6 +150,7 @@ def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
         ("model", info.name),
         ("source", f"{info.source}: {info.path}"),
         ("architecture", f"{info.model_type} ({'native mlxlocal' if info.native else 'mlx-lm compatibility path'})"),
+        ("engine", engine_kind(loaded)),
         ("parameters", f"{human_count(info.n_params)} ({info.n_params:,})"),
         ("quantization", info.quantization),
         ("dtype", info.dtype),

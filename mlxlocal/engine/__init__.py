@@ -7,21 +7,44 @@ the `Engine` protocol (contract.py), the whole of what front ends may use.
 
 from __future__ import annotations
 
+from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.engine.contract import STATS_KEYS, Engine, EngineSession
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine
+from mlxlocal.engine.runner import NotPageable, make_runner
 from mlxlocal.engine.simple import SimpleEngine
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
 from mlxlocal.loader import LoadedModel
 
 __all__ = [
     "STATS_KEYS", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",
-    "GenerationStats", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "open_engine",
+    "GenerationStats", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "engine_kind",
+    "open_engine",
 ]
 
 
 def open_engine(loaded: LoadedModel, **config) -> Engine:
-    """The engine for a loaded model; keyword arguments are EngineConfig fields."""
+    """The engine for a loaded model; keyword arguments are EngineConfig fields.
+
+    Every model whose cache the paged engine can hold runs on it; the rest (a cache type
+    it does not know) on the one-sequence dense engine, with the reason in `paged_reason`.
+    """
+    try:
+        runner = make_runner(loaded)
+    except NotPageable as e:
+        engine = SimpleEngine(loaded, **config)
+        engine.paged_reason = str(e)
+        return engine
+    return PagedEngine(loaded, EngineConfig(**config), runner)
+
+
+def engine_kind(loaded: LoadedModel) -> str:
+    """How this model runs, for `show`: on the paged engine, or dense and why."""
     if loaded.info.native:
-        return PagedEngine(loaded, EngineConfig(**config))
-    return SimpleEngine(loaded, **config)
+        return "paged (native): continuous batching, prefix cache, sessions"
+    try:
+        layout = CacheLayout(loaded.model)
+    except NotPageable as e:
+        return f"dense, one sequence at a time: {e}"
+    extra = ", recurrent-state snapshots at block boundaries" if layout.recurrent else ""
+    return f"paged (mlx-lm model code): continuous batching, prefix cache, sessions{extra}"

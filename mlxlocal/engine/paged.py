@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxlocal.cache import BlockManager, KVPools, PagedLayerView, StepBatch
+from mlxlocal.cache import BlockManager, KVPools
+from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
+from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, make_runner
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
@@ -69,6 +71,7 @@ class Session:
         self.engine = engine
         self.tokens: list[int] = []  # tokens whose K/V the blocks hold
         self.block_table: list[int] = []
+        self.recurrent: list | None = None  # hybrid models: the state after self.tokens
         self.busy = False
 
     @property
@@ -80,23 +83,27 @@ class Session:
 
     def _release(self) -> None:
         self.engine.blocks.release(self.block_table)
-        self.tokens, self.block_table = [], []
+        self.tokens, self.block_table, self.recurrent = [], [], None
 
 
 class PagedEngine(EngineBase):
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 runner: NativeRunner | MlxLmRunner | None = None):
         super().__init__(loaded)
         self.config = cfg = config or EngineConfig()
-        mc = loaded.model_config
-        dtype = loaded.model.model.embed_tokens(mx.array([0])).dtype
-        per_block = KVPools.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
-                                            mc.num_key_value_heads, mc.head_dim, dtype)
-        self.num_blocks = self._pool_blocks(cfg, per_block, mc.context_length)
-        self.pools = KVPools(mc.num_hidden_layers, self.num_blocks, cfg.block_size,
-                             mc.num_key_value_heads, mc.head_dim, dtype)
+        self.runner = runner = runner or make_runner(loaded)
+        per_block = KVPools.bytes_per_block(runner.shapes, cfg.block_size, runner.dtype)
+        self.num_blocks = self._pool_blocks(cfg, per_block, self.context_length)
+        self.pools = KVPools(runner.shapes, self.num_blocks, cfg.block_size, runner.dtype)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens, self.pools.copy_block)
-        self.windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+        if runner.recurrent:
+            # State snapshots may take a quarter of what the K/V pools take.
+            runner.snapshots = StateSnapshots(self.pools.nbytes // 4, runner.state_bytes)
+            self.blocks.on_free, self.blocks.on_move = runner.snapshots.drop, runner.snapshots.move
+            # A partly matching block cannot be reused: no state exists mid-block.
+            self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens, None, self._resume)
+        else:
+            self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens, self.pools.copy_block)
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -327,7 +334,7 @@ class PagedEngine(EngineBase):
             self.scheduler.free(seq)
             if seq.session is not None:  # what it held may be half-written: start the next turn over
                 self.blocks.release(seq.session.block_table)
-                seq.session.tokens, seq.session.block_table = [], []
+                seq.session.tokens, seq.session.block_table, seq.session.recurrent = [], [], None
                 seq.session.busy = False
             self.scheduler.finish(seq)
             seq.pending = None
@@ -354,11 +361,33 @@ class PagedEngine(EngineBase):
             common = keep * bs
         # Hand the blocks over before releasing any, so a failure never frees a block twice.
         kept, dropped = s.block_table[:keep], s.block_table[keep:]
-        s.tokens, s.block_table = [], []
+        live = s.recurrent if common == len(s.tokens) else None
+        s.tokens, s.block_table, s.recurrent = [], [], None
         seq.block_table, seq.num_computed = kept, common
         self.blocks.release(dropped)
-        seq.stats.cached_tokens = common
-        self.scheduler.prefix_hit_tokens += common
+        if self.runner.recurrent:
+            if live is not None:  # the turn extends everything the session holds
+                seq.recurrent = (common, live)
+            else:  # an edited turn: roll back to the deepest state snapshot before the change
+                self._resume(seq)
+        seq.stats.cached_tokens = seq.num_computed
+        self.scheduler.prefix_hit_tokens += seq.num_computed
+
+    def _resume(self, seq: Sequence) -> None:
+        """Hybrid models: cut seq's reused prefix back to the deepest block boundary that has
+        a recurrent-state snapshot, and start from that state (nothing reused if none)."""
+        bs, snapshots = self.config.block_size, self.runner.snapshots
+        k = shared = seq.num_computed // bs
+        while k and snapshots.get(seq.block_table[k - 1]) is None:
+            k -= 1
+        if k < shared:  # recomputing what others share: keep the state at its end this time
+            seq.snapshot_at = shared * bs
+        self.blocks.release(seq.block_table[k:])
+        seq.block_table, seq.num_computed = seq.block_table[:k], k * bs
+        seq.forget_state()
+        if k:
+            seq.recurrent = (k * bs, snapshots.get(seq.block_table[k - 1]))
+            snapshots.restored += 1
 
     def step(self) -> None:
         """Queue this step's forward, then accept the previous step's tokens while it runs.
@@ -392,7 +421,7 @@ class PagedEngine(EngineBase):
                         self._fail(seq, e)
         if sampled or groups:
             mx.async_eval([t for _, t, _ in sampled] + [a for _, _, lp in sampled for a in lp]
-                          + self.pools.state())
+                          + self.pools.state() + self.runner.state([q for g, _ in groups for q in g]))
         previous, self._inflight = self._inflight, sampled
         for seq, token, lp in previous:
             if seq.pending is token:
@@ -405,28 +434,7 @@ class PagedEngine(EngineBase):
 
     def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
         """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
-        bs = self.config.block_size
-        if n == 1:  # decode: the last token may still be in flight (a lazy array)
-            inputs = mx.concatenate([
-                s.pending.reshape(1, 1).astype(mx.uint32) if s.pending is not None
-                else mx.array([[s.tokens[s.num_computed]]], mx.uint32)
-                for s in seqs
-            ])
-        else:
-            inputs = mx.array([s.tokens[s.num_computed : s.num_computed + n] for s in seqs])
-        positions = [s.num_computed + i for s in seqs for i in range(n)]
-        table_of = [s.block_table for s in seqs for _ in range(n)]
-        width = max(len(s.block_table) for s in seqs)
-        batch = StepBatch(
-            positions=seqs[0].num_computed if len(seqs) == 1 else mx.array([s.num_computed for s in seqs]),
-            slot_blocks=mx.array([t[p // bs] for t, p in zip(table_of, positions)]),
-            slot_offsets=mx.array([p % bs for p in positions]),
-            block_tables=mx.array([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-            context_lens=mx.array([s.num_computed + n for s in seqs]),
-            host_context_lens=[s.num_computed + n for s in seqs],
-        )
-        views = [PagedLayerView(self.pools, i, batch, w) for i, w in enumerate(self.windows)]
-        return self.model(inputs, views, last_only=True)[:, -1, :]
+        return self.runner.forward(self.pools, seqs, n)
 
     @staticmethod
     def _logprob_arrays(seq: Sequence, token: mx.array, logprobs: mx.array) -> list[mx.array]:
@@ -488,6 +496,9 @@ class PagedEngine(EngineBase):
             seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
         if seq.session is not None:
             seq.session.tokens, seq.session.block_table = computed, seq.block_table
+            # Hybrids: the state after exactly these tokens (None: the next turn rolls back
+            # to a snapshot).
+            seq.session.recurrent = seq.state_at(len(computed))
             seq.block_table = []
             seq.session.busy = False
         else:

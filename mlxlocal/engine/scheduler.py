@@ -32,9 +32,13 @@ class Plan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_step_tokens: int = 512,
-                 copy_block: Callable[[int, int], None] | None = None):
+                 copy_block: Callable[[int, int], None] | None = None,
+                 resume: Callable[[Sequence], None] | None = None):
         self.blocks = blocks
         self.copy_block = copy_block  # KVPools.copy_block: reuse a partly matching block by copying it
+        # Hybrid models: cut a matched prefix back to a recurrent-state snapshot and restore
+        # it; their prefill chunks end on block boundaries, where snapshots are taken.
+        self.resume = resume
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
@@ -70,6 +74,7 @@ class Scheduler:
         self.running.remove(seq)
         self.free(seq)
         seq.num_computed = 0
+        seq.forget_state()
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
@@ -78,6 +83,8 @@ class Scheduler:
         """Waiting -> running: reuse the cached prefix (all but the last token), to the token."""
         if not seq.block_table:
             seq.block_table, seq.num_computed = self.blocks.match_tokens(seq.tokens[:-1], self.copy_block)
+            if self.resume is not None:
+                self.resume(seq)
             if seq.preemptions == 0:
                 seq.stats.cached_tokens = seq.num_computed
                 self.prefix_hit_tokens += seq.num_computed
@@ -118,9 +125,20 @@ class Scheduler:
             candidate = head
         if candidate is not None:
             n = min(len(candidate.tokens) - candidate.num_computed, budget)
+            if self.resume is not None:
+                n = self._snapshot_chunk(candidate, n)
             if n > 0 and self._reserve(candidate, n):
                 plan.prefill, plan.prefill_tokens = candidate, n
         return plan
+
+    def _snapshot_chunk(self, seq: Sequence, n: int) -> int:
+        """Hybrids: end the chunk where a state snapshot is wanted: at the end of the prefix
+        others already share (seq.snapshot_at), else at the last block boundary it reaches."""
+        start, end = seq.num_computed, seq.num_computed + n
+        if start < seq.snapshot_at < end:
+            return seq.snapshot_at - start
+        boundary = end // self.block_size * self.block_size
+        return boundary - start if boundary > start else n
 
     def _unadmit(self, seq: Sequence) -> None:
         """Not enough room to start seq now: back to the front of the queue."""
@@ -132,6 +150,7 @@ class Scheduler:
                 self.prefix_hit_tokens -= seq.stats.cached_tokens
                 seq.stats.cached_tokens = 0
             seq.num_computed = 0
+            seq.forget_state()
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -42,6 +42,11 @@ class Sequence:
     # The token sampled by the step in flight: fed to the next step before its value is
     # known (the engine pipelines steps), appended to `tokens` once it is.
     pending: Any = None
+    # Hybrid models: (n_tokens, state) after the last forward and the one before it; a
+    # finished turn keeps the one that matches its tokens (the last step may be wasted).
+    recurrent: Any = None
+    recurrent_prev: Any = None
+    snapshot_at: int = 0  # hybrids: a prefill chunk ends here, so the state there is kept
 
     def __post_init__(self):
         if not self.tokens:
@@ -60,6 +65,16 @@ class Sequence:
     def may_decode(self) -> bool:
         """Another decode step is useful: one token to feed and room under max_tokens."""
         return self.remaining == 1 and self.num_generated + (self.pending is not None) < self.max_tokens
+
+    def state_at(self, n: int) -> list | None:
+        """The recurrent state after exactly n tokens, if one is held."""
+        for held in (self.recurrent, self.recurrent_prev):
+            if held is not None and held[0] == n:
+                return held[1]
+        return None
+
+    def forget_state(self) -> None:
+        self.recurrent = self.recurrent_prev = None
 
     @property
     def cancelled(self) -> threading.Event:

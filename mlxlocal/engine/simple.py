@@ -90,6 +90,7 @@ class SimpleEngine(EngineBase):
         super().__init__(loaded)
         self.prefill_step = max_step_tokens
         self._native = loaded.info.native
+        self.paged_reason = "chosen by the caller"  # open_engine says why the paged engine cannot hold it
         self._busy = threading.Lock()  # submitted requests run one at a time
         self._live: dict[RequestHandle, threading.Thread] = {}  # submitted, not yet ended
         self.dead_reason: str | None = None  # set by shutdown: no more requests
@@ -161,7 +162,8 @@ class SimpleEngine(EngineBase):
 
     @property
     def kv_pool(self) -> dict:
-        return {"kind": "dense"}  # a growing cache per request or session, no shared pool
+        # A growing cache per request or session, no shared pool; the reason it is not paged.
+        return {"kind": "dense", "reason": self.paged_reason}
 
     def stats(self) -> dict:
         """The paged engine's keys: no blocks (dense caches), one request running at a time."""

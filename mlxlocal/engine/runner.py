@@ -1,0 +1,134 @@
+"""Model runners: turn a step's sequences into one forward over the paged KV pools.
+
+The engine hands a runner B sequences and n (1 for a decode batch, a chunk length for
+one prefilling sequence) and gets back last-position logits [B, V]. The runner owns the
+batch layout (slot mapping, block tables, positions) and how its model reads the pools:
+native models through `PagedLayerView`s, mlx-lm models through mlx-lm's cache interface
+(`PagedCache`), with recurrent states kept per sequence and snapshotted at block
+boundaries for hybrid SSM models.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+
+from mlxlocal.cache import KVPools, KVShape, PagedLayerView, StepBatch
+from mlxlocal.cache.mlx_lm_views import CacheLayout, NotPageable
+from mlxlocal.cache.states import StateSnapshots
+from mlxlocal.engine.sequence import Sequence
+
+log = logging.getLogger("mlxlocal.engine")
+
+
+def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int) -> StepBatch:
+    """Where n new tokens of each sequence go (from position starts[i]) and what it sees."""
+    positions = [p + i for p in starts for i in range(n)]
+    tables = [s.block_table for s in seqs for _ in range(n)]
+    width = max(len(s.block_table) for s in seqs)
+    return StepBatch(
+        positions=starts[0] if len(seqs) == 1 else mx.array(starts),
+        slot_blocks=mx.array([t[p // block_size] for t, p in zip(tables, positions)]),
+        slot_offsets=mx.array([p % block_size for p in positions]),
+        block_tables=mx.array([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+        context_lens=mx.array([p + n for p in starts]),
+        host_context_lens=[p + n for p in starts],
+    )
+
+
+def step_inputs(seqs: list[Sequence], starts: list[int], n: int) -> mx.array:
+    """[B, n] token ids; a decode's last token may still be in flight (a lazy array)."""
+    if n == 1:
+        return mx.concatenate([
+            s.pending.reshape(1, 1).astype(mx.uint32) if s.pending is not None and p == len(s.tokens)
+            else mx.array([[s.tokens[p]]], mx.uint32)
+            for s, p in zip(seqs, starts)
+        ])
+    return mx.array([s.tokens[p : p + n] for s, p in zip(seqs, starts)])
+
+
+class NativeRunner:
+    """Our own models: each layer attends straight from the pools (paged attention)."""
+
+    recurrent = False
+    snapshots: StateSnapshots | None = None
+
+    def __init__(self, model, shapes: list[KVShape], windows: list[int | None]):
+        self.model, self.shapes, self.windows = model, shapes, windows
+        self.dtype = model.model.embed_tokens(mx.array([0])).dtype
+
+    def forward(self, pools: KVPools, seqs: list[Sequence], n: int) -> mx.array:
+        starts = [s.num_computed for s in seqs]
+        batch = step_batch(seqs, starts, n, pools.block_size)
+        views = [PagedLayerView(pools, i, batch, w) for i, w in enumerate(self.windows)]
+        return self.model(step_inputs(seqs, starts, n), views, last_only=True)[:, -1, :]
+
+    def state(self, seqs: list[Sequence]) -> list[mx.array]:
+        return []
+
+
+class MlxLmRunner:
+    """mlx-lm's model code on the paged pools; recurrent layers' states held per sequence."""
+
+    def __init__(self, model, layout: CacheLayout):
+        self.model, self.layout = model, layout
+        self.shapes, self.dtype, self.state_bytes = layout.probe()
+        self.recurrent = layout.recurrent
+        self.snapshots: StateSnapshots | None = None  # set by the engine, which knows the budget
+        # Some models' code cannot take per-sequence rope offsets: found out on the first
+        # batched decode, after which such a model decodes one sequence per forward.
+        self.batched_decode: bool | None = None
+
+    def forward(self, pools: KVPools, seqs: list[Sequence], n: int) -> mx.array:
+        starts = [s.num_computed for s in seqs]
+        if n > 1 and starts[0] + n == len(seqs[0].tokens):
+            # mlx-lm models return logits for every position: run the chunk but its last
+            # token, whose logits alone are needed, then that token in a forward of its own.
+            self._run(pools, seqs, starts, n - 1)
+            return self._run(pools, seqs, [starts[0] + n - 1], 1)
+        if len(seqs) > 1 and self.batched_decode is None:
+            try:
+                logits = self._run(pools, seqs, starts, n)
+                self.batched_decode = True
+                return logits
+            except Exception as e:  # a rewrite of the same slots below is harmless
+                log.warning("%s cannot decode a batch in one forward (%s); one sequence at a time",
+                            type(self.model).__module__, e)
+                self.batched_decode = False
+        if len(seqs) > 1 and not self.batched_decode:
+            return mx.concatenate([self._run(pools, [s], [p], n) for s, p in zip(seqs, starts)])
+        return self._run(pools, seqs, starts, n)
+
+    def _run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], n: int) -> mx.array:
+        batch = step_batch(seqs, starts, n, pools.block_size)
+        states = [s.state_at(p) for s, p in zip(seqs, starts)] if self.recurrent else [None]
+        if self.recurrent and any(st is None for st in states) and any(starts):
+            raise RuntimeError("a recurrent state is missing for a sequence that has computed tokens")
+        caches = self.layout.build(pools, batch, states)
+        logits = self.model(step_inputs(seqs, starts, n), cache=caches)[:, -1, :]
+        if self.recurrent:
+            for s, p, new in zip(seqs, starts, self.layout.collect(caches, len(seqs))):
+                s.recurrent_prev, s.recurrent = s.recurrent, (p + n, new)
+                if (p + n) % pools.block_size == 0 and self.snapshots is not None:
+                    self.snapshots.put(s.block_table[(p + n) // pools.block_size - 1], new)
+        return logits
+
+    def state(self, seqs: list[Sequence]) -> list[mx.array]:
+        """The arrays this step's states are made of (evaluated with the step)."""
+        if not self.recurrent:
+            return []
+        return [a for s in seqs if s.recurrent for layer in s.recurrent[1] for a in layer if a is not None]
+
+
+def make_runner(loaded) -> NativeRunner | MlxLmRunner:
+    """The runner for a loaded model; raises NotPageable when its cache cannot be paged."""
+    mc = loaded.model_config
+    if loaded.info.native:
+        windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+        shapes = KVPools.uniform(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+        return NativeRunner(loaded.model, shapes, windows)
+    return MlxLmRunner(loaded.model, CacheLayout(loaded.model))
+
+
+__all__ = ["MlxLmRunner", "NativeRunner", "NotPageable", "make_runner", "step_batch"]
