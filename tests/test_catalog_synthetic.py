@@ -9,9 +9,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxlocal import synthetic
-from mlxlocal.catalog import CHAT_TEMPLATES, find_alias, find_preset, load_catalog
 from mlxlocal.errors import ModelNotFoundError
+from mlxlocal.source import synthetic
+from mlxlocal.source.catalog import CHAT_TEMPLATES, find_alias, find_preset, load_catalog
 
 TOOLS = [{
     "type": "function",
@@ -322,7 +322,7 @@ def test_first_build_on_a_terminal_shows_size_and_eta(tmp_path):
 
     from rich.console import Console
 
-    from mlxlocal.synthetic_write import BuildProgress
+    from mlxlocal.source.synthetic.weights import BuildProgress
 
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=120, soft_wrap=True)

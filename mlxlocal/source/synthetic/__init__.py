@@ -27,9 +27,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxlocal.catalog import load_catalog
 from mlxlocal.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
-from mlxlocal.synthetic_write import BuildProgress, Progress, save_weights
+from mlxlocal.source.catalog import load_catalog
+from mlxlocal.source.synthetic.weights import BuildProgress, Progress, save_weights
 
 PREFIX = "synthetic:"
 MARKER = ".mlxlocal-synthetic.json"
