@@ -58,7 +58,7 @@ def _mlx_lm_model(config: dict):
 def write_hf5_model(path: Path, model_type: str, seed: int = 0) -> tuple[Path, dict]:
     """transformers-5 config.json, a tokenizer, mlx-lm-built random weights; returns the
     directory and the weights (to give mlx-lm's reference model the same ones)."""
-    from mlxlocal.source.synthetic import write_tokenizer
+    from mlxlocal.source.synthetic.tokenizer import write_tokenizer
 
     path.mkdir(parents=True)
     _configs()[model_type]().save_pretrained(path)
