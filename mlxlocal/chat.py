@@ -378,7 +378,7 @@ class ChatRepl:
     def cmd_model(self, arg: str) -> None:
         if not arg:
             return self.error("usage: /model SPEC")
-        from mlxlocal.loader import load
+        from mlxlocal.source.loader import load
 
         try:
             with self.console.status(f"loading {arg}…"):
@@ -455,7 +455,7 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
 
     engine_options are EngineConfig fields (KV pool size, block size, prefix cache).
     """
-    from mlxlocal.loader import load
+    from mlxlocal.source.loader import load
 
     console = console or Console()
     # One conversation at a time: size the KV pool for one full context by default.

@@ -35,3 +35,7 @@ class ContextLengthError(MlxLocalError):
             f"{what} is {prompt_tokens} tokens but the model's context length is "
             f"{context_length} tokens (at least one must stay free for the reply)"
         )
+
+
+class EndpointBenchError(MlxLocalError):
+    """A bench setup problem the user can fix (bad prompt file, missing matplotlib, bad URL)."""

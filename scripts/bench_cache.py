@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxlocal.engine import SamplingParams, open_engine
-from mlxlocal.loader import load, load_from_dir
+from mlxlocal.source.loader import load, load_from_dir
 
 DEFAULT_CONFIG = dict(
     model_type="qwen3", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -300,7 +300,7 @@ def bench_multiturn(lm, system_tokens: int, max_tokens: int, reps: int) -> dict:
 def load_model(spec: str | None, tmp: Path):
     if spec:
         return load(spec), spec
-    from mlxlocal.synthetic import write_model_dir
+    from mlxlocal.source.synthetic.weights import write_model_dir
 
     path = write_model_dir(tmp / "bench-qwen3-h256-l4", DEFAULT_CONFIG)
     return load_from_dir(path), "built: qwen3 h256 l4 v8192 fp32 (random weights)"

@@ -16,8 +16,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxlocal.engine import SamplingParams, open_engine
-from mlxlocal.hub import resolve
-from mlxlocal.loader import load_from_dir
+from mlxlocal.source.hub import resolve
+from mlxlocal.source.loader import load_from_dir
 
 
 def check(spec: str, lengths: list[int], n_tokens: int) -> list[dict]:

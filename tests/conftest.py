@@ -58,7 +58,7 @@ TEMPLATES = {"llama": "llama3", "mistral": "mistral", "qwen2": "chatml", "qwen3"
 
 
 def build_tiny(path: Path, config: dict, *, template: str = "chatml", bits: int | None = None, seed: int = 0) -> Path:
-    from mlxlocal.synthetic import write_model_dir
+    from mlxlocal.source.synthetic.weights import write_model_dir
 
     return write_model_dir(path, dict(config), seed=seed, dtype="float32", quantize_bits=bits, chat_template=template)
 

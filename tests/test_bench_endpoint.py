@@ -10,16 +10,11 @@ import httpx
 import pytest
 from server_util import running_server
 
-from mlxlocal.bench.endpoint import (
-    EndpointBenchError,
-    load_prompt_file,
-    measure_endpoint,
-    percentile,
-    run_endpoint_bench,
-    summarize,
-    synthetic_prompts,
-)
+from mlxlocal.bench.common import percentile, summarize
+from mlxlocal.bench.endpoint import measure_endpoint, run_endpoint_bench
+from mlxlocal.bench.prompts import load_prompt_file, synthetic_prompts
 from mlxlocal.bench.sse import SSEParser, StreamAccount, account_stream
+from mlxlocal.errors import EndpointBenchError
 from mlxlocal.server import ServerConfig
 
 ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}

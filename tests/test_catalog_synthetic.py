@@ -9,9 +9,11 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxlocal import synthetic
-from mlxlocal.catalog import CHAT_TEMPLATES, find_alias, find_preset, load_catalog
 from mlxlocal.errors import ModelNotFoundError
+from mlxlocal.source import synthetic
+from mlxlocal.source.catalog import CHAT_TEMPLATES, find_alias, find_preset, load_catalog
+from mlxlocal.source.synthetic.tokenizer import STYLES, build_tokenizer, write_tokenizer
+from mlxlocal.source.synthetic.weights import build_model, write_model_dir
 
 TOOLS = [{
     "type": "function",
@@ -112,7 +114,7 @@ def test_presets_are_well_formed():
 def test_preset_shapes_match_the_real_models(name):
     # mlx arrays are lazy: instantiating a 8B model costs nothing until evaluated.
     preset = find_preset(name)
-    model = synthetic.build_model(preset.config)
+    model = build_model(preset.config)
     params = dict(tree_flatten(model.parameters()))
     assert sum(p.size for p in params.values()) == REAL_PARAMS[name]
     c = preset.config
@@ -125,7 +127,7 @@ def test_key_preset_numbers():
     assert (q["hidden_size"], q["num_hidden_layers"], q["num_attention_heads"],
             q["num_key_value_heads"], q["intermediate_size"], q["vocab_size"]) == (
         3584, 28, 28, 4, 18944, 152064)
-    params = dict(tree_flatten(synthetic.build_model(q).parameters()))
+    params = dict(tree_flatten(build_model(q).parameters()))
     assert "model.layers.0.self_attn.q_proj.bias" in params  # Qwen2 has qkv bias
     llama = find_preset("llama-3.2-1b").config
     assert llama["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0,
@@ -167,17 +169,17 @@ def test_tokenizer_vocab_size_and_round_trip(tmp_path):
 
     text = "Hello, world! Local models run on 4-bit weights.\n\tdef f(x): return x * 2  # ok"
     for vocab_size, style in ((512, "chatml"), (1000, "llama3"), (32768, "mistral")):
-        tok = synthetic.build_tokenizer(vocab_size, style)
+        tok = build_tokenizer(vocab_size, style)
         assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
         assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
         # The special tokens take the top ids, in the documented order.
-        top = list(synthetic.STYLES[style].special)
+        top = list(STYLES[style].special)
         assert [tok.token_to_id(t) for t in top][0] == vocab_size - len(
-            top) - len(synthetic.STYLES[style].extra)
+            top) - len(STYLES[style].extra)
 
     d = tmp_path / "tok"
     d.mkdir()
-    ids = synthetic.write_tokenizer(d, 640, "llama3")
+    ids = write_tokenizer(d, 640, "llama3")
     hf = AutoTokenizer.from_pretrained(d)
     assert len(hf) == 640
     assert hf.eos_token == "<|eot_id|>" and ids["eos_token_id"] == hf.eos_token_id
@@ -188,7 +190,7 @@ def test_tokenizer_vocab_size_and_round_trip(tmp_path):
 
 
 def test_large_vocab_tokenizer_is_exact():
-    tok = synthetic.build_tokenizer(152064, "chatml")
+    tok = build_tokenizer(152064, "chatml")
     assert tok.get_vocab_size(with_added_tokens=True) == 152064
     assert tok.token_to_id("<|im_end|>") == 152064 - 5
 
@@ -197,7 +199,7 @@ def test_large_vocab_tokenizer_is_exact():
 def test_chat_templates_render_with_and_without_tools(tmp_path, template):
     from transformers import AutoTokenizer
 
-    synthetic.write_tokenizer(tmp_path, 600, template)
+    write_tokenizer(tmp_path, 600, template)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     plain = tok.apply_chat_template(TOOL_CONVERSATION[:2], add_generation_prompt=True,
                                     tokenize=False)
@@ -260,9 +262,9 @@ def test_layers_modifier_and_listing(tmp_path):
 
 def test_same_seed_same_weights_other_seed_differs(tmp_path):
     config = TINY_CONFIGS["qwen3"]
-    a = _weights(synthetic.write_model_dir(tmp_path / "a", config, seed=0))
-    b = _weights(synthetic.write_model_dir(tmp_path / "b", config, seed=0))
-    c = _weights(synthetic.write_model_dir(tmp_path / "c", config, seed=1))
+    a = _weights(write_model_dir(tmp_path / "a", config, seed=0))
+    b = _weights(write_model_dir(tmp_path / "b", config, seed=0))
+    c = _weights(write_model_dir(tmp_path / "c", config, seed=1))
     assert a.keys() == b.keys() == c.keys()
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
     key = "model.layers.0.self_attn.q_proj.weight"
@@ -273,7 +275,7 @@ def test_same_seed_same_weights_other_seed_differs(tmp_path):
 def test_write_model_dir_families_load_in_mlx_lm(tmp_path, family):
     import mlx_lm
 
-    path = synthetic.write_model_dir(tmp_path / family, TINY_CONFIGS[family], seed=3,
+    path = write_model_dir(tmp_path / family, TINY_CONFIGS[family], seed=3,
                                      dtype="float32", chat_template=TEMPLATE_FOR[family])
     model, tok = mlx_lm.load(str(path))
     ids = tok.encode("The cache holds the prompt.")
@@ -296,7 +298,7 @@ def test_write_model_dir_reports_every_byte_it_writes(tmp_path):
         def advance(self, nbytes: int) -> None:
             events.append(("advance", nbytes))
 
-    path = synthetic.write_model_dir(tmp_path / "m", TINY_CONFIGS["qwen3"], quantize_bits=4,
+    path = write_model_dir(tmp_path / "m", TINY_CONFIGS["qwen3"], quantize_bits=4,
                                      progress=Recorder())
     weights = _weights(path)
     total = sum(a.nbytes for a in weights.values())
@@ -322,12 +324,12 @@ def test_first_build_on_a_terminal_shows_size_and_eta(tmp_path):
 
     from rich.console import Console
 
-    from mlxlocal.synthetic_write import BuildProgress
+    from mlxlocal.source.synthetic.weights import BuildProgress
 
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=120, soft_wrap=True)
     with BuildProgress("synthetic:tiny", tmp_path / "cache", console=console) as progress:
-        synthetic.write_model_dir(tmp_path / "m", TINY_CONFIGS["llama"], progress=progress)
+        write_model_dir(tmp_path / "m", TINY_CONFIGS["llama"], progress=progress)
     out = buf.getvalue()
     assert out.startswith("Building synthetic:tiny: random weights with the real model's shapes, "
                           f"no download (once; cached under {tmp_path / 'cache'})")

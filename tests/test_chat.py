@@ -33,7 +33,7 @@ from mlxlocal.chat import (
 )
 from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, SimpleEngine, open_engine
 from mlxlocal.engine.base import EngineBase
-from mlxlocal.loader import load_from_dir
+from mlxlocal.source.loader import load_from_dir
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -275,7 +275,7 @@ def test_unknown_model_is_a_clean_error(chat):
 # --- the REPL in process, on a console that is not a terminal ---------------------------------
 @pytest.fixture(scope="module")
 def engine(chat_model_dir) -> PagedEngine:
-    from mlxlocal.loader import load_from_dir
+    from mlxlocal.source.loader import load_from_dir
 
     return open_engine(load_from_dir(chat_model_dir))
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from mlxlocal.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from mlxlocal.loader import load_from_dir
 from mlxlocal.models.config import parse_config, read_config_file
+from mlxlocal.source.loader import load_from_dir
 
 V4 = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
           num_attention_heads=4, num_key_value_heads=2, vocab_size=100, rms_norm_eps=1e-5,

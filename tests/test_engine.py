@@ -9,7 +9,7 @@ import pytest
 from mlxlocal.engine import SamplingParams, open_engine
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.errors import ContextLengthError
-from mlxlocal.loader import load_from_dir
+from mlxlocal.source.loader import load_from_dir
 
 
 @pytest.fixture(scope="module")

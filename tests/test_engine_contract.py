@@ -18,11 +18,11 @@ from mlxlocal.engine import (
     SimpleEngine,
     open_engine,
 )
-from mlxlocal.loader import load_from_dir
 from mlxlocal.server import ServerConfig
 from mlxlocal.server.banner import banner_text
 from mlxlocal.server.metrics import Metrics
 from mlxlocal.server.registry import ModelRegistry
+from mlxlocal.source.loader import load_from_dir
 
 
 @pytest.fixture(scope="module")

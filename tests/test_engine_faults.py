@@ -17,7 +17,7 @@ from conftest import wait_for
 from mlxlocal.engine import EngineDeadError, PagedEngine, SamplingParams, SimpleEngine, open_engine
 from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.sampling import Sampler
-from mlxlocal.loader import load_from_dir
+from mlxlocal.source.loader import load_from_dir
 
 POISON = 4242  # the seed that marks the request a fault is injected into
 

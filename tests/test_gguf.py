@@ -21,10 +21,10 @@ from gguf_util import gguf_name, write_gguf
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxlocal import hub
 from mlxlocal.engine import SamplingParams, open_engine
 from mlxlocal.errors import ModelLoadError
-from mlxlocal.loader import load, load_from_dir
+from mlxlocal.source import hub
+from mlxlocal.source.loader import load, load_from_dir
 from mlxlocal.weights.gguf import load_gguf, pack_bits
 
 gguf = pytest.importorskip("gguf")

@@ -13,9 +13,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from mlxlocal import hub, synthetic
 from mlxlocal.cli import models as cli_models
 from mlxlocal.errors import ModelLoadError, ModelNotFoundError
+from mlxlocal.source import hub, synthetic
 
 REPO = "mlx-community/Qwen3-0.6B-4bit"  # what the `qwen3-0.6b` alias points at
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

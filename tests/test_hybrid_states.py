@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.engine import PagedEngine, SamplingParams, open_engine
-from mlxlocal.loader import load_from_dir
+from mlxlocal.source.loader import load_from_dir
 
 BS = 16
 

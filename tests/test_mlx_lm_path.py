@@ -15,8 +15,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxlocal.engine import SamplingParams, open_engine
-from mlxlocal.loader import load_from_dir
 from mlxlocal.models.hf_compat import normalize_for_mlx_lm
+from mlxlocal.source.loader import load_from_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,7 +58,7 @@ def _mlx_lm_model(config: dict):
 def write_hf5_model(path: Path, model_type: str, seed: int = 0) -> tuple[Path, dict]:
     """transformers-5 config.json, a tokenizer, mlx-lm-built random weights; returns the
     directory and the weights (to give mlx-lm's reference model the same ones)."""
-    from mlxlocal.synthetic import write_tokenizer
+    from mlxlocal.source.synthetic.tokenizer import write_tokenizer
 
     path.mkdir(parents=True)
     _configs()[model_type]().save_pretrained(path)

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxlocal.engine import SamplingParams, open_engine
-from mlxlocal.loader import load_from_dir
+from mlxlocal.source.loader import load_from_dir
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPT_LENGTHS = [1, 7, 33, 120]

@@ -8,7 +8,7 @@ import pytest
 
 from mlxlocal.cache import BlockManager, RadixCache
 from mlxlocal.engine import PagedEngine, SamplingParams, open_engine
-from mlxlocal.loader import load_from_dir
+from mlxlocal.source.loader import load_from_dir
 
 BS = 16
 

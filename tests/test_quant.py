@@ -11,9 +11,9 @@ import pytest
 from conftest import FAMILY_CONFIGS, build_tiny
 
 from mlxlocal.errors import ModelLoadError
-from mlxlocal.loader import load
 from mlxlocal.quant.quantize import perplexity, perplexity_windows, quantize
 from mlxlocal.quant.text import BUILTIN_TEXT
+from mlxlocal.source.loader import load
 from mlxlocal.weights.awq_gptq import convert_awq_gptq
 
 # Part of the full run only: `python -m pytest -m "not slow"` is the quick subset.

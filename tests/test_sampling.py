@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 
 from mlxlocal.engine import PagedEngine, SamplingParams, open_engine
 from mlxlocal.engine.sampling import Sampler
-from mlxlocal.loader import load_from_dir
+from mlxlocal.source.loader import load_from_dir
 
 V = 64
 

@@ -1,4 +1,5 @@
-"""Timing helpers shared by the local speed run (local.py) and the scenarios (scenarios.py).
+"""Timing helpers shared by the local speed run (local.py) and the scenarios (scenarios.py),
+and the percentile summaries of the endpoint benchmark (endpoint.py, report.py).
 
 Both import from here and local.py imports scenarios, so the dependency runs one way:
 local -> scenarios -> common. Aggregate decode tok/s counts the tokens of all streams inside
@@ -7,6 +8,7 @@ the window where every stream is decoding (after the last first token, until the
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import sys
@@ -49,6 +51,30 @@ def mean_sd(xs: list[float]) -> dict:
 def median(xs: list[float]) -> float:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: list[float]) -> dict[str, float | int | None]:
+    vals = [v for v in values if v is not None]
+    return {
+        "n": len(vals),
+        "mean": sum(vals) / len(vals) if vals else None,
+        "p50": percentile(vals, 50),
+        "p90": percentile(vals, 90),
+        "p99": percentile(vals, 99),
+        "min": min(vals) if vals else None,
+        "max": max(vals) if vals else None,
+    }
 
 
 # ------------------------------------------------------------------ timing one stream

@@ -15,170 +15,31 @@ What is measured, and how:
   when a server sends none, they are counted with a tokenizer (`tokenizer=` or the model name,
   via transformers) or, failing that, estimated as characters / 4. The output says which.
 - An SSE chunk is never taken for a token.
+
+This module runs the requests and aggregates them; prompts.py makes the prompts and counts
+tokens without usage, common.py has the percentiles, report.py prints the table and plot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
-import random
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from mlxlocal.bench.common import summarize
+from mlxlocal.bench.prompts import Prompt, TokenCounter, load_prompt_file, synthetic_prompts
+from mlxlocal.bench.report import print_endpoint_table, require_matplotlib, write_endpoint_plot
 from mlxlocal.bench.sse import StreamAccount
-from mlxlocal.errors import MlxLocalError
+from mlxlocal.errors import EndpointBenchError
 
 ITL_NOTE = "ITL is the gap between output-bearing SSE events; a server may put several tokens in one event"
 OPTIONAL_FIELDS = ("ignore_eos", "stream_options")  # dropped (and noted) if a server rejects them
-
-
-class EndpointBenchError(MlxLocalError):
-    """A bench setup problem the user can fix (bad prompt file, missing matplotlib, bad URL)."""
-
-
-# --- prompts ------------------------------------------------------------------------------------
-_WORDS = (
-    "the river city light morning garden window stone music paper forest winter road market "
-    "silver quiet history engine table bridge ocean mountain letter story simple careful yellow "
-    "animal machine number planet summer village painter kitchen doctor island theory journey "
-    "golden people evening orange school coffee mirror language garden station cloud rabbit "
-    "thunder velvet harbor lantern meadow puzzle signal timber whisper canyon falcon glacier "
-    "orchard pepper quartz saddle tunnel violet walnut zephyr anchor bamboo candle desert "
-    "ember fabric granite hollow ivory jasmine kettle lemon marble nectar olive pillow"
-).split()
-
-
-@dataclass
-class Prompt:
-    messages: list[dict]
-    text: str  # the user-visible text, for counting prompt tokens without usage
-
-
-def synthetic_prompts(n: int, prompt_tokens: int, counter: TokenCounter | None = None,
-                      vary: bool = True, seed: int = 0) -> list[Prompt]:
-    """n deterministic prompts of about `prompt_tokens` tokens.
-
-    Each request gets its own text (its own opening words) unless vary=False, so a prefix cache
-    cannot turn request 2..n into a free hit. With a tokenizer the text is cut to the exact
-    token count (before the chat template); without one, to prompt_tokens * 4 characters.
-    """
-    tok = counter.load() if counter else None
-    out: list[Prompt] = []
-    for i in range(n):
-        rng = random.Random(seed * 1_000_003 + (i if vary else 0))
-        head = f"Request {i if vary else 0}. Continue this text:"
-        words = [head]
-        chars = len(head)
-        target_chars = prompt_tokens * 4 + 16
-        while chars < target_chars * (2 if tok else 1):
-            w = rng.choice(_WORDS)
-            words.append(w)
-            chars += len(w) + 1
-        text = " ".join(words)
-        if tok is not None:
-            ids = _encode(tok, text)[:max(prompt_tokens, 1)]
-            text = tok.decode(ids)
-        else:
-            text = text[:max(prompt_tokens * 4, 1)]
-        out.append(Prompt([{"role": "user", "content": text}], text))
-    return out
-
-
-def load_prompt_file(path: str, n: int) -> list[Prompt]:
-    """Prompts from a file, cycled to n requests.
-
-    Plain text: one prompt per non-empty line. JSONL (or lines starting with '{' / '"'): a JSON
-    string, or an object with "messages" (a chat), "prompt", "text", "content" or "question".
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise EndpointBenchError(f"prompt file {path} does not exist")
-    prompts: list[Prompt] = []
-    for lineno, raw in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        line = raw.strip()
-        if not line:
-            continue
-        if line[0] in "{\"[" or p.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EndpointBenchError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            prompts.append(_prompt_from_json(obj, f"{path}:{lineno}"))
-        else:
-            prompts.append(Prompt([{"role": "user", "content": line}], line))
-    if not prompts:
-        raise EndpointBenchError(f"prompt file {path} has no prompts")
-    return [prompts[i % len(prompts)] for i in range(n)]
-
-
-def _prompt_from_json(obj: Any, where: str) -> Prompt:
-    if isinstance(obj, str):
-        return Prompt([{"role": "user", "content": obj}], obj)
-    if isinstance(obj, dict):
-        msgs = obj.get("messages")
-        if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
-            text = "\n".join(m["content"] for m in msgs if isinstance(m.get("content"), str))
-            return Prompt(msgs, text)
-        for key in ("prompt", "text", "content", "question", "input"):
-            if isinstance(obj.get(key), str):
-                return Prompt([{"role": "user", "content": obj[key]}], obj[key])
-    raise EndpointBenchError(
-        f"{where}: expected a JSON string or an object with messages/prompt/text, got {str(obj)[:80]}")
-
-
-# --- token counting -----------------------------------------------------------------------------
-def _encode(tok, text: str) -> list[int]:
-    try:
-        return list(tok.encode(text, add_special_tokens=False))
-    except TypeError:
-        return list(tok.encode(text))
-
-
-class TokenCounter:
-    """Counts tokens when the server reports no usage: a transformers tokenizer if one loads
-    (the `tokenizer` argument, else the model name from local files only), else chars / 4."""
-
-    def __init__(self, tokenizer: str | None, model: str):
-        self.spec, self.model = tokenizer, model
-        self._tok: Any = None
-        self._tried = False
-        self.name: str | None = None
-        self.load_error: str | None = None
-
-    def load(self):
-        if self._tried:
-            return self._tok
-        self._tried = True
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            self.load_error = "transformers is not installed"
-            return None
-        candidates = [(self.spec, False)] if self.spec else [(self.model, True)]
-        for name, local_only in candidates:
-            try:
-                self._tok = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
-                self.name = name
-                break
-            except Exception as e:  # noqa: BLE001 - any failure means "no tokenizer"
-                self.load_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        if self._tok is None and self.spec:
-            raise EndpointBenchError(f"cannot load tokenizer {self.spec!r}: {self.load_error}")
-        return self._tok
-
-    def count(self, text: str) -> tuple[int, str]:
-        """(tokens, method) for `text`."""
-        tok = self.load()
-        if tok is not None:
-            return len(_encode(tok, text)), f"tokenizer:{self.name}"
-        return (math.ceil(len(text) / 4) if text else 0), "chars/4 estimate"
 
 
 # --- one request --------------------------------------------------------------------------------
@@ -265,32 +126,8 @@ async def _run_request(client, endpoint, headers, body, rec: RequestRecord, stat
     rec.status = "error" if rec.error else "ok"
 
 
-# --- statistics ---------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(values: list[float]) -> dict[str, float | int | None]:
-    vals = [v for v in values if v is not None]
-    return {
-        "n": len(vals),
-        "mean": sum(vals) / len(vals) if vals else None,
-        "p50": percentile(vals, 50),
-        "p90": percentile(vals, 90),
-        "p99": percentile(vals, 99),
-        "min": min(vals) if vals else None,
-        "max": max(vals) if vals else None,
-    }
-
-
 def _method_summary(methods: list[str | None]) -> str:
+    """How the requests' tokens were counted: one method, or each with its request count."""
     counts = Counter(m for m in methods if m)
     if not counts:
         return "none"
@@ -456,78 +293,6 @@ async def measure_endpoint(url: str, model: str, concurrency: int = 1, requests:
     }
 
 
-def _require_matplotlib():
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise EndpointBenchError("--plot needs matplotlib: pip install matplotlib") from e
-    return Figure
-
-
-def write_plot(result: dict, path: str) -> None:
-    """TTFT and ITL histograms (milliseconds) to a PNG."""
-    Figure = _require_matplotlib()
-    samples = result.get("_samples") or {}
-    fig = Figure(figsize=(10, 4), tight_layout=True)
-    for ax, key, title in ((fig.add_subplot(1, 2, 1), "ttft_s", "TTFT"),
-                           (fig.add_subplot(1, 2, 2), "itl_s", "ITL (per SSE event)")):
-        vals = [v * 1000 for v in samples.get(key, [])]
-        if vals:
-            ax.hist(vals, bins=min(50, max(5, len(vals) // 2)))
-            for q, style in ((50, "-"), (90, "--"), (99, ":")):
-                ax.axvline(percentile(vals, q), color="k", linestyle=style, label=f"p{q}")
-            ax.legend()
-        ax.set_title(f"{title}, n={len(vals)}")
-        ax.set_xlabel("ms")
-        ax.set_ylabel("count")
-    fig.suptitle(f"{result['model']} @ {result['url']}, concurrency {result['concurrency']}")
-    fig.savefig(path, dpi=110)
-
-
-def print_table(result: dict, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-
-    def ms(v):
-        return "-" if v is None else f"{v * 1000:.1f}"
-
-    table = Table(title=f"Endpoint bench: {result['model']} @ {result['url']}")
-    table.add_column("metric")
-    for c in ("mean", "p50", "p90", "p99"):
-        table.add_column(c, justify="right")
-    for key, label in (("ttft_s", "TTFT (ms)"), ("tpot_s", "TPOT (ms)"),
-                       ("itl_s", "ITL per event (ms)"), ("e2e_s", "E2E latency (ms)")):
-        s = result[key]
-        table.add_row(label, *(ms(s[c]) for c in ("mean", "p50", "p90", "p99")))
-    d = result["decode_tps_per_request"]
-    table.add_row("decode tok/s per request", *("-" if d[c] is None else f"{d[c]:.1f}"
-                                                for c in ("mean", "p50", "p90", "p99")))
-    console.print(table)
-    errs = ", ".join(f"{k}: {v}" for k, v in result["errors"].items()) or "none"
-    tpe = result["tokens_per_event"]
-    lines = [
-        f"requests: {result['completed']}/{result['requests']} ok, concurrency {result['concurrency']}, "
-        f"{result['duration_s']:.2f} s",
-        f"errors: {errs}",
-        f"request throughput: {result['request_throughput']:.2f} req/s",
-        f"output throughput: {result['output_throughput']:.1f} tok/s "
-        f"({result['total_completion_tokens']} completion tokens, {result['total_prompt_tokens']} prompt tokens)",
-        f"token counts: {result['token_count_method']} (prompt: {result['prompt_token_count_method']})",
-        f"prompts: {result['prompt_source']}",
-        f"tokens per SSE event: {'-' if tpe is None else f'{tpe:.2f}'}",
-    ]
-    if result.get("cached_prompt_tokens") is not None:
-        lines.append(f"cached prompt tokens (server-reported): {result['cached_prompt_tokens']}")
-    for k, msg in result["error_samples"].items():
-        lines.append(f"  {k}: {msg}")
-    for line in lines:
-        console.print(line, highlight=False)
-    for n in result["notes"]:
-        console.print(f"note: {n}", style="dim", highlight=False)
-
-
 def run_endpoint_bench(url: str, model: str, concurrency: int = 1, requests: int = 10,
                        prompt_tokens: int = 128, gen_tokens: int = 64, prompt_file: str | None = None,
                        as_json: bool = False, plot: str | None = None, api_key: str | None = None,
@@ -538,7 +303,7 @@ def run_endpoint_bench(url: str, model: str, concurrency: int = 1, requests: int
     as_json) and return the result dict. `timeout` bounds the whole run in seconds;
     `request_timeout` bounds the wait for any single read."""
     if plot:
-        _require_matplotlib()  # fail before the run, not after it
+        require_matplotlib()  # fail before the run, not after it
     result = asyncio.run(measure_endpoint(
         url, model, concurrency=concurrency, requests=requests, prompt_tokens=prompt_tokens,
         gen_tokens=gen_tokens, prompt_file=prompt_file, api_key=api_key, tokenizer=tokenizer,
@@ -546,13 +311,13 @@ def run_endpoint_bench(url: str, model: str, concurrency: int = 1, requests: int
         request_timeout=request_timeout, seed=seed))
     samples = result.pop("_samples")
     if plot:
-        write_plot({**result, "_samples": samples}, plot)
+        write_endpoint_plot({**result, "_samples": samples}, plot)
         result["plot"] = plot
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
     else:
-        print_table(result)
+        print_endpoint_table(result)
         if plot:
             print(f"plot written to {plot}")
     return result

@@ -173,7 +173,7 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
     """Load the model and run the speed section, or one scenario; one JSON-able dict."""
     import mlx.core as mx
 
-    from mlxlocal.loader import load
+    from mlxlocal.source.loader import load
 
     d = defaults()
     spec = model or d["model"]

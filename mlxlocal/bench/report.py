@@ -1,4 +1,5 @@
-"""Rich tables for `mlxlocal bench` results, and the optional matplotlib plot."""
+"""Rich tables for `mlxlocal bench` results, and the optional matplotlib plots: local runs
+(speed, scenarios) and endpoint runs (--url)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from mlxlocal.bench.common import percentile
+from mlxlocal.errors import EndpointBenchError
 
 
 def _num(x, fmt: str = "{:.1f}") -> str:
@@ -209,3 +213,76 @@ def write_plot(res: dict, path: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+# ------------------------------------------------------------------ endpoint runs (--url)
+# The endpoint benchmark's result dict (bench/endpoint.py) has its own shape: latency
+# percentiles per request rather than mean ± sd per run, so its table and plot are separate.
+def require_matplotlib():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise EndpointBenchError("--plot needs matplotlib: pip install matplotlib") from e
+    return Figure
+
+
+def write_endpoint_plot(result: dict, path: str) -> None:
+    """TTFT and ITL histograms (milliseconds) to a PNG."""
+    Figure = require_matplotlib()
+    samples = result.get("_samples") or {}
+    fig = Figure(figsize=(10, 4), tight_layout=True)
+    for ax, key, title in ((fig.add_subplot(1, 2, 1), "ttft_s", "TTFT"),
+                           (fig.add_subplot(1, 2, 2), "itl_s", "ITL (per SSE event)")):
+        vals = [v * 1000 for v in samples.get(key, [])]
+        if vals:
+            ax.hist(vals, bins=min(50, max(5, len(vals) // 2)))
+            for q, style in ((50, "-"), (90, "--"), (99, ":")):
+                ax.axvline(percentile(vals, q), color="k", linestyle=style, label=f"p{q}")
+            ax.legend()
+        ax.set_title(f"{title}, n={len(vals)}")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("count")
+    fig.suptitle(f"{result['model']} @ {result['url']}, concurrency {result['concurrency']}")
+    fig.savefig(path, dpi=110)
+
+
+def print_endpoint_table(result: dict, console=None) -> None:
+    console = console or Console()
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:.1f}"
+
+    table = Table(title=f"Endpoint bench: {result['model']} @ {result['url']}")
+    table.add_column("metric")
+    for c in ("mean", "p50", "p90", "p99"):
+        table.add_column(c, justify="right")
+    for key, label in (("ttft_s", "TTFT (ms)"), ("tpot_s", "TPOT (ms)"),
+                       ("itl_s", "ITL per event (ms)"), ("e2e_s", "E2E latency (ms)")):
+        s = result[key]
+        table.add_row(label, *(ms(s[c]) for c in ("mean", "p50", "p90", "p99")))
+    d = result["decode_tps_per_request"]
+    table.add_row("decode tok/s per request", *("-" if d[c] is None else f"{d[c]:.1f}"
+                                                for c in ("mean", "p50", "p90", "p99")))
+    console.print(table)
+    errs = ", ".join(f"{k}: {v}" for k, v in result["errors"].items()) or "none"
+    tpe = result["tokens_per_event"]
+    lines = [
+        f"requests: {result['completed']}/{result['requests']} ok, concurrency {result['concurrency']}, "
+        f"{result['duration_s']:.2f} s",
+        f"errors: {errs}",
+        f"request throughput: {result['request_throughput']:.2f} req/s",
+        f"output throughput: {result['output_throughput']:.1f} tok/s "
+        f"({result['total_completion_tokens']} completion tokens, {result['total_prompt_tokens']} prompt tokens)",
+        f"token counts: {result['token_count_method']} (prompt: {result['prompt_token_count_method']})",
+        f"prompts: {result['prompt_source']}",
+        f"tokens per SSE event: {'-' if tpe is None else f'{tpe:.2f}'}",
+    ]
+    if result.get("cached_prompt_tokens") is not None:
+        lines.append(f"cached prompt tokens (server-reported): {result['cached_prompt_tokens']}")
+    for k, msg in result["error_samples"].items():
+        lines.append(f"  {k}: {msg}")
+    for line in lines:
+        console.print(line, highlight=False)
+    for n in result["notes"]:
+        console.print(f"note: {n}", style="dim", highlight=False)
+

@@ -22,7 +22,7 @@ def convert(
 ) -> None:
     """Convert a llama-family GGUF checkpoint (F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, k-quants)
     into an MLX checkpoint."""
-    from mlxlocal import hub
+    from mlxlocal.source import hub
     from mlxlocal.weights.gguf import convert as convert_gguf
 
     resolved = hub.resolve(model)

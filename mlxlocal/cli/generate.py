@@ -59,7 +59,7 @@ def generate(
     """Generate a completion for one prompt, streamed to the terminal."""
     from mlxlocal.engine import open_engine
     from mlxlocal.engine.base import EngineBase
-    from mlxlocal.loader import load
+    from mlxlocal.source.loader import load
 
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():

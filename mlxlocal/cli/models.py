@@ -16,10 +16,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from mlxlocal import hub, synthetic
-from mlxlocal.catalog import load_catalog
 from mlxlocal.cli.common import MODEL_HELP, fail, human_bytes, human_count
 from mlxlocal.errors import MlxLocalError
+from mlxlocal.source import hub, synthetic
+from mlxlocal.source.catalog import load_catalog
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -136,7 +136,7 @@ def rm(
 def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
     """Load a model and print its architecture, size, quantization and how it was loaded."""
     from mlxlocal.engine import engine_kind
-    from mlxlocal.loader import load
+    from mlxlocal.source.loader import load
 
     try:
         loaded = load(model)

@@ -97,9 +97,9 @@ def perplexity_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
 ) -> None:
     """Perplexity of a model on a text (mlx-lm's chunking: non-overlapping windows)."""
-    from mlxlocal.loader import load
     from mlxlocal.quant.quantize import perplexity
     from mlxlocal.quant.text import BUILTIN_TEXT
+    from mlxlocal.source.loader import load
 
     text = _read_text(file) or BUILTIN_TEXT
     try:

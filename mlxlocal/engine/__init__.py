@@ -14,7 +14,7 @@ from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine
 from mlxlocal.engine.runner import NotPageable, make_runner
 from mlxlocal.engine.simple import SimpleEngine
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
-from mlxlocal.loader import LoadedModel
+from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
     "STATS_KEYS", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from mlxlocal.engine.types import SamplingParams
 from mlxlocal.errors import ContextLengthError
-from mlxlocal.loader import LoadedModel, ModelInfo
+from mlxlocal.source.loader import LoadedModel, ModelInfo
 
 # Stands in for an assistant reply's content when rendering a chat: no real message holds it.
 REPLY_MARKER = "\x00mlxlocal-reply\x00"

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.types import Chunk, SamplingParams
-from mlxlocal.loader import ModelInfo
+from mlxlocal.source.loader import ModelInfo
 
 # The keys of Engine.stats(), identical for both engines (a dense engine reports 0 blocks);
 # a stopped engine adds "dead_reason".

@@ -31,7 +31,7 @@ from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
-from mlxlocal.loader import LoadedModel
+from mlxlocal.source.loader import LoadedModel
 
 log = logging.getLogger("mlxlocal.engine")
 

@@ -20,7 +20,7 @@ from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
-from mlxlocal.loader import LoadedModel
+from mlxlocal.source.loader import LoadedModel
 
 
 class Session:

@@ -143,8 +143,8 @@ def quantize(src: str, out: Path, *, mode: str = "affine", bits: int | None = No
              n_grid: int = 20, progress: Any = None) -> QuantizeResult:
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from mlxlocal.loader import load
     from mlxlocal.quant.text import BUILTIN_TEXT
+    from mlxlocal.source.loader import load
 
     bits, group_size = resolve_settings(mode, bits, group_size)
     if recipe is not None and recipe not in RECIPES:

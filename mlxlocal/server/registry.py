@@ -145,7 +145,7 @@ class ModelRegistry:
             return m.engine
 
     def _load(self, spec: str):
-        from mlxlocal.loader import load
+        from mlxlocal.source.loader import load
 
         return open_engine(load(spec), **self.engine_options)
 

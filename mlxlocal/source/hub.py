@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from mlxlocal import synthetic
-from mlxlocal.catalog import load_catalog
 from mlxlocal.errors import ModelLoadError, ModelNotFoundError
+from mlxlocal.source import synthetic
+from mlxlocal.source.catalog import load_catalog
 
 Source = Literal["local", "alias", "hub", "synthetic"]
 

@@ -182,7 +182,7 @@ def _load_weights_strict(model: nn.Module, weights: dict[str, mx.array], path: P
 
 def load(spec: str) -> LoadedModel:
     """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME."""
-    from mlxlocal import hub  # imported here: huggingface_hub is slow to import
+    from mlxlocal.source import hub  # imported here: huggingface_hub is slow to import
 
     resolved = hub.resolve(spec)
     if resolved.path.is_file():  # hub.resolve returns a file only for GGUF

@@ -1,4 +1,5 @@
-"""Writing a synthetic model's weights, and what a first run shows while it does.
+"""A synthetic model's random weights: build them with mlx-lm's model class, write them
+(with config and tokenizer) as a Hugging Face directory, and show a first run's progress.
 
 The weights are lazy MLX arrays (random init, dtype cast, optional quantization). They are
 computed one module at a time, just before they are written, while a writer thread puts the
@@ -8,6 +9,9 @@ only a few tensors in memory, and can report bytes written against the total.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import json
 import queue
 import struct
@@ -21,6 +25,19 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from mlxlocal.errors import ConfigError, UnsupportedModelError
+from mlxlocal.source.synthetic.tokenizer import write_tokenizer
+
+GROUP_SIZE = 64  # as mlx-community checkpoints
+# The dtype modifiers of a synthetic spec -> MLX dtype names.
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 SAFETENSORS_DTYPES = {
     mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32",
     mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.bool_: "BOOL",
@@ -30,6 +47,77 @@ SAFETENSORS_DTYPES = {
 class Progress(Protocol):
     def start(self, total_bytes: int) -> None: ...
     def advance(self, nbytes: int) -> None: ...
+
+
+def _dtype_name(dtype: str) -> str:
+    name = DTYPES.get(dtype, dtype)
+    if name not in DTYPES.values():
+        raise ConfigError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return name
+
+
+def build_model(config: dict[str, Any], *, seed: int = 0):
+    """mlx-lm's own Model class for config['model_type'], with weights drawn from `seed`.
+
+    Arrays are lazy: nothing is computed until evaluated or saved. Note that this
+    reseeds MLX's global random generator.
+    """
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_cls, args_cls = _get_classes(config)
+    except ValueError as e:
+        raise UnsupportedModelError(f"model_type {config.get('model_type')!r}: {e}") from e
+    mx.random.seed(seed)
+    return model_cls(args_cls.from_dict(config))
+
+
+def write_model_dir(path: Path, config: dict[str, Any], *, seed: int = 0,
+                    dtype: str = "float32", quantize_bits: int | None = None,
+                    chat_template: str = "chatml", progress: Progress | None = None) -> Path:
+    """Write a random-weight model for `config` (HF config.json fields) into `path`;
+    `progress` hears the weights' total bytes, then each write."""
+    from mlx_lm.utils import quantize_model, save_config
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(config)
+    for key in ("model_type", "vocab_size"):
+        if key not in config:
+            raise ConfigError(f"synthetic config is missing {key!r}")
+    dtype = _dtype_name(dtype)
+    if quantize_bits not in (None, 4, 8):
+        raise ConfigError(f"quantize_bits must be 4, 8 or None, got {quantize_bits!r}")
+
+    ids = write_tokenizer(path, int(config["vocab_size"]), chat_template,
+                          config.get("max_position_embeddings"))
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    if "architectures" not in config and config["model_type"] in _ARCHITECTURES:
+        config["architectures"] = [_ARCHITECTURES[config["model_type"]]]
+    config["bos_token_id"] = ids["bos_token_id"]
+    config["eos_token_id"] = ids["eos_token_id"]
+    if config["bos_token_id"] is None:  # chatml has no BOS token
+        del config["bos_token_id"]
+    config["torch_dtype"] = dtype
+
+    model = build_model(config, seed=seed)
+    model.set_dtype(getattr(mx, dtype))
+    if quantize_bits:
+        # quantize_model prints a bits-per-weight line; keep CLI output clean.
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, GROUP_SIZE, quantize_bits,
+                                           mode="affine")
+    for old in path.glob("model*.safetensors"):  # stale shards would be loaded too
+        old.unlink()
+    # Random init, cast and quantization are lazy: they run module by module as written.
+    save_weights(path, model, progress)
+    save_config(config, config_path=path / "config.json")
+    generation = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["stop_token_ids"],
+                  "pad_token_id": ids["pad_token_id"]}
+    generation = {k: v for k, v in generation.items() if v is not None}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return path
 
 
 def save_weights(path: Path, model: nn.Module, progress: Progress | None = None) -> None:
