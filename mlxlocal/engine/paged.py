@@ -24,11 +24,12 @@ from mlxlocal.cache import BlockManager, KVPools
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
+from mlxlocal.engine.output import Output
 from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, make_runner
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
-from mlxlocal.engine.stop import StopMatcher
+from mlxlocal.engine.session import Session, common_prefix
 from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.source.loader import LoadedModel
@@ -64,19 +65,14 @@ def default_kv_memory() -> int:
         return 2 << 30
 
 
-class Session:
-    """A conversation whose KV blocks stay pinned between turns (chat, agents)."""
+class PagedSession(Session):
+    """A conversation whose KV blocks (and recurrent state) stay pinned between turns."""
 
     def __init__(self, engine: PagedEngine):
+        super().__init__()
         self.engine = engine
-        self.tokens: list[int] = []  # tokens whose K/V the blocks hold
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # holds the K/V of self.tokens
         self.recurrent: list | None = None  # hybrid models: the state after self.tokens
-        self.busy = False
-
-    @property
-    def cached_len(self) -> int:
-        return len(self.tokens)
 
     def reset(self) -> None:
         self.engine.call(self._release)
@@ -127,8 +123,8 @@ class PagedEngine(EngineBase):
         return max(1, min(wanted, default_kv_memory() // per_block))
 
     # --- front-end API (any thread) ----------------------------------------------
-    def new_session(self) -> Session:
-        return Session(self)
+    def new_session(self) -> PagedSession:
+        return PagedSession(self)
 
     def submit(
         self,
@@ -151,16 +147,12 @@ class PagedEngine(EngineBase):
         if self.dead_reason is not None:
             raise self._dead_error()
         if session is not None:
-            if session.busy:
-                raise ValueError("this session is already generating")
-            session.busy = True
+            session.claim()
         seq = Sequence(
             id=next(self._ids), prompt=list(prompt), params=params, sampler=None,
-            detok=self.tokenizer.detokenizer, stops=StopMatcher(params.stop),
-            eos=set() if params.ignore_eos else set(self.tokenizer.eos_token_ids),
-            max_tokens=min(params.max_tokens, self.context_length - len(prompt)),
+            out=Output(self.tokenizer.detokenizer, params, set(self.tokenizer.eos_token_ids), len(prompt),
+                       min(params.max_tokens, self.context_length - len(prompt))),
             handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason), session=session,
-            t_submit=time.perf_counter(),
         )
         seq.handle.seq = seq
         try:
@@ -351,8 +343,7 @@ class PagedEngine(EngineBase):
     def _attach_session(self, seq: Sequence) -> None:
         """Reuse the session's blocks up to the longest common prefix with the new prompt."""
         s, bs = seq.session, self.config.block_size
-        limit = min(len(s.tokens), len(seq.tokens) - 1)
-        common = next((i for i in range(limit) if s.tokens[i] != seq.tokens[i]), limit)
+        common = common_prefix(s.tokens, seq.tokens)
         keep = -(-common // bs)
         if common % bs and keep and (self.blocks.refs[s.block_table[keep - 1]] > 1
                                      or (self.blocks.radix and self.blocks.radix.contains(s.block_table[keep - 1]))):
@@ -450,47 +441,26 @@ class PagedEngine(EngineBase):
 
     def _accept(self, seq: Sequence, token_array: mx.array, lp: list[mx.array] | None = None) -> None:
         token = int(token_array.item())
-        now = time.perf_counter()
-        if seq.num_generated == 0 and seq.t_first == 0.0:
-            seq.t_first = now
-            seq.stats.ttft_s = now - seq.t_submit
-            fresh = len(seq.prompt) - seq.stats.cached_tokens
-            seq.stats.prefill_tps = fresh / max(seq.stats.ttft_s, 1e-9)
+        if not seq.out.t_first:
+            seq.out.first_token()
             # The prompt is now computed: share its full blocks with later requests, and
             # (no session pins it) its partial last block as a leaf they may copy from.
             seq.block_table = self.blocks.cache_prefix(seq.tokens[: seq.num_computed], seq.block_table,
                                                        partial=seq.session is None)
-        if token in seq.eos:
-            return self._finish(seq, "stop")
-        seq.tokens.append(token)
-        self.tokens_out += 1
-        seq.detok.add_token(token)
-        text, hit = seq.stops.feed(seq.detok.last_segment)
-        chunk = Chunk(text, token)
+        logprob = top = None
         if lp:
-            chunk.logprob = lp[0].item()
+            logprob = lp[0].item()
             if len(lp) == 3:
-                chunk.top_logprobs = list(zip(lp[1][0].tolist(), lp[2][0].tolist()))
-        seq.emit(chunk)
-        if hit:
-            return self._finish(seq, "stop", stopped=True)
-        if seq.num_generated >= seq.max_tokens:
-            return self._finish(seq, "length")
+                top = list(zip(lp[1][0].tolist(), lp[2][0].tolist()))
+        chunk, finish = seq.out.token(token, logprob, top)
+        if chunk is not None:
+            seq.tokens.append(token)
+            self.tokens_out += 1
+            seq.emit(chunk)
+        if finish is not None:
+            self._finish(seq, finish)
 
-    def _finish(self, seq: Sequence, reason: str, stopped: bool = False, cause: str | None = None) -> None:
-        tail = ""
-        if not stopped:
-            seq.detok.finalize()
-            tail, stopped = seq.stops.feed(seq.detok.last_segment)
-            tail += "" if stopped else seq.stops.flush()
-        st = seq.stats
-        st.prompt_tokens = len(seq.prompt)
-        st.completion_tokens = seq.num_generated
-        st.set_finish("stop" if stopped else reason, seq.params.max_tokens, cause)
-        if seq.t_first:
-            elapsed = time.perf_counter() - seq.t_first
-            st.decode_tps = (seq.num_generated - 1) / elapsed if seq.num_generated > 1 and elapsed > 0 else 0.0
-        st.peak_memory_bytes = int(mx.get_peak_memory())
+    def _finish(self, seq: Sequence, reason: str, cause: str | None = None) -> None:
         computed = seq.tokens[: seq.num_computed]
         if seq.block_table:
             seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
@@ -504,7 +474,7 @@ class PagedEngine(EngineBase):
         else:
             self.scheduler.free(seq)
         self.scheduler.finish(seq)
-        seq.emit(Chunk(tail, None, st.finish_reason, st))
+        seq.emit(seq.out.finish(reason, cause))
 
     def _stats(self) -> dict:
         bs = self.config.block_size

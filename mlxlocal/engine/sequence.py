@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxlocal.engine.handle import RequestHandle
+from mlxlocal.engine.output import Output
 from mlxlocal.engine.sampling import Sampler
-from mlxlocal.engine.stop import StopMatcher
 from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
 
 
@@ -25,19 +25,13 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     sampler: Sampler
-    detok: Any  # a streaming detokenizer of its own
-    stops: StopMatcher
-    eos: set[int]
-    max_tokens: int  # params.max_tokens clipped to the context left
+    out: Output  # token ids -> Chunks: EOS, detokenizer, stop strings, max_tokens, stats
     handle: RequestHandle  # where Chunks go; holds the cancel flag
     session: Any = None  # engine Session this turn belongs to, if any
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    t_submit: float = 0.0
-    t_first: float = 0.0
     preemptions: int = 0
     # The token sampled by the step in flight: fed to the next step before its value is
     # known (the engine pipelines steps), appended to `tokens` once it is.
@@ -51,6 +45,14 @@ class Sequence:
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt)
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.out.stats
+
+    @property
+    def max_tokens(self) -> int:
+        return self.out.max_tokens
 
     @property
     def num_generated(self) -> int:

@@ -17,18 +17,19 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
+from mlxlocal.engine.output import Output
 from mlxlocal.engine.sampling import Sampler
-from mlxlocal.engine.stop import StopMatcher
-from mlxlocal.engine.types import Chunk, GenerationStats, SamplingParams
+from mlxlocal.engine.session import Session, common_prefix
+from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.source.loader import LoadedModel
 
 
-class Session:
-    """A conversation's KV cache and the tokens it holds, reused across turns."""
+class DenseSession(Session):
+    """A conversation's dense KV cache (mlx-lm's cache objects), reused across turns."""
 
     def __init__(self, cache: list[Any], make_cache: Callable[[], list[Any]] | None = None):
+        super().__init__()
         self.cache = cache
-        self.tokens: list[int] = []
         self._make_cache = make_cache
 
     @property
@@ -41,15 +42,11 @@ class Session:
     def reuse(self, prompt: list[int]) -> int:
         """Trim the cache to the longest common prefix with `prompt`; return its length.
 
-        At least one prompt token is always left to prefill: its logits start decoding.
         A cache that cannot be trimmed (a recurrent state) is kept only when the prompt
         extends everything it holds; otherwise the turn starts on a fresh cache.
         """
         held = self.tokens[: self.cached_len]
-        common = 0
-        limit = min(len(held), len(prompt) - 1)
-        while common < limit and held[common] == prompt[common]:
-            common += 1
+        common = common_prefix(held, prompt)
         drop = self.cached_len - common
         if drop and not self._trim(drop):
             common = 0
@@ -101,8 +98,8 @@ class SimpleEngine(EngineBase):
         self.prefix_hit_tokens = 0
         self._running = 0
 
-    def new_session(self) -> Session:
-        return Session(self.loaded.make_cache(), self.loaded.make_cache)
+    def new_session(self) -> DenseSession:
+        return DenseSession(self.loaded.make_cache(), self.loaded.make_cache)
 
     # --- generation ----------------------------------------------------------------
     def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
@@ -116,7 +113,7 @@ class SimpleEngine(EngineBase):
         self,
         prompt: list[int],
         params: SamplingParams | None = None,
-        session: Session | None = None,
+        session: DenseSession | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Validate now (errors raise here, before any chunk), then stream Chunks."""
@@ -129,7 +126,7 @@ class SimpleEngine(EngineBase):
         self,
         prompt: list[int],
         params: SamplingParams | None = None,
-        session: Session | None = None,
+        session: DenseSession | None = None,
         cancel: threading.Event | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
@@ -199,8 +196,9 @@ class SimpleEngine(EngineBase):
             raise self._dead_error()
 
     def _generate(
-        self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None
+        self, prompt: list[int], params: SamplingParams, session: DenseSession, cancel: threading.Event | None
     ) -> Iterator[Chunk]:
+        session.claim()  # at the first chunk: a generator never started holds nothing
         self._running += 1
         try:
             yield from self._stream(prompt, params, session, cancel)
@@ -211,11 +209,11 @@ class SimpleEngine(EngineBase):
             raise
         finally:
             self._running -= 1
+            session.busy = False
 
     def _stream(
-        self, prompt: list[int], params: SamplingParams, session: Session, cancel: threading.Event | None
+        self, prompt: list[int], params: SamplingParams, session: DenseSession, cancel: threading.Event | None
     ) -> Iterator[Chunk]:
-        t_start = time.perf_counter()
         mx.reset_peak_memory()
         if params.seed is not None:
             mx.random.seed(params.seed)
@@ -223,8 +221,9 @@ class SimpleEngine(EngineBase):
         # Penalties and logit_bias through the paged engine's code; sampling stays mlx-lm's
         # (seeded through the global generator, as mlx-lm's generate is).
         shaper = Sampler(params, prompt_len=len(prompt))
-        eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
-        stats = GenerationStats(prompt_tokens=len(prompt))
+        out = Output(self.tokenizer.detokenizer, params, set(self.tokenizer.eos_token_ids), len(prompt),
+                     min(params.max_tokens, self.context_length - len(prompt)))
+        stats = out.stats
         stats.cached_tokens = session.reuse(prompt)
         self.tokens_in += len(prompt)
         self.prefix_hit_tokens += stats.cached_tokens
@@ -235,8 +234,7 @@ class SimpleEngine(EngineBase):
         todo = prompt[stats.cached_tokens :]
         while True:
             if cancel is not None and cancel.is_set():
-                stats.set_finish("cancelled", params.max_tokens)
-                yield Chunk("", None, "cancelled", stats)
+                yield out.finish("cancelled")
                 return
             if len(todo) <= self.prefill_step:
                 break
@@ -254,52 +252,23 @@ class SimpleEngine(EngineBase):
         history = list(prompt)  # prompt + generated, grown in place: the sampler's penalties read it
         y = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
         mx.async_eval(y)
-        room = self.context_length - len(prompt)
-        max_tokens = min(params.max_tokens, room)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        stops = StopMatcher(params.stop)
-        generated: list[int] = []
-        t_first = time.perf_counter()
-        finish, hit = "length", False
         while True:
             token = int(y.item())
-            if not generated:
-                t_first = time.perf_counter()
-                stats.ttft_s = t_first - t_start
-                stats.prefill_tps = (len(prompt) - stats.cached_tokens) / max(stats.ttft_s, 1e-9)
-            if token in eos:
-                finish = "stop"
+            out.first_token()
+            chunk, finish = out.token(token)
+            if chunk is None:  # EOS
                 break
-            generated.append(token)
             history.append(token)
             self.tokens_out += 1
             cancelled = cancel is not None and cancel.is_set()
-            more = len(generated) < max_tokens and not cancelled
-            if more:
+            if finish is None and not cancelled:
                 # Queue the next step before handing this token out, so the device keeps working.
                 next_y = sample(self._forward(y.reshape(1), cache), history)
                 mx.async_eval(next_y)
                 session.tokens.append(token)
-            detok.add_token(token)
-            text, hit = stops.feed(detok.last_segment)
-            yield Chunk(text, token)
-            if hit:
-                finish = "stop"
-                break
-            if not more:
-                finish = "cancelled" if cancelled else "length"
+            yield chunk
+            if finish is not None or cancelled:
+                finish = "cancelled" if cancelled and finish != "stop" else finish
                 break
             y = next_y
-
-        tail = ""
-        if not hit:
-            detok.finalize()
-            tail, hit = stops.feed(detok.last_segment)
-            tail += "" if hit else stops.flush()
-        elapsed = time.perf_counter() - t_first
-        stats.completion_tokens = len(generated)
-        stats.decode_tps = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
-        stats.peak_memory_bytes = int(mx.get_peak_memory())
-        stats.set_finish("stop" if hit else finish, params.max_tokens)
-        yield Chunk(tail, None, stats.finish_reason, stats)
+        yield out.finish(finish)

@@ -1,0 +1,35 @@
+"""A conversation the engine keeps between turns: the tokens whose state it holds.
+
+Both engines' sessions share this: the held tokens, one turn at a time, and how much of
+a new prompt they reuse (the longest common prefix, always leaving one prompt token to
+compute: its logits start the reply). Where the state lives is each engine's own: KV
+blocks and recurrent states on the paged engine, a dense mlx-lm cache on the other.
+"""
+
+from __future__ import annotations
+
+
+def common_prefix(held: list[int], prompt: list[int]) -> int:
+    """Leading tokens `held` shares with `prompt`, at most len(prompt) - 1."""
+    limit = min(len(held), len(prompt) - 1)
+    return next((i for i in range(limit) if held[i] != prompt[i]), limit)
+
+
+class Session:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []  # tokens whose state the engine holds for this conversation
+        self.busy = False
+
+    @property
+    def cached_len(self) -> int:
+        return len(self.tokens)
+
+    def claim(self) -> None:
+        """Start a turn: a session runs one request at a time."""
+        if self.busy:
+            raise ValueError("this session is already generating")
+        self.busy = True
+
+    def reset(self) -> None:
+        """Forget everything held (the next turn starts from nothing)."""
+        raise NotImplementedError
