@@ -88,6 +88,12 @@ def hybrid(eng: PagedEngine) -> bool:
     return eng.runner.recurrent
 
 
+def whole_blocks(eng: PagedEngine) -> bool:
+    """Hybrid and sliding-window models reuse whole blocks of a shared prefix, never a copied
+    partial one (no state mid-block; window layers' blocks are reused whole)."""
+    return eng.runner.recurrent or eng.windows is not None
+
+
 @pytest.fixture
 def make_engine(loaded, family):
     engines = []
@@ -120,6 +126,8 @@ def assert_no_leak(eng: PagedEngine) -> None:
     assert eng.call(lambda: len(set(eng.blocks.free))) == eng.num_blocks  # no duplicates
     if hybrid(eng):  # every state snapshot went with its block
         assert eng.call(lambda: len(eng.runner.snapshots)) == 0
+    if eng.windows is not None:  # and every window block
+        assert eng.call(lambda: (eng.windows.num_referenced, len(eng.windows.kept))) == (0, 0)
 
 
 # --- 1. parity with mlx-lm ------------------------------------------------------------
@@ -306,8 +314,8 @@ def test_partial_block_never_shared(make_engine):
     assert partial_block not in table
     assert [next(it).token for _ in range(3)] == first[1:] and again.seq.tokens[len(p)] == first[0]
     list(it)
-    # Exact: 16 shared + 3 copied; a hybrid resumes from the snapshot at the block boundary.
-    assert again.seq.stats.cached_tokens == (BS if hybrid(eng) else len(p) - 1)
+    # Exact: 16 shared + 3 copied; whole blocks only for hybrid and window models.
+    assert again.seq.stats.cached_tokens == (BS if whole_blocks(eng) else len(p) - 1)
     assert_no_leak(eng)
 
 
@@ -453,8 +461,8 @@ def test_stats_waste_counts_and_prefix_hits(make_engine):
     tokens_of(eng.submit(p, greedy_params(2)))
     assert eng.stats()["prefix_hit_tokens"] == before
     tokens_of(eng.submit(p, greedy_params(2)))
-    # To the token: 32 shared + 7 copied (a hybrid: to the snapshot at the prompt's last boundary).
-    assert eng.stats()["prefix_hit_tokens"] == before + (32 if hybrid(eng) else len(p) - 1)
+    # To the token: 32 shared + 7 copied (hybrid and window models: the whole blocks).
+    assert eng.stats()["prefix_hit_tokens"] == before + (32 if whole_blocks(eng) else len(p) - 1)
 
 
 # --- 10. asyncio ----------------------------------------------------------------------------------

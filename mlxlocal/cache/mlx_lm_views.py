@@ -70,17 +70,17 @@ class CacheLayout:
     def __init__(self, model):
         self.n_kv = 0
         self.n_state = 0
+        self.windows: list[int | None] = []  # per attention layer, in pool order
         self.slots = [self._slot(c) for c in make_prompt_cache(model)]
         self.model = model
 
     def _slot(self, cache) -> Slot:
         # Exact types only: a subclass may keep state the paged pools know nothing about.
-        if type(cache) is KVCache:
+        if type(cache) is KVCache or (type(cache) is RotatingKVCache and cache.keep == 0):
+            window = cache.max_size if type(cache) is RotatingKVCache else None
+            self.windows.append(window)
             self.n_kv += 1
-            return Slot("kv", self.n_kv - 1)
-        if type(cache) is RotatingKVCache and cache.keep == 0:
-            self.n_kv += 1
-            return Slot("kv", self.n_kv - 1, window=cache.max_size)
+            return Slot("kv", self.n_kv - 1, window=window)
         if type(cache) is ArraysCache:
             self.n_state += 1
             return Slot("state", self.n_state - 1, state_cls=type(cache), size=len(cache.cache))

@@ -21,11 +21,18 @@ class KVShape:
 
 
 class KVPools:
-    """Per attention layer, K and V pools of shape [num_blocks, block_size, heads, dim]."""
+    """Per attention layer, K and V pools of shape [num_blocks, block_size, heads, dim].
 
-    def __init__(self, shapes: list[KVShape], num_blocks: int, block_size: int, dtype: mx.Dtype):
-        self.k = [mx.zeros((num_blocks, block_size, s.k_heads, s.k_dim), dtype) for s in shapes]
-        self.v = [mx.zeros((num_blocks, block_size, s.v_heads, s.v_dim), dtype) for s in shapes]
+    Sliding-window layers (`windowed`) have pools of their own block ids, `window_blocks`
+    of them: they only ever hold the last window of each sequence (cache/window.py).
+    """
+
+    def __init__(self, shapes: list[KVShape], num_blocks: int, block_size: int, dtype: mx.Dtype,
+                 windowed: list[bool] | None = None, window_blocks: int = 0):
+        self.windowed = windowed or [False] * len(shapes)
+        sizes = [window_blocks if w else num_blocks for w in self.windowed]
+        self.k = [mx.zeros((n, block_size, s.k_heads, s.k_dim), dtype) for n, s in zip(sizes, shapes)]
+        self.v = [mx.zeros((n, block_size, s.v_heads, s.v_dim), dtype) for n, s in zip(sizes, shapes)]
         mx.eval(self.k, self.v)
         self.block_size = block_size
 
@@ -37,29 +44,40 @@ class KVPools:
     def bytes_per_block(shapes: list[KVShape], block_size: int, dtype: mx.Dtype) -> int:
         return block_size * dtype.size * sum(s.k_heads * s.k_dim + s.v_heads * s.v_dim for s in shapes)
 
+    def tables(self, layer: int, batch: StepBatch) -> tuple[mx.array, mx.array]:
+        """(slot blocks, block tables) of this step in the id space of the layer's pools."""
+        if self.windowed[layer]:
+            return batch.window_slot_blocks, batch.window_block_tables
+        return batch.slot_blocks, batch.block_tables
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block src's K/V rows into block dst in every layer (copy-on-write reuse)."""
-        for pool in self.k + self.v:
-            pool[dst] = pool[src]
+        """Copy block src's K/V rows into block dst in every full-attention layer
+        (copy-on-write reuse; models with windowed layers reuse whole blocks only)."""
+        for layer, windowed in enumerate(self.windowed):
+            if not windowed:
+                self.k[layer][dst] = self.k[layer][src]
+                self.v[layer][dst] = self.v[layer][src]
 
     def write(self, layer: int, batch: StepBatch, k: mx.array, v: mx.array) -> None:
         """Store new k/v [B, H, L, D] at the step's slots, in the order of the slot mapping."""
         rows = lambda x: x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731
-        self.k[layer][batch.slot_blocks, batch.slot_offsets] = rows(k)
-        self.v[layer][batch.slot_blocks, batch.slot_offsets] = rows(v)
+        slot_blocks, _ = self.tables(layer, batch)
+        self.k[layer][slot_blocks, batch.slot_offsets] = rows(k)
+        self.v[layer][slot_blocks, batch.slot_offsets] = rows(v)
 
     def gather(self, layer: int, batch: StepBatch) -> tuple[mx.array, mx.array]:
         """Every sequence's keys and values [B, H, n_keys, D] from position 0, through its
         block table (positions past a sequence's context are masked by the caller)."""
         n_keys = max(batch.host_context_lens)
-        B = batch.block_tables.shape[0]
+        _, tables = self.tables(layer, batch)
+        B = tables.shape[0]
         out = []
         for pool in (self.k[layer], self.v[layer]):
-            x = pool[batch.block_tables].reshape(B, -1, pool.shape[2], pool.shape[3])[:, :n_keys]
+            x = pool[tables].reshape(B, -1, pool.shape[2], pool.shape[3])[:, :n_keys]
             out.append(x.transpose(0, 2, 1, 3))
         return out[0], out[1]
 
@@ -80,6 +98,9 @@ class StepBatch:
     block_tables: mx.array  # [B, max_blocks] int32 (padded with a valid id; masked)
     context_lens: mx.array  # [B] tokens in context after this step
     host_context_lens: list[int] = field(default_factory=list)  # the same, on the host
+    # The same for windowed layers' own block ids (holes where blocks left the window: masked).
+    window_slot_blocks: mx.array | None = None
+    window_block_tables: mx.array | None = None
     _masks: dict = field(default_factory=dict)
 
     def mask(self, L: int, window: int | None) -> mx.array | str | None:
@@ -108,6 +129,6 @@ class PagedLayerView:
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         b, pools = self.batch, self.pools
         pools.write(self.layer, b, k, v)
-        return paged_attention(q, pools.k[self.layer], pools.v[self.layer], b.block_tables,
+        return paged_attention(q, pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1],
                                b.context_lens, scale, self.window,
                                n_keys=max(b.host_context_lens), mask=b.mask(q.shape[2], self.window))

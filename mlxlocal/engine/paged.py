@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from mlxlocal.cache import BlockManager, KVPools
 from mlxlocal.cache.states import StateSnapshots
+from mlxlocal.cache.window import HOLE, WindowBlocks
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.output import Output
@@ -72,14 +73,14 @@ class PagedSession(Session):
         super().__init__()
         self.engine = engine
         self.block_table: list[int] = []  # holds the K/V of self.tokens
+        self.window_table: list[int] = []  # sliding-window layers' blocks (cache/window.py)
         self.recurrent: list | None = None  # hybrid models: the state after self.tokens
 
     def reset(self) -> None:
         self.engine.call(self._release)
 
     def _release(self) -> None:
-        self.engine.blocks.release(self.block_table)
-        self.tokens, self.block_table, self.recurrent = [], [], None
+        self.engine.release_session(self)
 
 
 class PagedEngine(EngineBase):
@@ -88,18 +89,31 @@ class PagedEngine(EngineBase):
         super().__init__(loaded)
         self.config = cfg = config or EngineConfig()
         self.runner = runner = runner or make_runner(loaded)
-        per_block = KVPools.bytes_per_block(runner.shapes, cfg.block_size, runner.dtype)
-        self.num_blocks = self._pool_blocks(cfg, per_block, self.context_length)
-        self.pools = KVPools(runner.shapes, self.num_blocks, cfg.block_size, runner.dtype)
-        self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.prefix_cache)
+        bs = cfg.block_size
+        windowed = [w is not None for w in runner.windows]
+        full = [sh for sh, w in zip(runner.shapes, windowed) if not w]
+        per_full = KVPools.bytes_per_block(full, bs, runner.dtype)
+        per_window = KVPools.bytes_per_block(runner.shapes, bs, runner.dtype) - per_full
+        window = max((w for w in runner.windows if w is not None), default=0)
+        # Sliding-window layers hold each running sequence's window, a prefill chunk, and
+        # as much again for window blocks kept with cached prefixes.
+        window_need = 2 * (cfg.max_num_seqs * (-(-window // bs) + 2) + -(-cfg.max_step_tokens // bs)) if window else 0
+        self.num_blocks = self._pool_blocks(cfg, per_full, per_window, window_need, self.context_length)
+        window_blocks = min(self.num_blocks, window_need)
+        self.pools = KVPools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks)
+        self.blocks = BlockManager(self.num_blocks, bs, cfg.prefix_cache)
+        self.windows = WindowBlocks(window_blocks, bs, window) if window else None
+        self.snapshots = None
         if runner.recurrent:
             # State snapshots may take a quarter of what the K/V pools take.
-            runner.snapshots = StateSnapshots(self.pools.nbytes // 4, runner.state_bytes)
-            self.blocks.on_free, self.blocks.on_move = runner.snapshots.drop, runner.snapshots.move
-            # A partly matching block cannot be reused: no state exists mid-block.
-            self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens, None, self._resume)
-        else:
-            self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens, self.pools.copy_block)
+            self.snapshots = runner.snapshots = StateSnapshots(self.pools.nbytes // 4, runner.state_bytes)
+        self.blocks.on_free, self.blocks.on_move = self._block_freed, self._block_moved
+        # Hybrid and window models resume a prefix only where their extra state is; a partly
+        # matching block is never reused (no recurrent state mid-block, window blocks whole).
+        exact = runner.recurrent or self.windows is not None
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens,
+                                   None if exact else self.pools.copy_block, self._resume if exact else None,
+                                   self.windows, snapshot_chunks=runner.recurrent)
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -113,14 +127,31 @@ class PagedEngine(EngineBase):
         self._inflight: list = []  # (seq, token, logprob arrays) of the step being computed
 
     @staticmethod
-    def _pool_blocks(cfg: EngineConfig, per_block: int, context: int) -> int:
+    def _pool_blocks(cfg: EngineConfig, per_full: int, per_window: int, window_blocks: int, context: int) -> int:
+        """Blocks of the full-attention pools; the window layers' pools take window_blocks
+        (at most as many) out of the same memory budget."""
         if cfg.kv_blocks:
             return cfg.kv_blocks
+        per_block = max(per_full, 1)  # a model with window layers only: block ids are bookkeeping
+        budget = (cfg.kv_memory or default_kv_memory()) - window_blocks * per_window
         if cfg.kv_memory:
-            return max(1, cfg.kv_memory // per_block)
+            return max(1, budget // per_block)
         tokens = cfg.kv_tokens or cfg.max_num_seqs * context
         wanted = -(-tokens // cfg.block_size) + 1
-        return max(1, min(wanted, default_kv_memory() // per_block))
+        return max(1, min(wanted, budget // per_block))
+
+    def _block_freed(self, block: int) -> None:
+        """A full-attention block went back to the free list: what was keyed by it goes."""
+        if self.snapshots is not None:
+            self.snapshots.drop(block)
+        if self.windows is not None:
+            self.windows.forget(block)
+
+    def _block_moved(self, old: int, new: int) -> None:
+        if self.snapshots is not None:
+            self.snapshots.move(old, new)
+        if self.windows is not None:
+            self.windows.move(old, new)
 
     # --- front-end API (any thread) ----------------------------------------------
     def new_session(self) -> PagedSession:
@@ -190,8 +221,11 @@ class PagedEngine(EngineBase):
 
     @property
     def kv_pool(self) -> dict:
-        return {"kind": "paged", "blocks": self.num_blocks, "block_size": self.config.block_size,
+        pool = {"kind": "paged", "blocks": self.num_blocks, "block_size": self.config.block_size,
                 "bytes": self.pools.nbytes}
+        if self.windows is not None:  # sliding-window layers' own blocks
+            pool.update(window_blocks=self.windows.num_blocks, window=self.windows.window)
+        return pool
 
     def stats(self) -> dict:
         if self.dead_reason is not None:  # no thread owns the state any more: read it here
@@ -325,8 +359,7 @@ class PagedEngine(EngineBase):
         if seq.status is not Status.FINISHED:
             self.scheduler.free(seq)
             if seq.session is not None:  # what it held may be half-written: start the next turn over
-                self.blocks.release(seq.session.block_table)
-                seq.session.tokens, seq.session.block_table, seq.session.recurrent = [], [], None
+                self.release_session(seq.session)
                 seq.session.busy = False
             self.scheduler.finish(seq)
             seq.pending = None
@@ -352,32 +385,45 @@ class PagedEngine(EngineBase):
             common = keep * bs
         # Hand the blocks over before releasing any, so a failure never frees a block twice.
         kept, dropped = s.block_table[:keep], s.block_table[keep:]
+        window, window_dropped = s.window_table[:keep], s.window_table[keep:]
         live = s.recurrent if common == len(s.tokens) else None
-        s.tokens, s.block_table, s.recurrent = [], [], None
-        seq.block_table, seq.num_computed = kept, common
+        s.tokens, s.block_table, s.window_table, s.recurrent = [], [], [], None
+        seq.block_table, seq.window_table, seq.num_computed = kept, window, common
         self.blocks.release(dropped)
-        if self.runner.recurrent:
-            if live is not None:  # the turn extends everything the session holds
-                seq.recurrent = (common, live)
-            else:  # an edited turn: roll back to the deepest state snapshot before the change
-                self._resume(seq)
+        if self.windows is not None:
+            self.windows.release(window_dropped)
+        if self.runner.recurrent and live is not None:  # the turn extends everything held
+            seq.recurrent = (common, live)
+        elif self.runner.recurrent or (self.windows is not None and HOLE in window[self.windows.first_needed(common):]):
+            # An edited turn: back to the deepest point whose state is still there.
+            self._resume(seq)
         seq.stats.cached_tokens = seq.num_computed
         self.scheduler.prefix_hit_tokens += seq.num_computed
 
     def _resume(self, seq: Sequence) -> None:
-        """Hybrid models: cut seq's reused prefix back to the deepest block boundary that has
-        a recurrent-state snapshot, and start from that state (nothing reused if none)."""
-        bs, snapshots = self.config.block_size, self.runner.snapshots
+        """Hybrid and sliding-window models: cut seq's reused prefix back to the deepest
+        block boundary where their extra state is there (a recurrent-state snapshot; the
+        window blocks before it), and start from that state (nothing reused if none)."""
+        bs, snapshots, windows = self.config.block_size, self.snapshots, self.windows
+        table = seq.block_table
         k = shared = seq.num_computed // bs
-        while k and snapshots.get(seq.block_table[k - 1]) is None:
+
+        def restorable(k: int) -> bool:
+            return ((snapshots is None or snapshots.get(table[k - 1]) is not None)
+                    and (windows is None or windows.restorable(table, k * bs)))
+
+        while k and not restorable(k):
             k -= 1
-        if k < shared:  # recomputing what others share: keep the state at its end this time
+        if k < shared and snapshots is not None:  # recomputing what others share: keep the state at its end
             seq.snapshot_at = shared * bs
-        self.blocks.release(seq.block_table[k:])
-        seq.block_table, seq.num_computed = seq.block_table[:k], k * bs
+        self.blocks.release(table[k:])
+        seq.block_table, seq.num_computed = table[:k], k * bs
+        if windows is not None:
+            windows.release(seq.window_table)
+            seq.window_table = windows.restore(seq.block_table, k * bs)
         seq.forget_state()
-        if k:
-            seq.recurrent = (k * bs, snapshots.get(seq.block_table[k - 1]))
+        if k and snapshots is not None:
+            seq.recurrent = (k * bs, snapshots.get(table[k - 1]))
             snapshots.restored += 1
 
     def step(self) -> None:
@@ -445,8 +491,7 @@ class PagedEngine(EngineBase):
             seq.out.first_token()
             # The prompt is now computed: share its full blocks with later requests, and
             # (no session pins it) its partial last block as a leaf they may copy from.
-            seq.block_table = self.blocks.cache_prefix(seq.tokens[: seq.num_computed], seq.block_table,
-                                                       partial=seq.session is None)
+            self._cache_prefix(seq)
         logprob = top = None
         if lp:
             logprob = lp[0].item()
@@ -460,12 +505,30 @@ class PagedEngine(EngineBase):
         if finish is not None:
             self._finish(seq, finish)
 
+    def _cache_prefix(self, seq: Sequence) -> None:
+        """Share seq's computed full blocks with later requests through the prefix cache
+        (with the window layers' blocks at those positions), and (no session pins it) its
+        partial last block as a leaf they may copy from."""
+        computed = seq.tokens[: seq.num_computed]
+        seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
+        if self.windows is not None and self.blocks.radix is not None:
+            n_full = len(computed) // self.config.block_size
+            self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])
+
+    def release_session(self, session: PagedSession) -> None:
+        """Give back everything a session holds (on the engine thread)."""
+        self.blocks.release(session.block_table)
+        if self.windows is not None:
+            self.windows.release(session.window_table)
+        session.tokens, session.block_table, session.window_table, session.recurrent = [], [], [], None
+
     def _finish(self, seq: Sequence, reason: str, cause: str | None = None) -> None:
         computed = seq.tokens[: seq.num_computed]
         if seq.block_table:
-            seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
+            self._cache_prefix(seq)
         if seq.session is not None:
             seq.session.tokens, seq.session.block_table = computed, seq.block_table
+            seq.session.window_table, seq.window_table = seq.window_table, []
             # Hybrids: the state after exactly these tokens (None: the next turn rolls back
             # to a snapshot).
             seq.session.recurrent = seq.state_at(len(computed))

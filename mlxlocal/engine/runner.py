@@ -22,18 +22,30 @@ from mlxlocal.engine.sequence import Sequence
 log = logging.getLogger("mlxlocal.engine")
 
 
-def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int) -> StepBatch:
-    """Where n new tokens of each sequence go (from position starts[i]) and what it sees."""
+def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
+               windowed: bool = False) -> StepBatch:
+    """Where n new tokens of each sequence go (from position starts[i]) and what it sees;
+    `windowed`: the model has sliding-window layers, with block ids of their own."""
     positions = [p + i for p in starts for i in range(n)]
-    tables = [s.block_table for s in seqs for _ in range(n)]
-    width = max(len(s.block_table) for s in seqs)
+    index = [(j, p // block_size) for j, p0 in enumerate(starts) for p in range(p0, p0 + n)]
+
+    def tables(of: list[list[int]]) -> tuple[mx.array, mx.array]:
+        width = max(len(t) for t in of)
+        # Holes (-1, blocks that left the window) and padding read block 0: masked.
+        return (mx.array([of[j][i] for j, i in index]),
+                mx.array([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in of]))
+
+    slot_blocks, block_tables = tables([s.block_table for s in seqs])
+    window_slots, window_tables = tables([s.window_table for s in seqs]) if windowed else (None, None)
     return StepBatch(
         positions=starts[0] if len(seqs) == 1 else mx.array(starts),
-        slot_blocks=mx.array([t[p // block_size] for t, p in zip(tables, positions)]),
+        slot_blocks=slot_blocks,
         slot_offsets=mx.array([p % block_size for p in positions]),
-        block_tables=mx.array([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+        block_tables=block_tables,
         context_lens=mx.array([p + n for p in starts]),
         host_context_lens=[p + n for p in starts],
+        window_slot_blocks=window_slots,
+        window_block_tables=window_tables,
     )
 
 
@@ -60,7 +72,7 @@ class NativeRunner:
 
     def forward(self, pools: KVPools, seqs: list[Sequence], n: int) -> mx.array:
         starts = [s.num_computed for s in seqs]
-        batch = step_batch(seqs, starts, n, pools.block_size)
+        batch = step_batch(seqs, starts, n, pools.block_size, any(pools.windowed))
         views = [PagedLayerView(pools, i, batch, w) for i, w in enumerate(self.windows)]
         return self.model(step_inputs(seqs, starts, n), views, last_only=True)[:, -1, :]
 
@@ -73,6 +85,7 @@ class MlxLmRunner:
 
     def __init__(self, model, layout: CacheLayout):
         self.model, self.layout = model, layout
+        self.windows = layout.windows
         self.shapes, self.dtype, self.state_bytes = layout.probe()
         self.recurrent = layout.recurrent
         self.snapshots: StateSnapshots | None = None  # set by the engine, which knows the budget
@@ -101,7 +114,7 @@ class MlxLmRunner:
         return self._run(pools, seqs, starts, n)
 
     def _run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], n: int) -> mx.array:
-        batch = step_batch(seqs, starts, n, pools.block_size)
+        batch = step_batch(seqs, starts, n, pools.block_size, any(pools.windowed))
         states = [s.state_at(p) for s, p in zip(seqs, starts)] if self.recurrent else [None]
         if self.recurrent and any(st is None for st in states) and any(starts):
             raise RuntimeError("a recurrent state is missing for a sequence that has computed tokens")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxlocal.cache import BlockManager, OutOfBlocks
+from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine.sequence import Sequence, Status
 
 
@@ -33,12 +34,15 @@ class Plan:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_step_tokens: int = 512,
                  copy_block: Callable[[int, int], None] | None = None,
-                 resume: Callable[[Sequence], None] | None = None):
+                 resume: Callable[[Sequence], None] | None = None, windows: WindowBlocks | None = None,
+                 snapshot_chunks: bool = False):
         self.blocks = blocks
+        self.windows = windows  # sliding-window layers' blocks, if the model has such layers
         self.copy_block = copy_block  # KVPools.copy_block: reuse a partly matching block by copying it
-        # Hybrid models: cut a matched prefix back to a recurrent-state snapshot and restore
-        # it; their prefill chunks end on block boundaries, where snapshots are taken.
+        # Hybrid and sliding-window models: cut a matched prefix back to where their extra
+        # state (a recurrent-state snapshot, the window's blocks) is there, and restore it.
         self.resume = resume
+        self.snapshot_chunks = snapshot_chunks  # hybrids: chunks end where snapshots are wanted
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
@@ -60,14 +64,24 @@ class Scheduler:
         if need <= 0:
             return True
         try:
-            seq.block_table += self.blocks.allocate(need)
+            new = self.blocks.allocate(need)
         except OutOfBlocks:
             return False
+        if self.windows is not None:
+            try:
+                seq.window_table += self.windows.allocate(need)
+            except OutOfBlocks:
+                self.blocks.release(new)
+                return False
+        seq.block_table += new
         return True
 
     def free(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
         seq.block_table = []
+        if self.windows is not None:
+            self.windows.release(seq.window_table)
+        seq.window_table = []
 
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and requeue it first; it recomputes prompt + output so far."""
@@ -94,6 +108,10 @@ class Scheduler:
     # --- planning ------------------------------------------------------------------
     def plan(self) -> Plan:
         plan = Plan()
+        if self.windows is not None:  # blocks that left every window go back first
+            for seq in self.running:
+                self.windows.trim(seq.window_table, seq.num_computed,
+                                  seq.block_table if self.blocks.radix is not None else None)
         for seq in sorted(self.running, key=lambda s: s.id):
             if seq.status is not Status.RUNNING or not seq.may_decode:
                 continue
@@ -125,7 +143,7 @@ class Scheduler:
             candidate = head
         if candidate is not None:
             n = min(len(candidate.tokens) - candidate.num_computed, budget)
-            if self.resume is not None:
+            if self.snapshot_chunks:
                 n = self._snapshot_chunk(candidate, n)
             if n > 0 and self._reserve(candidate, n):
                 plan.prefill, plan.prefill_tokens = candidate, n

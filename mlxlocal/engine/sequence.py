@@ -30,6 +30,9 @@ class Sequence:
     session: Any = None  # engine Session this turn belongs to, if any
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     block_table: list[int] = field(default_factory=list)
+    # Models with sliding-window layers: those layers' blocks, parallel to block_table
+    # (holes where a block left the window; cache/window.py).
+    window_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
     preemptions: int = 0
