@@ -56,17 +56,24 @@ def scripted_output(tokenizer, text: str):
     reasoning): the next token is the script's continuation of what was generated.
     """
     script = list(tokenizer.encode(text, add_special_tokens=False)) + [min(tokenizer.eos_token_ids)]
-    original = sampling.Sampler.__call__
+    original, original_batch = sampling.Sampler.__call__, sampling.sample_batch
 
-    def scripted(self, logits, history, pending=None):
-        _, logprobs = original(self, logits, history, pending)
+    def next_token(history, pending) -> int:
         if pending is not None:  # the previous token is still in flight: wait for its value
             history = history + [int(pending.item())]
         done = next((k for k in range(len(script), 0, -1) if history[-k:] == script[:k]), 0)
-        return mx.array([script[min(done, len(script) - 1)]]), logprobs
+        return script[min(done, len(script) - 1)]
 
-    sampling.Sampler.__call__ = scripted
+    def scripted(self, logits, history, pending=None):
+        _, logprobs = original(self, logits, history, pending)
+        return mx.array([next_token(history, pending)]), logprobs
+
+    def scripted_batch(samplers, logits, histories, pendings):
+        _, logprobs = original_batch(samplers, logits, histories, pendings)
+        return mx.array([next_token(h, p) for h, p in zip(histories, pendings)], mx.uint32), logprobs
+
+    sampling.Sampler.__call__, sampling.sample_batch = scripted, scripted_batch
     try:
         yield script
     finally:
-        sampling.Sampler.__call__ = original
+        sampling.Sampler.__call__, sampling.sample_batch = original, original_batch

@@ -16,7 +16,7 @@ from conftest import wait_for
 
 from mlxlocal.engine import EngineDeadError, PagedEngine, SamplingParams, SimpleEngine, open_engine
 from mlxlocal.engine.handle import RequestHandle
-from mlxlocal.engine.sampling import Sampler
+from mlxlocal.engine.sampling import Sampler, sample_batch
 from mlxlocal.source.loader import load_from_dir
 
 POISON = 4242  # the seed that marks the request a fault is injected into
@@ -117,16 +117,23 @@ def test_admission_fault_releases_the_session(engine, poisoned_admission):
 
 def test_sampling_fault_mid_stream_fails_only_that_request(engine, monkeypatch):
     solo = {s: tokens(drain(engine.submit(prompt_of(30, s), greedy(12)))[0]) for s in (0, 2)}
-    original = Sampler.__call__
+    original, original_batch = Sampler.__call__, sample_batch
     calls = {"n": 0}
 
-    def call(self, logits, history, pending=None):
-        if self.params.seed == POISON:
+    def batch(samplers, *args):
+        if any(s.params.seed == POISON for s in samplers):
             calls["n"] += 1
-            if calls["n"] == 4:  # a few tokens out: the request is decoding alongside the others
+            if calls["n"] >= 4:  # a few tokens out: the request is decoding alongside the others
                 raise RuntimeError("injected sampling fault")
+        return original_batch(samplers, *args)
+
+    def call(self, logits, history, pending=None):
+        # The engine's fallback samples one by one, so the fault lands on this request alone.
+        if self.params.seed == POISON:
+            raise RuntimeError("injected sampling fault")
         return original(self, logits, history, pending)
 
+    monkeypatch.setattr("mlxlocal.engine.sampling.sample_batch", batch)
     monkeypatch.setattr(Sampler, "__call__", call)
     handles = [engine.submit(prompt_of(30, 0), greedy(12)),
                engine.submit(prompt_of(30, 1), greedy(12, seed=POISON)),

@@ -1,8 +1,9 @@
-"""Sampler penalties and logit_bias against a numpy reference; SamplingParams and engine validation."""
+"""Sampler penalties and logit_bias against a numpy reference; sample_batch against the Sampler; SamplingParams and engine validation."""
 
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import mlx.core as mx
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlxlocal.engine import PagedEngine, SamplingParams, open_engine
-from mlxlocal.engine.sampling import Sampler
+from mlxlocal.engine import PagedEngine, SamplingParams, open_engine, sampling
+from mlxlocal.engine.sampling import MIN_TEMPERATURE, Sampler, sample_batch
 from mlxlocal.source.loader import load_from_dir
 
 V = 64
@@ -123,6 +124,191 @@ def test_sampler_never_raises_for_extreme_valid_params():
             token, logprobs = sampler(logits, [1, 2, 3] + [5] * step, lazy(5))
             t = int(token.item())
             assert 0 <= t < V and not np.isnan(np.array(logprobs)).any(), p
+
+
+# --- sample_batch against the per-request Sampler ----------------------------------------
+def one_by_one(samplers, logits, histories, pendings):
+    """What the per-request path gives: (tokens, logprob lists) as plain Python values."""
+    tokens, lps = [], []
+    for i, s in enumerate(samplers):
+        token, lp = s(logits[i : i + 1], histories[i], pendings[i])
+        tokens.append(int(token.item()))
+        k = s.params.logprobs
+        row = []
+        if k is not None:
+            row.append(mx.take_along_axis(lp, token.reshape(1, 1), axis=-1).item())
+            if k:
+                top = mx.argsort(-lp, axis=-1)[:, :k]
+                row += [top.tolist(), mx.take_along_axis(lp, top, axis=-1).tolist()]
+        lps.append(row)
+    return tokens, lps
+
+
+def batched(samplers, logits, histories, pendings):
+    tokens, lps = sample_batch(samplers, logits, histories, pendings)
+    assert tokens.shape == (len(samplers),)
+    return tokens.tolist(), [[a.item() if j == 0 else a.tolist() for j, a in enumerate(row)] for row in lps]
+
+
+def mixed_params(seed: int, vocab: int) -> SamplingParams:
+    r = random.Random(seed)
+    kw: dict = dict(seed=seed, temperature=r.choice([0.0, 1e-6, 0.3, 0.7, 1.0, 1.5, 5.0]))
+    if r.random() < 0.5:
+        kw["top_p"] = r.choice([0.1, 0.5, 0.9, 0.99, 1.0])
+    if r.random() < 0.3:
+        kw["min_p"] = r.choice([0.01, 0.1, 0.5, 1.0])
+    if r.random() < 0.4:
+        kw["top_k"] = r.choice([1, 5, 40, vocab - 1, vocab, vocab + 10])
+    if r.random() < 0.2:
+        kw["repetition_penalty"] = 1.3
+    if r.random() < 0.2:
+        kw.update(frequency_penalty=0.7, presence_penalty=0.4)
+    if r.random() < 0.2:
+        kw["logit_bias"] = {3: 5.0, 7: -100.0}
+    if r.random() < 0.4:
+        kw["logprobs"] = r.choice([0, 1, 5, 20])
+    return SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_sample_batch_matches_per_request_samplers(dtype):
+    """Mixed batches (greedy, sampled, filters, penalties, bias, logprobs) over pipelined
+    steps; each step a different subset in a different order, as requests come and go, so
+    keys are gathered from several earlier batches. Tokens and logprobs must be equal."""
+    vocab, n = 256, 24
+    rng = random.Random(dtype == mx.bfloat16)
+    params = [mixed_params(1000 * (dtype == mx.bfloat16) + i, vocab) for i in range(n)]
+    assert {p.temperature < MIN_TEMPERATURE for p in params} == {True, False}
+    alone, together = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    histories = [[rng.randrange(vocab) for _ in range(8)] for _ in range(n)]
+    pendings: list = [None] * n
+    for step in range(12):
+        rows = rng.sample(range(n), rng.randint(1, n)) if step % 3 else list(range(n))
+        scale = rng.choice([1.0, 4.0, 10.0])
+        logits = (mx.random.normal((len(rows), vocab), key=mx.random.key(step)) * scale).astype(dtype)
+        if step % 4 == 2:
+            logits = mx.round(logits)  # ties, which top-k and argsort must break alike
+        args = ([histories[i] for i in rows], [pendings[i] for i in rows])
+        expected = one_by_one([alone[i] for i in rows], logits, *args)
+        got = batched([together[i] for i in rows], logits, *args)
+        assert got == expected, (step, [params[i] for i in rows])
+        for i, t in zip(rows, got[0]):
+            if pendings[i] is not None:
+                histories[i].append(int(pendings[i].item()))
+            pendings[i] = lazy(t) if t < V else mx.array([t], mx.uint32)
+
+
+def test_sample_batch_many_seeds_at_a_large_vocabulary():
+    vocab = 32000
+    params = [SamplingParams(seed=s, temperature=0.7, top_p=0.9) for s in range(12)]
+    params += [SamplingParams(seed=s, temperature=1.0, logprobs=3) for s in range(12, 20)]
+    params += [SamplingParams(logprobs=2), SamplingParams(seed=5, temperature=0.8, top_k=50, min_p=0.05)]
+    alone, together = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    history = [[1, 2, 3]] * len(params)
+    for step in range(3):
+        logits = mx.random.normal((len(params), vocab), key=mx.random.key(50 + step)) * 3
+        expected = one_by_one(alone, logits, history, [None] * len(params))
+        assert batched(together, logits, history, [None] * len(params)) == expected
+        assert len(set(expected[0][:20])) > 10  # really sampled, not one token for all
+
+
+def test_seeded_request_samples_the_same_alone_and_in_any_batch():
+    p = SamplingParams(seed=77, temperature=1.0, top_p=0.95)
+    others = [SamplingParams(seed=s, temperature=t) for s, t in ((1, 0.5), (2, 0.0), (3, 2.0), (4, 0.7))]
+    solo, crowd = Sampler(p), [Sampler(q) for q in others]
+    crowd.insert(2, Sampler(p))
+    seq_alone, seq_batched = [], []
+    for step in range(20):
+        row = mx.random.normal((1, V), key=mx.random.key(step))
+        seq_alone.append(batched([solo], row, [[1]], [None])[0][0])
+        logits = mx.concatenate([mx.random.normal((2, V), key=mx.random.key(99 + step)), row,
+                                 mx.random.normal((2, V), key=mx.random.key(199 + step))])
+        seq_batched.append(batched(crowd, logits, [[1]] * 5, [None] * 5)[0][2])
+    assert seq_alone == seq_batched
+    assert len(set(seq_alone)) > 5
+    other = Sampler(SamplingParams(seed=78, temperature=1.0, top_p=0.95))
+    assert [batched([other], mx.random.normal((1, V), key=mx.random.key(s)), [[1]], [None])[0][0]
+            for s in range(20)] != seq_alone  # the seed matters
+
+
+def test_filter_edges_match_their_plain_counterparts():
+    """top_k >= vocab and top_p = 1 filter nothing; min_p = 1 keeps only the best; a
+    temperature below MIN_TEMPERATURE is greedy and leaves the key where it was."""
+    logits = mx.random.normal((1, V), key=mx.random.key(3))
+    best = int(mx.argmax(logits).item())
+
+    def draws(**kw):
+        s = Sampler(SamplingParams(seed=11, **kw))
+        return [batched([s], logits, [[1]], [None])[0][0] for _ in range(30)]
+    plain = draws(temperature=1.0)
+    assert len(set(plain)) > 5
+    assert draws(temperature=1.0, top_k=V) == plain
+    assert draws(temperature=1.0, top_k=V + 100) == plain
+    assert draws(temperature=1.0, top_p=1.0) == plain
+    assert draws(temperature=1.0, min_p=1.0) == [best] * 30
+    assert draws(temperature=1.0, top_k=1) == [best] * 30
+    assert set(draws(temperature=1.0, top_k=3)) <= set(np.argsort(-np.array(logits[0]))[:3].tolist())
+    s = Sampler(SamplingParams(seed=11, temperature=MIN_TEMPERATURE / 2))
+    key = np.array(s.key)
+    assert [batched([s], logits, [[1]], [None])[0][0] for _ in range(5)] == [best] * 5
+    assert (np.array(s.key) == key).all()
+
+
+def test_draw_at_the_ends_of_the_unit_interval():
+    """u = 0 picks the first token with any weight (masked ones before it are skipped),
+    u -> 1 the last; a row of all-equal infinite maxima draws among them."""
+    ninf = -float("inf")
+    x = mx.array([[ninf, ninf, 0.5, ninf, 0.1, ninf], [ninf, ninf, 0.5, ninf, 0.1, ninf],
+                  [ninf, float("inf"), 0.0, float("inf"), 1.0, ninf]])
+    u = mx.array([[0.0], [1.0 - 2**-24], [0.9]])
+    assert sampling._draw(x, u).tolist() == [2, 4, 3]
+
+
+def test_steady_batch_reuses_its_keys_and_a_failed_call_keeps_them(monkeypatch):
+    samplers = [Sampler(SamplingParams(seed=s, temperature=0.9)) for s in range(4)]
+    logits = mx.random.normal((4, V), key=mx.random.key(0))
+    sample_batch(samplers, logits, [[1]] * 4, [None] * 4)
+    keys = samplers[0]._keys
+    assert all(s._keys is keys for s in samplers) and [s._row for s in samplers] == [0, 1, 2, 3]
+    # The same batch next step hands that array on as is (no gather, no per-row slice);
+    # a batch of another order or subset gathers it.
+    monkeypatch.setattr(Sampler, "key", property(lambda s: pytest.fail("per-row key slice")))
+    assert sampling._stack_keys(samplers) is keys
+    assert np.array(sampling._stack_keys(samplers[::-1])).tolist() == np.array(keys)[::-1].tolist()
+    monkeypatch.undo()
+
+    def boom(*args):
+        raise RuntimeError("late failure")
+    before = [np.array(s.key).tolist() for s in samplers]
+    monkeypatch.setattr(sampling, "_logprob_rows", boom)
+    with pytest.raises(RuntimeError, match="late failure"):
+        sample_batch(samplers, logits, [[1]] * 4, [None] * 4)
+    assert [np.array(s.key).tolist() for s in samplers] == before
+
+
+def test_engine_batched_sampling_matches_one_by_one(engine, monkeypatch):
+    """Concurrent mixed requests through the engine: the batched path (Sampler.__call__
+    made to fail, so nothing falls back unseen) against the one-by-one fallback."""
+    kinds = [dict(), dict(temperature=0.8, seed=1, logprobs=3), dict(temperature=1.2, top_p=0.9, seed=2),
+             dict(temperature=0.7, top_k=20, min_p=0.05, seed=3, logprobs=0),
+             dict(frequency_penalty=1.0, logit_bias={5: 2.0}, temperature=0.9, seed=4), dict(logprobs=2)]
+
+    def run() -> list:
+        handles = [engine.submit([(i * 31 + j * 7) % 300 for j in range(10)],
+                                 SamplingParams(max_tokens=16, ignore_eos=True, **kw))
+                   for i, kw in enumerate(kinds)]
+        return [[(c.token, c.logprob, c.top_logprobs) for c in h if c.token is not None] for h in handles]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("per-request path used")
+    with monkeypatch.context() as m:
+        m.setattr(Sampler, "__call__", refuse)
+        got = run()
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "sample_batch", refuse)  # the engine falls back to one by one
+        expected = run()
+    assert got == expected
+    assert all(len(r) == 16 for r in got) and got[1][0][1] is not None and len(got[1][0][2]) == 3
 
 
 # --- validation ------------------------------------------------------------------------

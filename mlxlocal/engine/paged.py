@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlxlocal.cache import BlockManager, KVPools
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import HOLE, WindowBlocks
+from mlxlocal.engine import sampling
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.output import Output
@@ -447,15 +448,12 @@ class PagedEngine(EngineBase):
         sampled: list[tuple[Sequence, mx.array, list[mx.array]]] = []
         for seqs, n in groups:
             logits = self._forward(seqs, n)  # a batch's failure is no one request's: _loop fails all
-            for i, seq in enumerate(seqs):
+            for seq in seqs:
                 seq.num_computed += n
-                if seq.remaining == 0:
-                    try:
-                        token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending)
-                        sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs)))
-                    except Exception as e:
-                        log.exception("sampling failed for request %d", seq.id)
-                        self._fail(seq, e)
+            ready = [i for i, seq in enumerate(seqs) if seq.remaining == 0]
+            if ready:
+                sampled += self._sample([seqs[i] for i in ready],
+                                        logits if len(ready) == len(seqs) else logits[mx.array(ready)])
         if sampled or groups:
             mx.async_eval([t for _, t, _ in sampled] + [a for _, _, lp in sampled for a in lp]
                           + self.pools.state() + self.runner.state([q for g, _ in groups for q in g]))
@@ -473,9 +471,29 @@ class PagedEngine(EngineBase):
         """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
         return self.runner.forward(self.pools, seqs, n)
 
+    def _sample(self, seqs: list[Sequence], logits: mx.array) -> list[tuple[Sequence, mx.array, list[mx.array]]]:
+        """(seq, token [1], logprob arrays) for each sequence: one batched call for all."""
+        try:
+            tokens, logprobs = sampling.sample_batch([s.sampler for s in seqs], logits,
+                                                     [s.tokens for s in seqs], [s.pending for s in seqs])
+            return list(zip(seqs, mx.split(tokens, len(seqs)), logprobs))
+        except Exception:
+            # Keys are untouched when it raises: one by one, a faulty request fails alone.
+            log.exception("batched sampling failed; sampling %d requests one by one", len(seqs))
+        sampled = []
+        for i, seq in enumerate(seqs):
+            try:
+                token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending)
+                sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs)))
+            except Exception as e:
+                log.exception("sampling failed for request %d", seq.id)
+                self._fail(seq, e)
+        return sampled
+
     @staticmethod
     def _logprob_arrays(seq: Sequence, token: mx.array, logprobs: mx.array) -> list[mx.array]:
-        """[chosen logprob, top ids, top logprobs] when the request asked for logprobs."""
+        """[chosen logprob, top ids, top logprobs] when the request asked for logprobs
+        (the one-by-one path; sample_batch works them out for a whole batch)."""
         k = seq.params.logprobs
         if k is None:
             return []

@@ -1,4 +1,10 @@
-"""Per-request sampling with its own RNG key, so a request samples the same alone or batched.
+"""Sampling with one RNG key per request, so a request samples the same alone or batched.
+
+`Sampler` samples one request; `sample_batch` samples a whole decode batch in one go and
+picks exactly the tokens (and logprobs) the per-request Samplers would, bit for bit, with
+each request's key advancing as its Sampler's does (tests/test_sampling.py checks it). That
+rests on MLX's categorical drawing a single row by inverse CDF (MLX >= 0.32.1), which
+`_draw` repeats per row; were MLX to change it, those tests fail.
 
 The logits go through, in order:
 1. repetition_penalty (mlx-lm's: multiplicative, over the last 20 tokens, prompt included);
@@ -10,6 +16,7 @@ then greedy argmax (temperature 0), or top-p, min-p, top-k and temperature as ml
 
 from __future__ import annotations
 
+import math
 import random
 
 import mlx.core as mx
@@ -30,7 +37,9 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         # Validated seeds are in [0, 2**63); the modulo keeps construction from raising anyway.
-        self.key = mx.random.key(int(seed) % 2**63)
+        # The key is row `_row` of `_keys`: sample_batch advances a batch's keys with one
+        # split and leaves each Sampler pointing at its row, so no per-request slicing.
+        self._keys, self._row = mx.random.key(int(seed) % 2**63).reshape(1, 2), 0
         self.penalty = (
             make_repetition_penalty(params.repetition_penalty)
             if params.repetition_penalty != 1.0 else None
@@ -41,6 +50,20 @@ class Sampler:
         self.counts: dict[int, int] = {}
         self.counted = 0
         self._bias: tuple[int, mx.array, mx.array] | None = None  # (vocab, ids, values)
+
+    @property
+    def key(self) -> mx.array:
+        return self._keys[self._row]
+
+    @key.setter
+    def key(self, key: mx.array) -> None:
+        self._keys, self._row = key.reshape(1, 2), 0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether adjust() changes the logits (penalties or logit_bias)."""
+        p = self.params
+        return bool(self.penalty is not None or p.frequency_penalty or p.presence_penalty or p.logit_bias)
 
     def __call__(self, logits: mx.array, history: list[int], pending: mx.array | None = None
                  ) -> tuple[mx.array, mx.array]:
@@ -116,3 +139,151 @@ class Sampler:
         if ids.size == 0:
             return logits
         return logits.at[:, ids].add(values.astype(logits.dtype))
+
+
+# Batched sampling ---------------------------------------------------------------------
+# Per-request samplers draw with mx.random.categorical on [1, V] logits, which MLX does by
+# inverse CDF with one uniform per draw; _draw does the same per row, each row with its own
+# key, so the tokens match exactly.
+_split_rows = mx.vmap(mx.random.split)
+_uniform_rows = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))
+
+
+@mx.compile  # bit ops and exactly rounded arithmetic: the same bits compiled, ~30 us less tracing
+def _advance_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
+    """keys [n, 2] -> (next keys [n, 2], uniforms [n, 1]): Sampler's split, then its draw's
+    uniform from the second half, row by row."""
+    split = _split_rows(keys)
+    return split[:, 0], _uniform_rows(split[:, 1])
+
+
+def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list[int]],
+                 pendings: list[mx.array | None]) -> tuple[mx.array, list[list[mx.array]]]:
+    """logits [B, V] -> (token ids [B], per row [chosen logprob, top ids, top logprobs] as
+    the request asked: [] for none, [chosen] for logprobs=0), all lazy.
+
+    Row i gets the token samplers[i](logits[i:i+1], histories[i], pendings[i]) would give,
+    and its key advances the same way. Only penalties and logit_bias cost per-row ops;
+    greedy and plain-temperature batches take a fixed number of ops whatever B is.
+    Each Sampler's key is updated only once everything is built, so a call that raises
+    leaves them as they were (the caller may then sample the rows one by one).
+    """
+    b, vocab = logits.shape
+    adjusted = {}
+    for i, s in enumerate(samplers):
+        if s.prompt_len is None:
+            s.prompt_len = len(histories[i])
+        if s.adjusts:
+            adjusted[i] = s.adjust(logits[i : i + 1], histories[i], pendings[i])
+    if adjusted:
+        logits = _replace_rows(logits, list(adjusted), mx.concatenate(list(adjusted.values())))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    drawn = [i for i, s in enumerate(samplers) if s.params.temperature >= MIN_TEMPERATURE]
+    tokens = mx.argmax(logprobs, axis=-1) if len(drawn) < b else None
+    if drawn:
+        params = [samplers[i].params for i in drawn]
+        x = _filter(logprobs if len(drawn) == b else logprobs[mx.array(drawn)], params, vocab)
+        # 1/T is rounded to x's dtype as Sampler's Python-float product rounds it.
+        inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32).astype(x.dtype)
+        keys, uniforms = _advance_keys(_stack_keys([samplers[i] for i in drawn]))
+        sampled = _draw(x * inv_t[:, None], uniforms)
+        tokens = sampled if len(drawn) == b else _replace_rows(tokens, drawn, sampled)
+    rows = _logprob_rows(samplers, logprobs, tokens)
+    if drawn:
+        for j, i in enumerate(drawn):
+            samplers[i]._keys, samplers[i]._row = keys, j
+    return tokens, rows
+
+
+def _replace_rows(x: mx.array, rows: list[int], values: mx.array) -> mx.array:
+    """x with x[rows[j]] = values[j]: one concatenate and one gather, whatever len(rows)."""
+    n = x.shape[0]
+    if len(rows) == n and rows == list(range(n)):
+        return values
+    source = dict(zip(rows, range(n, n + len(rows))))
+    return mx.concatenate([x, values])[mx.array([source.get(i, i) for i in range(n)])]
+
+
+def _on_rows(x: mx.array, rows: list[int], fn) -> mx.array:
+    """fn applied to rows of x only (fn sees them stacked), the others kept."""
+    if len(rows) == x.shape[0]:
+        return fn(x)
+    return _replace_rows(x, rows, fn(x[mx.array(rows)]))
+
+
+def _filter(x: mx.array, params: list[SamplingParams], vocab: int) -> mx.array:
+    """Sampler's top-p, min-p and top-k, in its order, each only on the rows that use it."""
+    top_p = [j for j, p in enumerate(params) if 0 < p.top_p < 1.0]
+    if top_p:
+        # mlx-lm's own compiled filter with top_p as a column: the same ops as a scalar.
+        values = mx.array([[params[j].top_p] for j in top_p], mx.float32)
+        x = _on_rows(x, top_p, lambda r: apply_top_p(r, values))
+    min_p = [j for j, p in enumerate(params) if p.min_p != 0.0]
+    if min_p:
+        log_min_p = mx.array([[math.log(params[j].min_p)] for j in min_p], mx.float32).astype(x.dtype)
+
+        def keep_likely(r: mx.array) -> mx.array:  # apply_min_p with min_tokens_to_keep=1
+            return mx.where(r < mx.max(r, axis=-1, keepdims=True) + log_min_p, -float("inf"), r)
+        x = _on_rows(x, min_p, keep_likely)
+    by_k: dict[int, list[int]] = {}
+    for j, p in enumerate(params):
+        if 0 < p.top_k < vocab:
+            by_k.setdefault(p.top_k, []).append(j)
+    for k, rows in by_k.items():
+        # argpartition breaks ties its own way: one call per distinct k keeps it Sampler's.
+        x = _on_rows(x, rows, lambda r, k=k: apply_top_k(r, k))
+    return x
+
+
+def _draw(x: mx.array, u: mx.array) -> mx.array:
+    """mx.random.categorical's inverse-CDF draw per row: x [n, V] logits, u [n, 1] uniforms."""
+    x = x.astype(mx.float32)  # as MLX promotes it (float64 aside, which MLX does not run)
+    m = mx.max(x, axis=-1, keepdims=True)
+    # exp(x - m) is NaN when m is infinite; MLX then draws uniformly among the maxima.
+    w = mx.where(mx.isinf(m), (x == m).astype(x.dtype), mx.exp(x - m))
+    cdf = mx.cumsum(w, axis=-1, inclusive=False)
+    target = u * mx.sum(w, axis=-1, keepdims=True)
+    # searchsorted(cdf, target, "right") - 1 on a sorted cdf is a count.
+    return (cdf <= target).sum(axis=-1).astype(mx.uint32) - 1
+
+
+def _stack_keys(samplers: list[Sampler]) -> mx.array:
+    """The samplers' keys as [n, 2]: a steady batch's keys are last step's array as is,
+    otherwise one gather per array they come from."""
+    groups: dict[int, tuple[mx.array, list[int], list[int]]] = {}
+    for pos, s in enumerate(samplers):
+        group = groups.setdefault(id(s._keys), (s._keys, [], []))
+        group[1].append(pos)
+        group[2].append(s._row)
+    parts, order = [], []
+    for keys, positions, rows in groups.values():
+        whole = rows == list(range(keys.shape[0]))
+        parts.append(keys if whole else keys[mx.array(rows)])
+        order += positions
+    stacked = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    if order != list(range(len(samplers))):
+        where = {p: j for j, p in enumerate(order)}
+        stacked = stacked[mx.array([where[p] for p in range(len(samplers))])]
+    return stacked
+
+
+def _logprob_rows(samplers: list[Sampler], logprobs: mx.array, tokens: mx.array) -> list[list[mx.array]]:
+    """Chosen and top logprobs for the rows that asked: one gather and one argsort for all."""
+    asked = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+    out: list[list[mx.array]] = [[] for _ in samplers]
+    if not asked:
+        return out
+    if len(asked) < len(samplers):
+        index = mx.array(asked)
+        logprobs, tokens = logprobs[index], tokens[index]
+    chosen = mx.split(mx.take_along_axis(logprobs, tokens.reshape(-1, 1), axis=-1), len(asked))
+    k_max = max(samplers[i].params.logprobs for i in asked)
+    if k_max:
+        top = mx.argsort(-logprobs, axis=-1)[:, :k_max]
+        ids = mx.split(top, len(asked))
+        values = mx.split(mx.take_along_axis(logprobs, top, axis=-1), len(asked))
+    for j, i in enumerate(asked):
+        k = samplers[i].params.logprobs
+        out[i] = [chosen[j]] if k == 0 else [chosen[j], ids[j][:, :k], values[j][:, :k]]
+    return out
