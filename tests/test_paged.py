@@ -537,3 +537,27 @@ def test_step_exception_fails_in_flight_and_engine_recovers(make_engine):
     assert idle(eng)["blocks_used"] == 0
     assert tokens_of(eng.submit(prompt_of(12), greedy_params(6))) == expected
     assert_no_leak(eng)
+
+
+def test_single_sequence_slice_paths_equal_scatter_and_gather():
+    """One sequence on consecutive blocks: the slice update / slice read the CPU path takes
+    give what the scatter and the block-table gather give."""
+    from mlxlocal.cache import KVPools, StepBatch
+    from mlxlocal.metal.paged_attention import paged_attention_reference
+
+    mx.random.seed(3)
+    shapes = KVPools.uniform(1, 2, 16)
+    fast, slow = KVPools(shapes, 8, 4, mx.float32), KVPools(shapes, 8, 4, mx.float32)
+    for pools in (fast, slow):
+        pools.k[0] = mx.random.normal(pools.k[0].shape, key=mx.random.key(1))
+        pools.v[0] = mx.random.normal(pools.v[0].shape, key=mx.random.key(2))
+    k, v = mx.random.normal((1, 2, 1, 16)), mx.random.normal((1, 2, 1, 16))
+    common = dict(positions=9, slot_blocks=mx.array([5]), slot_offsets=mx.array([1]),
+                  block_tables=mx.array([[3, 4, 5]]), context_lens=mx.array([10]), host_context_lens=[10])
+    fast.write(0, StepBatch(**common, host_slot=(5, 1), host_run=3), k, v)
+    slow.write(0, StepBatch(**common), k, v)
+    assert mx.array_equal(fast.k[0], slow.k[0]) and mx.array_equal(fast.v[0], slow.v[0])
+    q = mx.random.normal((1, 4, 1, 16))
+    args = (q, slow.k[0], slow.v[0], mx.array([[3, 4, 5]]), mx.array([10]), 0.25)
+    assert mx.allclose(paged_attention_reference(*args, first_block=3), paged_attention_reference(*args))
+    assert not mx.allclose(paged_attention_reference(*args, first_block=2), paged_attention_reference(*args))

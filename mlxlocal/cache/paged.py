@@ -65,6 +65,11 @@ class KVPools:
     def write(self, layer: int, batch: StepBatch, k: mx.array, v: mx.array) -> None:
         """Store new k/v [B, H, L, D] at the step's slots, in the order of the slot mapping."""
         rows = lambda x: x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731
+        if batch.host_slot is not None and not self.windowed[layer]:
+            block, offset = batch.host_slot
+            self.k[layer][block, offset] = k[0, :, 0, :]
+            self.v[layer][block, offset] = v[0, :, 0, :]
+            return
         slot_blocks, _ = self.tables(layer, batch)
         self.k[layer][slot_blocks, batch.slot_offsets] = rows(k)
         self.v[layer][slot_blocks, batch.slot_offsets] = rows(v)
@@ -74,10 +79,12 @@ class KVPools:
         block table (positions past a sequence's context are masked by the caller)."""
         n_keys = max(batch.host_context_lens)
         _, tables = self.tables(layer, batch)
-        B = tables.shape[0]
+        B, width = tables.shape
+        run = None if self.windowed[layer] else batch.host_run
         out = []
         for pool in (self.k[layer], self.v[layer]):
-            x = pool[tables].reshape(B, -1, pool.shape[2], pool.shape[3])[:, :n_keys]
+            x = pool[tables] if run is None else pool[run : run + width]
+            x = x.reshape(B, -1, pool.shape[2], pool.shape[3])[:, :n_keys]
             out.append(x.transpose(0, 2, 1, 3))
         return out[0], out[1]
 
@@ -101,6 +108,12 @@ class StepBatch:
     # The same for windowed layers' own block ids (holes where blocks left the window: masked).
     window_slot_blocks: mx.array | None = None
     window_block_tables: mx.array | None = None
+    # One sequence on the host, for the CPU-cheap paths of the full-attention layers: the
+    # single new token's (block, offset), written by a slice update instead of a scatter;
+    # the first block when its table is a run of consecutive ids, read by a slice instead
+    # of a gather (a lone sequence usually gets consecutive blocks from the free list).
+    host_slot: tuple[int, int] | None = None
+    host_run: int | None = None
     _masks: dict = field(default_factory=dict)
 
     def mask(self, L: int, window: int | None) -> mx.array | str | None:
@@ -131,4 +144,5 @@ class PagedLayerView:
         pools.write(self.layer, b, k, v)
         return paged_attention(q, pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1],
                                b.context_lens, scale, self.window,
-                               n_keys=max(b.host_context_lens), mask=b.mask(q.shape[2], self.window))
+                               n_keys=max(b.host_context_lens), mask=b.mask(q.shape[2], self.window),
+                               first_block=None if pools.windowed[self.layer] else b.host_run)

@@ -37,6 +37,13 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
 
     slot_blocks, block_tables = tables([s.block_table for s in seqs])
     window_slots, window_tables = tables([s.window_table for s in seqs]) if windowed else (None, None)
+    host_slot = host_run = None
+    if len(seqs) == 1:
+        table = seqs[0].block_table
+        if n == 1:
+            host_slot = (table[starts[0] // block_size], starts[0] % block_size)
+        if table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[-1] + 1)):
+            host_run = table[0]
     return StepBatch(
         positions=starts[0] if len(seqs) == 1 else mx.array(starts),
         slot_blocks=slot_blocks,
@@ -46,6 +53,8 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
         host_context_lens=[p + n for p in starts],
         window_slot_blocks=window_slots,
         window_block_tables=window_tables,
+        host_slot=host_slot,
+        host_run=host_run,
     )
 
 

@@ -158,17 +158,25 @@ def paged_attention_reference(
     *,
     n_keys: int | None = None,
     mask: mx.array | str | None | bool = False,
+    first_block: int | None = None,
 ) -> mx.array:
     """q [B, Hq, L, D]; block_tables [B, max_blocks] int32; context_lens [B] -> [B, Hq, L, D].
 
     A caller that knows the longest context (n_keys) and has the mask for this step
     (None / "causal" / a boolean array, shared by every layer) passes them: fewer keys
     gathered and no per-layer mask arithmetic. mask=False means "build it here".
+    `first_block`: B = 1 and the table is first_block, first_block + 1, ...: a slice, not
+    a gather.
     """
     B, _, L, _ = q.shape
     _, bs, H, D = k_pool.shape
-    keys = k_pool[block_tables].reshape(B, -1, H, D)
-    values = v_pool[block_tables].reshape(B, -1, H, D)
+    if first_block is not None:
+        end = first_block + block_tables.shape[1]
+        keys = k_pool[first_block:end].reshape(B, -1, H, D)
+        values = v_pool[first_block:end].reshape(B, -1, H, D)
+    else:
+        keys = k_pool[block_tables].reshape(B, -1, H, D)
+        values = v_pool[block_tables].reshape(B, -1, H, D)
     if n_keys is not None:
         keys, values = keys[:, :n_keys], values[:, :n_keys]
     keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
@@ -216,14 +224,15 @@ def paged_attention(
     *,
     n_keys: int | None = None,
     mask: mx.array | str | None | bool = False,
+    first_block: int | None = None,
 ) -> mx.array:
     """Dispatch point for paged attention (decode, L = 1, is the Metal kernel's case).
 
-    n_keys / mask are hints for the reference path (see paged_attention_reference).
+    n_keys / mask / first_block are hints for the reference path (see paged_attention_reference).
     """
     if not (metal_available() and kernel_supports(q, k_pool, v_pool, block_tables, window)):
         return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale,
-                                         window, n_keys=n_keys, mask=mask)
+                                         window, n_keys=n_keys, mask=mask, first_block=first_block)
     B, Hq, _, D = q.shape
     spec = launch_spec(B, Hq, k_pool.shape[2], D, k_pool.shape[1], block_tables.shape[1],
                        dtype_name(q.dtype), scale, window)
