@@ -7,10 +7,8 @@ outputs stay those of mlx-lm's own RotatingKVCache (a different code path).
 
 from __future__ import annotations
 
-import mlx.core as mx
-import mlx_lm
 import pytest
-from mlx_lm.generate import generate_step
+from engine_util import mlx_lm_greedy, prompt_of, run
 
 from mlxlocal.cache import KVPools
 from mlxlocal.cache.window import HOLE, WindowBlocks
@@ -21,15 +19,6 @@ BS = 16
 WINDOW = 32
 
 
-def prompt_of(n: int, shift: int = 0) -> list[int]:
-    return [(i * 37 + 11 + shift * 101) % 300 for i in range(n)]
-
-
-def run(eng, prompt, n, session=None):
-    chunks = list(eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True), session=session))
-    return [c.token for c in chunks if c.token is not None], chunks[-1].stats
-
-
 @pytest.fixture(scope="module")
 def loaded(mlx_lm_models):
     return load_from_dir(mlx_lm_models["gemma3"])
@@ -37,13 +26,7 @@ def loaded(mlx_lm_models):
 
 @pytest.fixture(scope="module")
 def ref(mlx_lm_models):
-    model = mlx_lm.load(str(mlx_lm_models["gemma3"]))[0]
-
-    def greedy(prompt: list[int], n: int) -> list[int]:
-        steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1))
-        return [int(t) for t, _ in steps]
-
-    return greedy
+    return mlx_lm_greedy(mlx_lm_models["gemma3"])
 
 
 @pytest.fixture

@@ -22,16 +22,17 @@ import mlx.core as mx
 
 from mlxlocal.cache import BlockManager, KVPools
 from mlxlocal.cache.states import StateSnapshots
-from mlxlocal.cache.window import HOLE, WindowBlocks
+from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine import sampling
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.output import Output
+from mlxlocal.engine.reuse import PrefixReuse
 from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, make_runner
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
-from mlxlocal.engine.session import Session, common_prefix
+from mlxlocal.engine.session import Session
 from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.source.loader import LoadedModel
@@ -78,10 +79,7 @@ class PagedSession(Session):
         self.recurrent: list | None = None  # hybrid models: the state after self.tokens
 
     def reset(self) -> None:
-        self.engine.call(self._release)
-
-    def _release(self) -> None:
-        self.engine.release_session(self)
+        self.engine.call(lambda: self.engine.reuse.release_session(self))
 
 
 class PagedEngine(EngineBase):
@@ -104,16 +102,16 @@ class PagedEngine(EngineBase):
         self.pools = KVPools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks)
         self.blocks = BlockManager(self.num_blocks, bs, cfg.prefix_cache)
         self.windows = WindowBlocks(window_blocks, bs, window) if window else None
-        self.snapshots = None
+        snapshots = None
         if runner.recurrent:
             # State snapshots may take a quarter of what the K/V pools take.
-            self.snapshots = runner.snapshots = StateSnapshots(self.pools.nbytes // 4, runner.state_bytes)
-        self.blocks.on_free, self.blocks.on_move = self._block_freed, self._block_moved
+            snapshots = runner.snapshots = StateSnapshots(self.pools.nbytes // 4, runner.state_bytes)
+        self.reuse = PrefixReuse(self.blocks, self.windows, snapshots)
         # Hybrid and window models resume a prefix only where their extra state is; a partly
         # matching block is never reused (no recurrent state mid-block, window blocks whole).
-        exact = runner.recurrent or self.windows is not None
+        whole = self.reuse.whole_blocks
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens,
-                                   None if exact else self.pools.copy_block, self._resume if exact else None,
+                                   None if whole else self.pools.copy_block, self.reuse.resume if whole else None,
                                    self.windows, snapshot_chunks=runner.recurrent)
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
@@ -140,19 +138,6 @@ class PagedEngine(EngineBase):
         tokens = cfg.kv_tokens or cfg.max_num_seqs * context
         wanted = -(-tokens // cfg.block_size) + 1
         return max(1, min(wanted, budget // per_block))
-
-    def _block_freed(self, block: int) -> None:
-        """A full-attention block went back to the free list: what was keyed by it goes."""
-        if self.snapshots is not None:
-            self.snapshots.drop(block)
-        if self.windows is not None:
-            self.windows.forget(block)
-
-    def _block_moved(self, old: int, new: int) -> None:
-        if self.snapshots is not None:
-            self.snapshots.move(old, new)
-        if self.windows is not None:
-            self.windows.move(old, new)
 
     # --- front-end API (any thread) ----------------------------------------------
     def new_session(self) -> PagedSession:
@@ -343,7 +328,8 @@ class PagedEngine(EngineBase):
             try:
                 seq.sampler = Sampler(seq.params)  # its RNG key is an MLX array: made on this thread
                 if seq.session is not None:
-                    self._attach_session(seq)
+                    seq.stats.cached_tokens = self.reuse.attach_session(seq)
+                    self.scheduler.prefix_hit_tokens += seq.stats.cached_tokens
                 self.scheduler.add(seq)
                 self.tokens_in += len(seq.prompt)
             except Exception as e:  # a request the engine cannot take fails alone
@@ -360,7 +346,7 @@ class PagedEngine(EngineBase):
         if seq.status is not Status.FINISHED:
             self.scheduler.free(seq)
             if seq.session is not None:  # what it held may be half-written: start the next turn over
-                self.release_session(seq.session)
+                self.reuse.release_session(seq.session)
                 seq.session.busy = False
             self.scheduler.finish(seq)
             seq.pending = None
@@ -373,59 +359,6 @@ class PagedEngine(EngineBase):
         except Exception as e:
             log.exception("request %d failed", seq.id)
             self._fail(seq, e)
-
-    def _attach_session(self, seq: Sequence) -> None:
-        """Reuse the session's blocks up to the longest common prefix with the new prompt."""
-        s, bs = seq.session, self.config.block_size
-        common = common_prefix(s.tokens, seq.tokens)
-        keep = -(-common // bs)
-        if common % bs and keep and (self.blocks.refs[s.block_table[keep - 1]] > 1
-                                     or (self.blocks.radix and self.blocks.radix.contains(s.block_table[keep - 1]))):
-            # Copy on write: never write new tokens into a block someone else can see.
-            keep -= 1
-            common = keep * bs
-        # Hand the blocks over before releasing any, so a failure never frees a block twice.
-        kept, dropped = s.block_table[:keep], s.block_table[keep:]
-        window, window_dropped = s.window_table[:keep], s.window_table[keep:]
-        live = s.recurrent if common == len(s.tokens) else None
-        s.tokens, s.block_table, s.window_table, s.recurrent = [], [], [], None
-        seq.block_table, seq.window_table, seq.num_computed = kept, window, common
-        self.blocks.release(dropped)
-        if self.windows is not None:
-            self.windows.release(window_dropped)
-        if self.runner.recurrent and live is not None:  # the turn extends everything held
-            seq.recurrent = (common, live)
-        elif self.runner.recurrent or (self.windows is not None and HOLE in window[self.windows.first_needed(common):]):
-            # An edited turn: back to the deepest point whose state is still there.
-            self._resume(seq)
-        seq.stats.cached_tokens = seq.num_computed
-        self.scheduler.prefix_hit_tokens += seq.num_computed
-
-    def _resume(self, seq: Sequence) -> None:
-        """Hybrid and sliding-window models: cut seq's reused prefix back to the deepest
-        block boundary where their extra state is there (a recurrent-state snapshot; the
-        window blocks before it), and start from that state (nothing reused if none)."""
-        bs, snapshots, windows = self.config.block_size, self.snapshots, self.windows
-        table = seq.block_table
-        k = shared = seq.num_computed // bs
-
-        def restorable(k: int) -> bool:
-            return ((snapshots is None or snapshots.get(table[k - 1]) is not None)
-                    and (windows is None or windows.restorable(table, k * bs)))
-
-        while k and not restorable(k):
-            k -= 1
-        if k < shared and snapshots is not None:  # recomputing what others share: keep the state at its end
-            seq.snapshot_at = shared * bs
-        self.blocks.release(table[k:])
-        seq.block_table, seq.num_computed = table[:k], k * bs
-        if windows is not None:
-            windows.release(seq.window_table)
-            seq.window_table = windows.restore(seq.block_table, k * bs)
-        seq.forget_state()
-        if k and snapshots is not None:
-            seq.recurrent = (k * bs, snapshots.get(table[k - 1]))
-            snapshots.restored += 1
 
     def step(self) -> None:
         """Queue this step's forward, then accept the previous step's tokens while it runs.
@@ -509,7 +442,7 @@ class PagedEngine(EngineBase):
             seq.out.first_token()
             # The prompt is now computed: share its full blocks with later requests, and
             # (no session pins it) its partial last block as a leaf they may copy from.
-            self._cache_prefix(seq)
+            self.reuse.cache_prefix(seq)
         logprob = top = None
         if lp:
             logprob = lp[0].item()
@@ -523,27 +456,10 @@ class PagedEngine(EngineBase):
         if finish is not None:
             self._finish(seq, finish)
 
-    def _cache_prefix(self, seq: Sequence) -> None:
-        """Share seq's computed full blocks with later requests through the prefix cache
-        (with the window layers' blocks at those positions), and (no session pins it) its
-        partial last block as a leaf they may copy from."""
-        computed = seq.tokens[: seq.num_computed]
-        seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
-        if self.windows is not None and self.blocks.radix is not None:
-            n_full = len(computed) // self.config.block_size
-            self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])
-
-    def release_session(self, session: PagedSession) -> None:
-        """Give back everything a session holds (on the engine thread)."""
-        self.blocks.release(session.block_table)
-        if self.windows is not None:
-            self.windows.release(session.window_table)
-        session.tokens, session.block_table, session.window_table, session.recurrent = [], [], [], None
-
     def _finish(self, seq: Sequence, reason: str, cause: str | None = None) -> None:
         computed = seq.tokens[: seq.num_computed]
         if seq.block_table:
-            self._cache_prefix(seq)
+            self.reuse.cache_prefix(seq)
         if seq.session is not None:
             seq.session.tokens, seq.session.block_table = computed, seq.block_table
             seq.session.window_table, seq.window_table = seq.window_table, []

@@ -1,0 +1,114 @@
+"""What a request can reuse of earlier work, and what it leaves for later ones.
+
+One place for the rules, over the block manager and the extra state some models need:
+- a session's next turn keeps its blocks up to the longest common prefix with the new
+  prompt (copying rather than writing into a block someone else can see);
+- a finished or first-token sequence puts its full blocks (and, with no session, its
+  partial last block) in the prefix cache;
+- hybrid SSM models resume only where a recurrent-state snapshot exists, sliding-window
+  models only where the window's blocks are still kept: `resume` cuts a reused prefix
+  back to the deepest block boundary where that holds.
+"""
+
+from __future__ import annotations
+
+from mlxlocal.cache import BlockManager
+from mlxlocal.cache.states import StateSnapshots
+from mlxlocal.cache.window import HOLE, WindowBlocks
+from mlxlocal.engine.sequence import Sequence
+from mlxlocal.engine.session import Session, common_prefix
+
+
+class PrefixReuse:
+    def __init__(self, blocks: BlockManager, windows: WindowBlocks | None, snapshots: StateSnapshots | None):
+        self.blocks, self.windows, self.snapshots = blocks, windows, snapshots
+        self.block_size = blocks.block_size
+        blocks.on_free, blocks.on_move = self._block_freed, self._block_moved
+
+    @property
+    def whole_blocks(self) -> bool:
+        """Hybrid and window models never reuse part of a block (no state mid-block)."""
+        return self.windows is not None or self.snapshots is not None
+
+    def _block_freed(self, block: int) -> None:
+        """A full-attention block went back to the free list: what was keyed by it goes."""
+        if self.snapshots is not None:
+            self.snapshots.drop(block)
+        if self.windows is not None:
+            self.windows.forget(block)
+
+    def _block_moved(self, old: int, new: int) -> None:
+        if self.snapshots is not None:
+            self.snapshots.move(old, new)
+        if self.windows is not None:
+            self.windows.move(old, new)
+    def attach_session(self, seq: Sequence) -> int:
+        """Reuse the session's blocks up to the longest common prefix with the new prompt;
+        returns the tokens reused."""
+        s, bs = seq.session, self.block_size
+        common = common_prefix(s.tokens, seq.tokens)
+        keep = -(-common // bs)
+        if common % bs and keep and (self.blocks.refs[s.block_table[keep - 1]] > 1
+                                     or (self.blocks.radix and self.blocks.radix.contains(s.block_table[keep - 1]))):
+            # Copy on write: never write new tokens into a block someone else can see.
+            keep -= 1
+            common = keep * bs
+        # Hand the blocks over before releasing any, so a failure never frees a block twice.
+        kept, dropped = s.block_table[:keep], s.block_table[keep:]
+        window, window_dropped = s.window_table[:keep], s.window_table[keep:]
+        live = s.recurrent if common == len(s.tokens) else None
+        s.tokens, s.block_table, s.window_table, s.recurrent = [], [], [], None
+        seq.block_table, seq.window_table, seq.num_computed = kept, window, common
+        self.blocks.release(dropped)
+        if self.windows is not None:
+            self.windows.release(window_dropped)
+        recurrent = self.snapshots is not None
+        if recurrent and live is not None:  # the turn extends everything held
+            seq.recurrent = (common, live)
+        elif recurrent or (self.windows is not None and HOLE in window[self.windows.first_needed(common):]):
+            # An edited turn: back to the deepest point whose state is still there.
+            self.resume(seq)
+        return seq.num_computed
+
+    def resume(self, seq: Sequence) -> None:
+        """Hybrid and sliding-window models: cut seq's reused prefix back to the deepest
+        block boundary where their extra state is there (a recurrent-state snapshot; the
+        window blocks before it), and start from that state (nothing reused if none)."""
+        bs, snapshots, windows = self.block_size, self.snapshots, self.windows
+        table = seq.block_table
+        k = shared = seq.num_computed // bs
+
+        def restorable(k: int) -> bool:
+            return ((snapshots is None or snapshots.get(table[k - 1]) is not None)
+                    and (windows is None or windows.restorable(table, k * bs)))
+
+        while k and not restorable(k):
+            k -= 1
+        if k < shared and snapshots is not None:  # recomputing what others share: keep the state at its end
+            seq.snapshot_at = shared * bs
+        self.blocks.release(table[k:])
+        seq.block_table, seq.num_computed = table[:k], k * bs
+        if windows is not None:
+            windows.release(seq.window_table)
+            seq.window_table = windows.restore(seq.block_table, k * bs)
+        seq.forget_state()
+        if k and snapshots is not None:
+            seq.recurrent = (k * bs, snapshots.get(table[k - 1]))
+            snapshots.restored += 1
+
+    def cache_prefix(self, seq: Sequence) -> None:
+        """Share seq's computed full blocks with later requests through the prefix cache
+        (with the window layers' blocks at those positions), and (no session pins it) its
+        partial last block as a leaf they may copy from."""
+        computed = seq.tokens[: seq.num_computed]
+        seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
+        if self.windows is not None and self.blocks.radix is not None:
+            n_full = len(computed) // self.block_size
+            self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])
+
+    def release_session(self, session: Session) -> None:
+        """Give back everything a (paged) session holds (on the engine thread)."""
+        self.blocks.release(session.block_table)
+        if self.windows is not None:
+            self.windows.release(session.window_table)
+        session.tokens, session.block_table, session.window_table, session.recurrent = [], [], [], None
