@@ -7,6 +7,7 @@ outputs stay those of mlx-lm's own RotatingKVCache (a different code path).
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from engine_util import mlx_lm_greedy, prompt_of, run
 
@@ -132,3 +133,18 @@ def test_window_blocks_unit():
     assert len(w.kept) == 1
     w.forget(101)
     assert not w.kept
+
+
+def test_window_layers_gather_and_mask_only_from_the_window_start():
+    from mlxlocal.cache import StepBatch
+
+    batch = StepBatch(positions=mx.array([99, 59]), slot_blocks=mx.array([6, 3]), slot_offsets=mx.array([3, 11]),
+                      block_tables=mx.array([[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 0, 0, 0]]),
+                      context_lens=mx.array([100, 60]), host_context_lens=[100, 60])
+    # The second sequence's query at 59 sees 28..59: block 1 on; nothing before is read.
+    assert batch.window_start(WINDOW, BS) == 1
+    mask = batch.window_mask(1, WINDOW, BS)
+    assert mask.shape == (2, 1, 1, 100 - BS)
+    seen = [int(mask[b, 0, 0].sum()) for b in range(2)]
+    assert seen == [WINDOW, WINDOW]
+    assert bool(mask[1, 0, 0, 28 - BS]) and not bool(mask[1, 0, 0, 27 - BS])

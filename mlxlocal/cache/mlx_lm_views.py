@@ -38,14 +38,17 @@ class PagedCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.pools.write(self.layer, self.batch, keys, values)
-        return self.pools.gather(self.layer, self.batch)
+        # A window layer's keys start where its window starts, and so does its mask
+        # (make_mask below, asked through this layer or another window layer).
+        return self.pools.gather(self.layer, self.batch, self.window)
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False, **_):
         window = window_size or self.window
-        mask = self.batch.mask(N, window)
+        bs = self.pools.block_size
+        mask = self.batch.window_mask(N, window, bs) if self.window is not None else self.batch.mask(N, window)
         if return_array and not isinstance(mask, mx.array):
-            n_keys = max(self.batch.host_context_lens)
-            mask = step_mask(self.batch.context_lens, N, n_keys, window)
+            first = self.batch.window_start(window, bs) * bs if self.window is not None else 0
+            mask = step_mask(self.batch.context_lens, N, max(self.batch.host_context_lens), window, first)
         return mask
 
     def is_trimmable(self) -> bool:  # mlx-lm's prompt-cache helpers ask; the engine trims, not the model

@@ -74,11 +74,15 @@ class KVPools:
         self.k[layer][slot_blocks, batch.slot_offsets] = rows(k)
         self.v[layer][slot_blocks, batch.slot_offsets] = rows(v)
 
-    def gather(self, layer: int, batch: StepBatch) -> tuple[mx.array, mx.array]:
-        """Every sequence's keys and values [B, H, n_keys, D] from position 0, through its
-        block table (positions past a sequence's context are masked by the caller)."""
+    def gather(self, layer: int, batch: StepBatch, window: int | None = None) -> tuple[mx.array, mx.array]:
+        """Every sequence's keys and values [B, H, n_keys, D] from position 0 (a `window`
+        layer: from its window_start block), through its block table (positions past a
+        sequence's context are masked by the caller)."""
         n_keys = max(batch.host_context_lens)
         _, tables = self.tables(layer, batch)
+        if window is not None:
+            start = batch.window_start(window, self.block_size)
+            tables, n_keys = tables[:, start:], n_keys - start * self.block_size
         B, width = tables.shape
         run = None if self.windowed[layer] else batch.host_run
         out = []
@@ -115,6 +119,22 @@ class StepBatch:
     host_slot: tuple[int, int] | None = None
     host_run: int | None = None
     _masks: dict = field(default_factory=dict)
+
+    def window_start(self, window: int, block_size: int) -> int:
+        """First block any query of this step sees in a `window` layer: keys before it are
+        neither gathered nor masked (they left every sequence's window)."""
+        L = self.slot_offsets.shape[0] // len(self.host_context_lens)
+        return min(max(0, c - L - window + 1) for c in self.host_context_lens) // block_size
+
+    def window_mask(self, L: int, window: int, block_size: int) -> mx.array | str | None:
+        """The mask of a window layer whose keys start at window_start's block."""
+        first = self.window_start(window, block_size) * block_size
+        if first == 0:
+            return self.mask(L, window)
+        key = (L, window, "from", first)
+        if key not in self._masks:
+            self._masks[key] = step_mask(self.context_lens, L, max(self.host_context_lens), window, first)
+        return self._masks[key]
 
     def mask(self, L: int, window: int | None) -> mx.array | str | None:
         """The attention mask of this step, built once and shared by every layer."""

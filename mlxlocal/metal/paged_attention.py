@@ -185,9 +185,10 @@ def paged_attention_reference(
     return sdpa(q, keys, values, scale, mask)
 
 
-def step_mask(context_lens: mx.array, L: int, n_keys: int, window: int | None) -> mx.array:
-    """[B, 1, L, n_keys]: sequence b's query i sits at position context_lens[b] - L + i."""
-    k_pos = mx.arange(n_keys)[None, None, :]
+def step_mask(context_lens: mx.array, L: int, n_keys: int, window: int | None, first_key: int = 0) -> mx.array:
+    """[B, 1, L, n_keys - first_key]: sequence b's query i sits at position
+    context_lens[b] - L + i; the keys are positions first_key .. n_keys - 1."""
+    k_pos = mx.arange(first_key, n_keys)[None, None, :]
     q_pos = (context_lens[:, None] - L + mx.arange(L)[None, :])[:, :, None]
     mask = k_pos <= q_pos
     if window is not None:
