@@ -148,3 +148,25 @@ def test_window_layers_gather_and_mask_only_from_the_window_start():
     seen = [int(mask[b, 0, 0].sum()) for b in range(2)]
     assert seen == [WINDOW, WINDOW]
     assert bool(mask[1, 0, 0, 28 - BS]) and not bool(mask[1, 0, 0, 27 - BS])
+
+
+def test_native_sliding_window_model_matches_mlx_lm(tmp_path):
+    """Our own llama with a sliding-window layer: window pools, trimmed reads (reference
+    path) and holes, against mlx-lm's llama on its RotatingKVCache."""
+    from conftest import FAMILY_CONFIGS, build_tiny
+
+    cfg = dict(FAMILY_CONFIGS["llama"], layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
+    path = build_tiny(tmp_path / "swa-llama", cfg)
+    loaded = load_from_dir(path)
+    assert loaded.info.native
+    ref = mlx_lm_greedy(path)
+    eng = open_engine(loaded, block_size=BS, kv_blocks=64, max_step_tokens=40)
+    try:
+        assert eng.windows is not None and eng.pools.windowed == [True, False]
+        prompts = [prompt_of(100, shift=4), prompt_of(37, shift=5)]
+        for p in prompts:
+            assert run(eng, p, 40)[0] == ref(p, 40)
+        handles = [eng.submit(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+        assert [[c.token for c in h if c.token is not None] for h in handles] == [ref(p, 40) for p in prompts]
+    finally:
+        eng.shutdown()

@@ -162,7 +162,12 @@ class PagedLayerView:
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         b, pools = self.batch, self.pools
         pools.write(self.layer, b, k, v)
+        L, bs = q.shape[2], pools.block_size
+        if self.window is None:
+            return paged_attention(q, pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1],
+                                   b.context_lens, scale, None, n_keys=max(b.host_context_lens),
+                                   mask=b.mask(L, None), first_block=b.host_run)
+        # A window layer reads from the first block any query of this step still sees.
         return paged_attention(q, pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1],
-                               b.context_lens, scale, self.window,
-                               n_keys=max(b.host_context_lens), mask=b.mask(q.shape[2], self.window),
-                               first_block=None if pools.windowed[self.layer] else b.host_run)
+                               b.context_lens, scale, self.window, n_keys=max(b.host_context_lens),
+                               mask=b.window_mask(L, self.window, bs), window_start=b.window_start(self.window, bs))

@@ -159,6 +159,7 @@ def paged_attention_reference(
     n_keys: int | None = None,
     mask: mx.array | str | None | bool = False,
     first_block: int | None = None,
+    window_start: int = 0,
 ) -> mx.array:
     """q [B, Hq, L, D]; block_tables [B, max_blocks] int32; context_lens [B] -> [B, Hq, L, D].
 
@@ -166,10 +167,14 @@ def paged_attention_reference(
     (None / "causal" / a boolean array, shared by every layer) passes them: fewer keys
     gathered and no per-layer mask arithmetic. mask=False means "build it here".
     `first_block`: B = 1 and the table is first_block, first_block + 1, ...: a slice, not
-    a gather.
+    a gather. `window_start`: a window layer's first block any query sees; keys before it
+    are not read (the caller's mask starts there too).
     """
     B, _, L, _ = q.shape
     _, bs, H, D = k_pool.shape
+    if window_start:
+        block_tables = block_tables[:, window_start:]
+        n_keys = None if n_keys is None else n_keys - window_start * bs
     if first_block is not None:
         end = first_block + block_tables.shape[1]
         keys = k_pool[first_block:end].reshape(B, -1, H, D)
@@ -226,14 +231,17 @@ def paged_attention(
     n_keys: int | None = None,
     mask: mx.array | str | None | bool = False,
     first_block: int | None = None,
+    window_start: int = 0,
 ) -> mx.array:
     """Dispatch point for paged attention (decode, L = 1, is the Metal kernel's case).
 
-    n_keys / mask / first_block are hints for the reference path (see paged_attention_reference).
+    n_keys / mask / first_block / window_start are hints for the reference path (see
+    paged_attention_reference); the kernel finds a window's start itself.
     """
     if not (metal_available() and kernel_supports(q, k_pool, v_pool, block_tables, window)):
         return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale,
-                                         window, n_keys=n_keys, mask=mask, first_block=first_block)
+                                         window, n_keys=n_keys, mask=mask, first_block=first_block,
+                                         window_start=window_start)
     B, Hq, _, D = q.shape
     spec = launch_spec(B, Hq, k_pool.shape[2], D, k_pool.shape[1], block_tables.shape[1],
                        dtype_name(q.dtype), scale, window)
