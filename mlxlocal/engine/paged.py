@@ -123,7 +123,8 @@ class PagedEngine(EngineBase):
         self.tokens_in = 0
         self.tokens_out = 0
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
-        self._inflight: list = []  # (seq, token, logprob arrays) of the step being computed
+        # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
+        self._inflight: list = []
 
     @staticmethod
     def _pool_blocks(cfg: EngineConfig, per_full: int, per_window: int, window_blocks: int, context: int) -> int:
@@ -349,7 +350,7 @@ class PagedEngine(EngineBase):
                 self.reuse.release_session(seq.session)
                 seq.session.busy = False
             self.scheduler.finish(seq)
-            seq.pending = None
+            seq.pending = seq.pending_from = None
         seq.emit(error)
 
     def _guarded(self, seq: Sequence, fn, *args, **kwargs) -> None:
@@ -378,7 +379,7 @@ class PagedEngine(EngineBase):
             groups.append((plan.decode, 1))
         if plan.prefill is not None:
             groups.append(([plan.prefill], plan.prefill_tokens))
-        sampled: list[tuple[Sequence, mx.array, list[mx.array]]] = []
+        sampled: list[tuple] = []
         for seqs, n in groups:
             logits = self._forward(seqs, n)  # a batch's failure is no one request's: _loop fails all
             for seq in seqs:
@@ -388,28 +389,36 @@ class PagedEngine(EngineBase):
                 sampled += self._sample([seqs[i] for i in ready],
                                         logits if len(ready) == len(seqs) else logits[mx.array(ready)])
         if sampled or groups:
-            mx.async_eval([t for _, t, _ in sampled] + [a for _, _, lp in sampled for a in lp]
+            mx.async_eval([t for _, t, _, _ in sampled] + [a for _, _, lp, _ in sampled for a in lp]
                           + self.pools.state() + self.runner.state([q for g, _ in groups for q in g]))
         previous, self._inflight = self._inflight, sampled
-        for seq, token, lp in previous:
+        values: dict[int, list[int]] = {}  # one host read per sampled batch, not one per token
+        for seq, token, lp, src in previous:
             if seq.pending is token:
-                seq.pending = None
+                seq.pending = seq.pending_from = None
+            if src is not None:
+                if id(src[0]) not in values:
+                    values[id(src[0])] = src[0].tolist()
+                token = values[id(src[0])][src[1]]
             if seq.status is not Status.FINISHED:
                 self._guarded(seq, self._accept, seq, token, lp)
-        for seq, token, _ in sampled:
+        for seq, token, _, src in sampled:
             if seq.status is not Status.FINISHED:
-                seq.pending = token
+                seq.pending, seq.pending_from = token, src
 
     def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
         """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
         return self.runner.forward(self.pools, seqs, n)
 
-    def _sample(self, seqs: list[Sequence], logits: mx.array) -> list[tuple[Sequence, mx.array, list[mx.array]]]:
-        """(seq, token [1], logprob arrays) for each sequence: one batched call for all."""
+    def _sample(self, seqs: list[Sequence], logits: mx.array) -> list[tuple]:
+        """(seq, token [1], logprob arrays, (the batch's token array, row)) for each
+        sequence: one batched call for all (the source is None when sampled one by one)."""
         try:
             tokens, logprobs = sampling.sample_batch([s.sampler for s in seqs], logits,
                                                      [s.tokens for s in seqs], [s.pending for s in seqs])
-            return list(zip(seqs, mx.split(tokens, len(seqs)), logprobs))
+            # The next decode feeds the batch's token array as a whole (runner.step_inputs).
+            return [(seq, token, lp, (tokens, i))
+                    for i, (seq, token, lp) in enumerate(zip(seqs, mx.split(tokens, len(seqs)), logprobs))]
         except Exception:
             # Keys are untouched when it raises: one by one, a faulty request fails alone.
             log.exception("batched sampling failed; sampling %d requests one by one", len(seqs))
@@ -417,7 +426,7 @@ class PagedEngine(EngineBase):
         for i, seq in enumerate(seqs):
             try:
                 token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending)
-                sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs)))
+                sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs), None))
             except Exception as e:
                 log.exception("sampling failed for request %d", seq.id)
                 self._fail(seq, e)
@@ -436,8 +445,8 @@ class PagedEngine(EngineBase):
         top = mx.argsort(-logprobs, axis=-1)[:, :k]
         return [chosen, top, mx.take_along_axis(logprobs, top, axis=-1)]
 
-    def _accept(self, seq: Sequence, token_array: mx.array, lp: list[mx.array] | None = None) -> None:
-        token = int(token_array.item())
+    def _accept(self, seq: Sequence, token: int | mx.array, lp: list[mx.array] | None = None) -> None:
+        token = token if isinstance(token, int) else int(token.item())
         if not seq.out.t_first:
             seq.out.first_token()
             # The prompt is now computed: share its full blocks with later requests, and

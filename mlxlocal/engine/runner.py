@@ -61,6 +61,13 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
 def step_inputs(seqs: list[Sequence], starts: list[int], n: int) -> mx.array:
     """[B, n] token ids; a decode's last token may still be in flight (a lazy array)."""
     if n == 1:
+        src = [s.pending_from if s.pending is not None and p == len(s.tokens) else None for s, p in zip(seqs, starts)]
+        if src[0] is not None and all(x is not None and x[0] is src[0][0] for x in src):
+            # The whole decode batch was sampled together: its token array is the input.
+            tokens, rows = src[0][0], [x[1] for x in src]
+            if rows != list(range(tokens.shape[0])):
+                tokens = tokens[mx.array(rows)]
+            return tokens.reshape(-1, 1).astype(mx.uint32)
         return mx.concatenate([
             s.pending.reshape(1, 1).astype(mx.uint32) if s.pending is not None and p == len(s.tokens)
             else mx.array([[s.tokens[p]]], mx.uint32)

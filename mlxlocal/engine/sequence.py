@@ -39,6 +39,7 @@ class Sequence:
     # The token sampled by the step in flight: fed to the next step before its value is
     # known (the engine pipelines steps), appended to `tokens` once it is.
     pending: Any = None
+    pending_from: Any = None  # (the sampled batch's token array, this row): fed as one array
     # Hybrid models: (n_tokens, state) after the last forward and the one before it; a
     # finished turn keeps the one that matches its tokens (the last step may be wasted).
     recurrent: Any = None
