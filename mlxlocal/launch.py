@@ -14,18 +14,29 @@ Where each knob was verified (package versions pinned in scripts/install_agent_c
   make Claude Code ask whether to trust the key), ANTHROPIC_MODEL,
   ANTHROPIC_DEFAULT_{OPUS,SONNET,HAIKU}_MODEL, ANTHROPIC_SMALL_FAST_MODEL (older name of the
   haiku one), CLAUDE_CODE_SUBAGENT_MODEL, CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC,
-  API_TIMEOUT_MS. Documented at code.claude.com/docs/en/settings (environment variables).
+  API_TIMEOUT_MS, CLAUDE_CODE_AUTO_COMPACT_WINDOW (the binary: "honoring ...
+  CLAUDE_CODE_AUTO_COMPACT_WINDOW", clamped to the model window, which is 1M for an id it does
+  not know). Documented at code.claude.com/docs/en/settings (environment variables). Checked
+  against the real 2.1.332 binary: it POSTs /v1/messages?beta=true with `Bearer <token>` and
+  the model named by ANTHROPIC_MODEL.
 - Codex (@openai/codex 0.171.0, native binary codex-linux-x64/.../bin/codex): CODEX_HOME is the
   directory its config.toml is read from; the provider table is `[model_providers.<id>]` with
   name, base_url, env_key, wire_api. The binary says `wire_api = "chat"` "is no longer
   supported" (use "responses"), and that `[profiles]` tables are legacy ("use `--profile
   <name>` with `<name>.config.toml`"), so our config.toml sets model / model_provider at the
-  top level and needs no --profile.
+  top level and needs no --profile. `model_context_window` and the provider's
+  `stream_idle_timeout_ms` occur in the binary too. Checked against the real 0.171.0 binary
+  (`codex exec`): it POSTs {base_url}/responses with `Bearer $MLXLOCAL_LAUNCH_API_KEY` and our
+  model name.
 - opencode (opencode-ai 1.18.33, bun binary opencode-linux-x64/bin/opencode): the config
   loader reads `process.env.OPENCODE_CONFIG` as a custom config file merged over the global
   one; a provider is `provider.<id>` = {npm: "@ai-sdk/openai-compatible", name,
   options: {baseURL, apiKey}, models: {<id>: {name}}} and `model` = "<provider>/<model>"
-  (opencode.ai/docs/providers, "Custom provider").
+  (opencode.ai/docs/providers, "Custom provider"; a model's `limit: {context, output}` from
+  opencode.ai/docs/models).
+
+The context length each client is told comes from the running server (/api/show) at launch
+time; `--print` cannot know it without a server and leaves it out.
 """
 
 from __future__ import annotations
@@ -70,7 +81,8 @@ class Client:
     binary: str
     npm: str  # the npm package that installs `binary`
     title: str
-    plan: Callable[[str, str, str, Path], Plan]  # (base_url, model, api_key, config dir) -> Plan
+    # (base_url, model, api_key, config dir, context length if known) -> Plan
+    plan: Callable[[str, str, str, Path, int | None], Plan]
 
 
 def launch_home() -> Path:
@@ -87,7 +99,7 @@ def npm_bin_dir() -> Path:
     return (Path(home).expanduser() if home else Path.home() / ".cache" / "mlxlocal") / "npm" / "bin"
 
 
-def _claude(base: str, model: str, key: str, _dir: Path) -> Plan:
+def _claude(base: str, model: str, key: str, _dir: Path, context: int | None) -> Plan:
     env = {
         "ANTHROPIC_BASE_URL": base,  # no /v1: Claude Code appends /v1/messages
         "ANTHROPIC_AUTH_TOKEN": key,
@@ -100,6 +112,8 @@ def _claude(base: str, model: str, key: str, _dir: Path) -> Plan:
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "API_TIMEOUT_MS": "3000000",  # a long prefill on a local model is not a dead server
     }
+    if context:  # an unknown model id is assumed to have a 1M window: compact before ours is full
+        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(context)
     return Plan("claude", "claude", env)
 
 
@@ -107,11 +121,12 @@ def toml_str(s: str) -> str:
     return json.dumps(s)  # a JSON string is a valid TOML basic string
 
 
-def _codex(base: str, model: str, key: str, cdir: Path) -> Plan:
+def _codex(base: str, model: str, key: str, cdir: Path, context: int | None) -> Plan:
     config = "\n".join([
         "# Written by `mlxlocal launch codex`; used through CODEX_HOME, never your ~/.codex.",
         f"model = {toml_str(model)}",
         f"model_provider = {toml_str(PROVIDER_ID)}",
+        *([f"model_context_window = {context}"] if context else []),
         "",
         f"[model_providers.{PROVIDER_ID}]",
         'name = "mlxlocal"',
@@ -124,14 +139,17 @@ def _codex(base: str, model: str, key: str, cdir: Path) -> Plan:
     return Plan("codex", "codex", {"CODEX_HOME": str(cdir), KEY_ENV: key}, {cdir / "config.toml": config})
 
 
-def _opencode(base: str, model: str, key: str, cdir: Path) -> Plan:
+def _opencode(base: str, model: str, key: str, cdir: Path, context: int | None) -> Plan:
+    entry: dict = {"name": model}
+    if context:
+        entry["limit"] = {"context": context, "output": min(context // 4, 32768)}
     config = {
         "$schema": "https://opencode.ai/config.json",
         "provider": {PROVIDER_ID: {
             "npm": "@ai-sdk/openai-compatible",
             "name": "mlxlocal (local)",
             "options": {"baseURL": base + "/v1", "apiKey": key},
-            "models": {model: {"name": model}},
+            "models": {model: entry},
         }},
         "model": f"{PROVIDER_ID}/{model}",
         "small_model": f"{PROVIDER_ID}/{model}",
@@ -170,10 +188,22 @@ def base_url(port: int, host: str = "127.0.0.1") -> str:
 
 
 def make_plan(client: Client, port: int, model: str, api_key: str | None = None,
-              home: Path | None = None) -> Plan:
+              home: Path | None = None, context: int | None = None) -> Plan:
     home = home or launch_home()
-    plan = client.plan(base_url(port), model, api_key or DUMMY_KEY, home / client.name)
-    return plan
+    return client.plan(base_url(port), model, api_key or DUMMY_KEY, home / client.name, context)
+
+
+def context_length(port: int, model: str, api_key: str | None = None) -> int | None:
+    """The served model's context length (Ollama's /api/show on our server), or None."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.post(base_url(port) + "/api/show", json={"model": model}, headers=headers, timeout=30,
+                       trust_env=False)
+        info = r.json().get("model_info") or {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    values = [v for k, v in info.items() if k.endswith(".context_length") and isinstance(v, int) and v > 0]
+    return values[0] if values else None
 
 
 def serve_command(spec: str, alias: str, port: int, extra: list[str] | None = None) -> list[str]:
@@ -299,7 +329,6 @@ def launch(client_name: str, spec: str, port: int, alias: str | None = None, cli
     client = get_client(client_name)
     binary = find_binary(client)  # before starting anything: a missing client is the cheap error
     alias = alias or served_alias(spec)
-    plan = make_plan(client, port, alias, api_key)
     server: ServerProcess | None = None
     models = probe(port)
     if models is not None:
@@ -308,7 +337,6 @@ def launch(client_name: str, spec: str, port: int, alias: str | None = None, cli
                               f"(it serves: {', '.join(models) or 'unknown'}); stop it or pick another --port")
         if alias not in models:
             alias = spec
-            plan = make_plan(client, port, alias, api_key)
         say(f"reusing the server on {base_url(port)} (model {alias})")
     else:
         log_path = launch_home() / f"server-{port}.log"
@@ -322,6 +350,7 @@ def launch(client_name: str, spec: str, port: int, alias: str | None = None, cli
             raise
         say(f"server ready in {time.monotonic() - t0:.1f}s (pid {server.pid})")
     try:
+        plan = make_plan(client, port, alias, api_key, context=context_length(port, alias, api_key))
         for path, content in plan.files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)

@@ -25,6 +25,7 @@ def toml(text: str) -> dict:
         tomllib = pytest.importorskip("tomli")
     return tomllib.loads(text)
 
+
 FAKE_CLIENT = """#!{python}
 import json, os, sys, urllib.request
 base = os.environ.get("ANTHROPIC_BASE_URL") or "http://127.0.0.1:" + os.environ["FAKE_PORT"]
@@ -164,6 +165,7 @@ def test_launch_reuses_a_running_server_and_leaves_it(tiny_model, tmp_path, monk
     opencode = json.loads(rec["config"]["opencode"])
     assert opencode["model"] == "mlxlocal/tiny"
     assert opencode["provider"]["mlxlocal"]["options"]["baseURL"] == f"http://127.0.0.1:{port}/v1"
+    assert opencode["provider"]["mlxlocal"]["models"]["tiny"]["limit"]["context"] == 512  # from /api/show
     assert (launch_home / "opencode" / "opencode.json").is_file()
 
 
@@ -190,7 +192,7 @@ def test_launch_starts_the_server_runs_the_client_and_stops_the_server(tiny_mode
     assert [m["id"] for m in rec["models"]["data"]] == ["qwen3"]
     assert rec["env"]["CODEX_HOME"] == str(tmp_path / "home" / "launch" / "codex")
     codex = toml(rec["config"]["codex"])
-    assert codex["model"] == "qwen3"
+    assert codex["model"] == "qwen3" and codex["model_context_window"] == 512
     assert codex["model_providers"]["mlxlocal"]["base_url"] == f"http://127.0.0.1:{port}/v1"
     for line in ("starting mlxlocal serve", "server ready", "export CODEX_HOME=", "stopping the server"):
         assert line in out.stderr, line
@@ -206,3 +208,12 @@ def test_server_that_fails_to_start_shows_its_log(tmp_path):
     assert out.returncode == 1
     assert "exited with code" in out.stderr and "no-such-model" in out.stderr
     assert not (tmp_path / "out.json").exists()  # the client never ran
+
+
+def test_context_length_reaches_each_client(tmp_path):
+    plans = {c: L.make_plan(L.get_client(c), 9000, "m", home=tmp_path, context=4096) for c in L.CLIENTS}
+    assert plans["claude"].env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "4096"
+    assert toml(plans["codex"].files[tmp_path / "codex" / "config.toml"])["model_context_window"] == 4096
+    opencode = json.loads(plans["opencode"].files[tmp_path / "opencode" / "opencode.json"])
+    assert opencode["provider"]["mlxlocal"]["models"]["m"]["limit"]["context"] == 4096
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in L.make_plan(L.CLIENTS["claude"], 9000, "m", home=tmp_path).env
