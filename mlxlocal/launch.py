@@ -33,7 +33,8 @@ Where each knob was verified (package versions pinned in scripts/install_agent_c
   one; a provider is `provider.<id>` = {npm: "@ai-sdk/openai-compatible", name,
   options: {baseURL, apiKey}, models: {<id>: {name}}} and `model` = "<provider>/<model>"
   (opencode.ai/docs/providers, "Custom provider"; a model's `limit: {context, output}` from
-  opencode.ai/docs/models).
+  opencode.ai/docs/models). Checked against the real 1.18.33 binary (`opencode run`): it
+  POSTs {baseURL}/chat/completions with `Bearer <apiKey>` and our model name.
 
 The context length each client is told comes from the running server (/api/show) at launch
 time; `--print` cannot know it without a server and leaves it out.

@@ -207,3 +207,17 @@ def test_replay_chat_turns_against_mlxlocal_serve(tiny_model, tmp_path, capsys):
     assert cached[1] > 0 and cached[2] > 0  # later turns reuse the earlier prompt through the prefix cache
     assert result["total_cached_tokens"] == sum(cached)
     assert table["completed"] == 1 and "Replay" in out and "1/1 turns ok" in out
+
+
+def test_replay_cli_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["bench", "--replay", "x.jsonl"])
+    assert out.exit_code == 2 and "--replay needs --url" in out.output
+    out = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--replay", "x.jsonl", "-c", "2"])
+    assert out.exit_code == 2 and "in order" in out.output
+    out = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--replay", str(tmp_path / "none.jsonl")])
+    assert out.exit_code == 1 and "does not exist" in out.output
