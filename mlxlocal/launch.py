@@ -194,6 +194,17 @@ def make_plan(client: Client, port: int, model: str, api_key: str | None = None,
     return client.plan(base_url(port), model, api_key or DUMMY_KEY, home / client.name, context)
 
 
+def accepts(port: int, model: str, api_key: str | None = None) -> bool:
+    """Whether the server answers to `model` (a loaded model also answers to its directory's name)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.post(base_url(port) + "/api/show", json={"model": model}, headers=headers, timeout=600,
+                       trust_env=False)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
 def context_length(port: int, model: str, api_key: str | None = None) -> int | None:
     """The served model's context length (Ollama's /api/show on our server), or None."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -333,11 +344,11 @@ def launch(client_name: str, spec: str, port: int, alias: str | None = None, cli
     server: ServerProcess | None = None
     models = probe(port)
     if models is not None:
-        if alias not in models and spec not in models:
-            raise LaunchError(f"a server already answers on port {port} but does not serve {alias!r} "
-                              f"(it serves: {', '.join(models) or 'unknown'}); stop it or pick another --port")
-        if alias not in models:
-            alias = spec
+        if alias not in models and not accepts(port, alias, api_key):
+            if spec not in models:
+                raise LaunchError(f"a server already answers on port {port} but does not serve {alias!r} "
+                                  f"(it serves: {', '.join(models) or 'unknown'}); stop it or pick another --port")
+            alias = spec  # served under its spec only (e.g. `serve --model ./dir`, not loaded yet)
         say(f"reusing the server on {base_url(port)} (model {alias})")
     else:
         log_path = launch_home() / f"server-{port}.log"

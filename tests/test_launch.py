@@ -217,3 +217,41 @@ def test_context_length_reaches_each_client(tmp_path):
     opencode = json.loads(plans["opencode"].files[tmp_path / "opencode" / "opencode.json"])
     assert opencode["provider"]["mlxlocal"]["models"]["m"]["limit"]["context"] == 4096
     assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in L.make_plan(L.CLIENTS["claude"], 9000, "m", home=tmp_path).env
+
+
+def test_reused_server_without_served_names_is_asked_for_the_directory_name(tiny_model, tmp_path, monkeypatch,
+                                                                             launch_home):
+    monkeypatch.setenv("PATH", str(fake_bin(tmp_path, "opencode")) + os.pathsep + os.environ["PATH"])
+    monkeypatch.setenv("FAKE_OUT", str(tmp_path / "out.json"))
+    port = free_port()
+    monkeypatch.setenv("FAKE_PORT", str(port))
+    with running_server(ServerConfig(models=[str(tiny_model)], port=port)):  # `serve --model /path/qwen3`
+        assert L.launch("opencode", str(tiny_model), port, say=lambda m: None) == 0
+    opencode = json.loads(json.loads((tmp_path / "out.json").read_text())["config"]["opencode"])
+    assert opencode["model"] == "mlxlocal/qwen3"  # the directory's name, which the server accepts once loaded
+
+
+@pytest.mark.slow
+def test_keep_server_leaves_it_running(tiny_model, tmp_path):
+    import re
+    import signal
+    import time
+
+    port = free_port()
+    env = {"PATH": str(fake_bin(tmp_path, "claude")) + os.pathsep + os.environ["PATH"],
+           "MLXLOCAL_HOME": str(tmp_path / "home"), "FAKE_OUT": str(tmp_path / "out.json")}
+    out = cli("launch", "claude", "--model", str(tiny_model), "--served-model-name", "tiny", "--port", str(port),
+              "--keep-server", env=env)
+    assert out.returncode == 0, out.stderr
+    pid = int(re.search(r"server left running on \S+ \(pid (\d+)", out.stderr)[1])
+    try:
+        rec = json.loads((tmp_path / "out.json").read_text())
+        assert rec["env"]["ANTHROPIC_BASE_URL"] == f"http://127.0.0.1:{port}"
+        assert rec["env"]["ANTHROPIC_MODEL"] == "tiny" and rec["env"]["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "512"
+        assert L.probe(port) == ["tiny"]
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while L.probe(port) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert L.probe(port) is None
