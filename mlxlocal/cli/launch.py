@@ -27,7 +27,7 @@ def launch(
     ctx: typer.Context,
     client: str = typer.Argument(..., help="claude | codex | opencode"),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", envvar="MLXLOCAL_LAUNCH_MODEL",
-                              help=MODEL_HELP + f" (default {DEFAULT_MODEL})"),
+                              help=MODEL_HELP),
     served_model_name: Optional[str] = typer.Option(
         None, "--served-model-name", help="Name the client asks for (default: the alias, or the last "
         "component of a path or repo id)"),
