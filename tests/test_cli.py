@@ -96,7 +96,7 @@ def test_unknown_model_names_the_options(home):
     assert "no-such-model" in out.stderr and "synthetic:" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["show"], ["serve"], ["bench"], ["pull"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["show"], ["serve"], ["bench"], ["pull"], ["launch"]])
 def test_help_shows_click_style_types(command):
     from typer.testing import CliRunner
 

@@ -72,9 +72,9 @@ def _error_text(body: bytes) -> str:
 
 
 async def _stream_one(client: httpx.AsyncClient, endpoint: str, headers: dict, body: dict,
-                      rec: RequestRecord) -> None:
+                      rec: RequestRecord, dialect: str = "chat") -> None:
     """Send one streaming request; fill rec.account as bytes arrive."""
-    acc = StreamAccount(t_start=time.perf_counter())
+    acc = StreamAccount(t_start=time.perf_counter(), dialect=dialect)
     rec.account = acc
     async with client.stream("POST", endpoint, json=body, headers=headers) as resp:
         if resp.status_code != 200:

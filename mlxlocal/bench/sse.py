@@ -7,11 +7,17 @@ Used by the endpoint benchmark, testable without a server.
   reads, a multi-byte UTF-8 character split across reads, CR/LF/CRLF line ends, comments,
   `event:` / `id:` / `retry:` fields) and returns the events completed by that fragment, each
   stamped with the arrival time of the read that completed it.
-- `StreamAccount` follows one OpenAI-style chat completion stream: content, reasoning and
-  tool-call deltas (tool-call names/arguments assembled by index), the usage chunk, errors
-  sent mid-stream, `[DONE]`, a connection that closes early. Its timing counts only events that
-  carry output: the role-only first chunk, the finish chunk, the usage chunk and `[DONE]` do
-  not move TTFT or the generation time.
+- `StreamAccount` follows one streamed reply in one of three dialects (`dialect=`):
+  "chat" (OpenAI chat completions: content, reasoning and tool-call deltas, tool-call
+  names/arguments assembled by index, the usage chunk, `[DONE]`), "anthropic" (/v1/messages:
+  message_start's usage, content_block_start/_delta text, thinking and tool_use JSON,
+  message_delta's stop_reason and output usage, message_stop) and "responses" (OpenAI
+  Responses: response.output_text / reasoning / function_call_arguments deltas, the usage of
+  response.completed or .incomplete, response.failed). Errors sent mid-stream and a connection
+  that closes early count in every dialect. Its timing counts only events that carry output:
+  role-only chunks, block starts without text, finish / usage / stop events and `[DONE]` do
+  not move TTFT or the generation time. `usage_summary()` gives prompt, cached and output
+  tokens in one shape whatever the dialect.
 """
 
 from __future__ import annotations
@@ -161,6 +167,7 @@ class StreamAccount:
     events: int = 0
     error: str | None = None  # error kind: stream_error, truncated, bad_json ...
     error_message: str | None = None
+    dialect: str = "chat"  # chat | anthropic | responses
     parser: SSEParser = field(default_factory=SSEParser, repr=False)
 
     # --- input ------------------------------------------------------------------------------
@@ -190,6 +197,10 @@ class StreamAccount:
         if not isinstance(obj, dict):
             self._fail("bad_json", f"event data is not an object: {data[:200]!r}")
             return
+        if self.dialect != "chat":
+            if (self._anthropic if self.dialect == "anthropic" else self._responses)(obj, ev):
+                self.output_times.append(ev.t)
+            return
         if ev.event == "error" or "error" in obj:
             err = obj.get("error", obj)
             msg = err.get("message") if isinstance(err, dict) else err
@@ -216,6 +227,122 @@ class StreamAccount:
                 carried = True
         if carried:
             self.output_times.append(ev.t)
+
+    def _error_event(self, obj: dict, ev: SSEEvent) -> bool:
+        kind = obj.get("type") or ev.event
+        if kind == "error" or ev.event == "error" or (kind is None and obj.get("error")):
+            err = obj.get("error", obj)
+            msg = err.get("message") if isinstance(err, dict) else err
+            self._fail("stream_error", str(msg))
+            return True
+        return False
+
+    def _anthropic(self, obj: dict, ev: SSEEvent) -> bool:
+        """One /v1/messages event; True if it carried output."""
+        if self._error_event(obj, ev):
+            return False
+        kind = obj.get("type") or ev.event
+        if kind == "message_start":
+            usage = (obj.get("message") or {}).get("usage")
+            if isinstance(usage, dict):
+                self.usage = dict(usage)
+        elif kind == "content_block_start":
+            block = obj.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                i = obj.get("index", len(self.tool_calls))
+                self.tool_calls[i] = ToolCall(index=i, id=block.get("id"), type="tool_use",
+                                              name=block.get("name") or "")
+                return bool(block.get("name"))
+            text = block.get("text") or block.get("thinking")
+            if text:
+                if block.get("type") == "thinking":
+                    self.reasoning += text
+                else:
+                    self.content += text
+                return True
+        elif kind == "content_block_delta":
+            d = obj.get("delta") or {}
+            if d.get("type") == "text_delta" and d.get("text"):
+                self.content += d["text"]
+                return True
+            if d.get("type") == "thinking_delta" and d.get("thinking"):
+                self.reasoning += d["thinking"]
+                return True
+            if d.get("type") == "input_json_delta" and d.get("partial_json"):
+                i = obj.get("index", 0)
+                self.tool_calls.setdefault(i, ToolCall(index=i)).arguments += d["partial_json"]
+                return True
+        elif kind == "message_delta":
+            reason = (obj.get("delta") or {}).get("stop_reason")
+            if reason:
+                self.finish_reason = reason
+            if isinstance(obj.get("usage"), dict):
+                self.usage = {**(self.usage or {}), **obj["usage"]}
+        elif kind == "message_stop":
+            self.done, self.t_end = True, ev.t
+        return False
+
+    def _responses(self, obj: dict, ev: SSEEvent) -> bool:
+        """One Responses API event; True if it carried output."""
+        if self._error_event(obj, ev):
+            return False
+        kind = str(obj.get("type") or ev.event or "")
+        if kind in ("response.output_text.delta", "response.refusal.delta") and obj.get("delta"):
+            self.content += obj["delta"]
+            return True
+        if kind in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta") and obj.get("delta"):
+            self.reasoning += obj["delta"]
+            return True
+        if kind == "response.output_item.added":
+            item = obj.get("item") or {}
+            if item.get("type") == "function_call":
+                i = obj.get("output_index", len(self.tool_calls))
+                self.tool_calls[i] = ToolCall(index=i, id=item.get("call_id") or item.get("id"),
+                                              type="function_call", name=item.get("name") or "")
+                return bool(item.get("name"))
+            return False
+        if kind == "response.function_call_arguments.delta" and obj.get("delta"):
+            i = obj.get("output_index", 0)
+            self.tool_calls.setdefault(i, ToolCall(index=i)).arguments += obj["delta"]
+            return True
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            resp = obj.get("response") or {}
+            if isinstance(resp.get("usage"), dict):
+                self.usage = resp["usage"]
+            if kind == "response.failed":
+                err = resp.get("error") or {}
+                self._fail("stream_error", str(err.get("message") if isinstance(err, dict) else err))
+            else:
+                details = resp.get("incomplete_details") or {}
+                self.finish_reason = details.get("reason") or resp.get("status") or "completed"
+            self.done, self.t_end = True, ev.t
+        return False
+
+    def usage_summary(self) -> dict[str, int | None]:
+        """prompt / cached / output tokens as the server reported them, one shape for every dialect.
+
+        chat: usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, completion_tokens.
+        anthropic: input_tokens counts only uncached input, so prompt = input_tokens +
+        cache_read_input_tokens + cache_creation_input_tokens; cached = cache_read_input_tokens.
+        responses: usage.input_tokens, usage.input_tokens_details.cached_tokens, output_tokens.
+        """
+        u = self.usage or {}
+
+        def num(d: Any, key: str) -> int | None:
+            v = d.get(key) if isinstance(d, dict) else None
+            return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        if self.dialect == "anthropic":
+            parts = [num(u, k) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+            prompt = None if parts[0] is None else sum(p or 0 for p in parts)
+            return {"prompt_tokens": prompt, "cached_tokens": parts[1], "output_tokens": num(u, "output_tokens")}
+        if self.dialect == "responses":
+            return {"prompt_tokens": num(u, "input_tokens"),
+                    "cached_tokens": num(u.get("input_tokens_details"), "cached_tokens"),
+                    "output_tokens": num(u, "output_tokens")}
+        return {"prompt_tokens": num(u, "prompt_tokens"),
+                "cached_tokens": num(u.get("prompt_tokens_details"), "cached_tokens"),
+                "output_tokens": num(u, "completion_tokens")}
 
     def _tool_delta(self, tc: dict) -> None:
         index = tc.get("index")
@@ -248,7 +375,9 @@ class StreamAccount:
         if self.t_end is None:
             self.t_end = t
         if self.error is None and not self.done and self.finish_reason is None:
-            self._fail("truncated", "stream ended before a finish_reason or [DONE]")
+            end = {"chat": "a finish_reason or [DONE]", "anthropic": "message_stop or a stop_reason",
+                   "responses": "response.completed"}.get(self.dialect, "its end")
+            self._fail("truncated", f"stream ended before {end}")
 
     # --- results ----------------------------------------------------------------------------
     @property
@@ -294,9 +423,9 @@ class StreamAccount:
 
 
 def account_stream(chunks: Iterable[tuple[float, bytes]], t_start: float = 0.0,
-                   t_close: float | None = None) -> StreamAccount:
+                   t_close: float | None = None, dialect: str = "chat") -> StreamAccount:
     """Run (arrival time, bytes) pairs through a StreamAccount; close at t_close (or the last time)."""
-    acc = StreamAccount(t_start=t_start)
+    acc = StreamAccount(t_start=t_start, dialect=dialect)
     t = t_start
     for t, chunk in chunks:
         acc.feed_bytes(chunk, t)

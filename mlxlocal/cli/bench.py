@@ -23,7 +23,11 @@ concurrent (aggregate decode tok/s at 1, 2, 4 .. -c streams; --compare: mlx-lm's
 BatchGenerator, alternating, ratios per stream count); sessions (-c sessions, default 8,
 of -p tokens, default 2048 clipped to the context, then a second turn on the cache: peak
 memory over the resident weights and second-turn TTFT; --compare: one mlx-lm prompt
-cache per session)."""
+cache per session).
+
+Replay (--url URL --replay FILE.jsonl): recorded client requests (/v1/messages,
+/v1/chat/completions, /v1/responses), one per line, streamed in order; a table of per-turn
+TTFT, total time, prompt and cached tokens from the server's usage (--json: one object)."""
 
 
 def bench(
@@ -45,6 +49,12 @@ def bench(
     url: Optional[str] = typer.Option(None, "--url", help="Benchmark an OpenAI-compatible endpoint instead"),
     requests: Optional[int] = typer.Option(None, "--requests", help="Requests to send (--url)"),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Prompts to send (--url)"),
+    replay: Optional[str] = typer.Option(
+        None, "--replay", help="Replay recorded requests (--url): JSONL, one {\"path\": \"/v1/messages\" | "
+        "\"/v1/chat/completions\" | \"/v1/responses\", \"body\": {...}, \"headers\"?: {...}} per line, "
+        "sent in order; per-turn TTFT, total time, prompt and cached tokens"),
+    replay_path: Optional[str] = typer.Option(None, "--replay-path",
+                                              help="Route for --replay lines that are bare request bodies"),
 ) -> None:
     err = Console(stderr=True, soft_wrap=True)
 
@@ -52,6 +62,19 @@ def bench(
         err.print(f"[bold red]error:[/] {msg}", highlight=False)
         raise typer.Exit(code)
 
+    if replay is not None or replay_path is not None:
+        if url is None or replay is None:
+            fail("--replay needs --url (and --replay-path needs --replay)")
+        if prompt_file is not None or requests is not None or concurrency is not None:
+            fail("--replay sends the file's requests in order: no --prompt-file, --requests or --concurrency")
+        from mlxlocal.bench.replay import run_replay_bench
+        from mlxlocal.errors import EndpointBenchError
+
+        try:
+            run_replay_bench(url, replay, replay_path, model, as_json=as_json)
+        except EndpointBenchError as e:
+            fail(str(e), 1)
+        return
     if url is not None:
         try:
             from mlxlocal.bench.endpoint import run_endpoint_bench
