@@ -116,6 +116,7 @@ class ResponsesRequest(_Lenient):
     text: TextConfig | None = None
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    metadata: dict[str, Any] | None = None
     # Refused when set (they change the output): see _refuse.
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
@@ -321,7 +322,7 @@ def _response_object(req: ResponsesRequest, tools: list | None) -> dict:
         "tool_choice": req.tool_choice or "auto",
         "tools": tools or [],
         "truncation": req.truncation or "disabled",
-        "metadata": getattr(req, "metadata", None) or {},
+        "metadata": req.metadata or {},
         "usage": None,
     }
 
