@@ -289,8 +289,16 @@ def test_codex_first_request_replays(server):
         assert name == data["type"]
         adapter.validate_python(data)  # every event as the SDK's types define it
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
-    kinds = [n for n, _ in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    kinds = [n for i, (n, _) in enumerate(events) if i == 0 or n != events[i - 1][0]]  # runs of deltas as one
+    assert kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    added = [d["item"] for n, d in events if n == "response.output_item.added"]
+    assert [(i["type"], i["status"]) for i in added] == [("reasoning", "in_progress"), ("function_call", "in_progress")]
     final = events[-1][1]["response"]
     assert final["model"] == "gpt-oss:20b" and final["store"] is False
     reasoning, call = final["output"]
@@ -298,3 +306,30 @@ def test_codex_first_request_replays(server):
     assert call["type"] == "function_call" and call["name"] == "shell"
     assert json.loads(call["arguments"]) == {"command": ["ls", "-la"], "workdir": "/repo"}
     assert final["usage"]["input_tokens"] > 1000  # instructions, developer message and tools all rendered
+
+
+def test_input_items_fold_into_chat_messages():
+    from mlxlocal.server.responses_items import input_messages, seal
+
+    items = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandboxed"}]},
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": seal("think first")},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": '{"path": "."}'},
+        {"type": "function_call", "call_id": "c2", "name": "cat", "arguments": "not json"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "x"}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "a summary"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
+    ]
+    assert input_messages(items, "Be brief.") == [
+        {"role": "system", "content": "Be brief.\n\nsandboxed"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "think first", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": {"path": "."}}},
+            {"id": "c2", "type": "function", "function": {"name": "cat", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "c2", "content": "x"},
+        {"role": "assistant", "content": "Done."},  # a summary is not the model's reasoning
+    ]

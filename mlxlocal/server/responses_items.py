@@ -89,6 +89,12 @@ class _Fold:
 
     def add(self, message: dict) -> None:
         self.open = None
+        # One system prompt: instructions and the developer / system messages before the
+        # conversation starts (Codex sends both). Many templates take only a first system
+        # message, and some refuse a second one.
+        if message["role"] == "system" and self.messages and all(m["role"] == "system" for m in self.messages):
+            self.messages[0]["content"] = f"{self.messages[0]['content']}\n\n{message['content']}"
+            return
         self.messages.append(message)
 
 
