@@ -235,6 +235,7 @@ class _Builder:
         self.pending_tokens = 0
         out: list[dict] = []
         if e.kind == "reasoning":
+            self.space = ""  # whitespace before a think block belongs to no message
             if self.item is None or self.item["type"] != "reasoning":
                 out += self.close()
                 item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [],
