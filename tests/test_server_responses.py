@@ -106,8 +106,10 @@ def test_tool_call_and_its_output(client, model, tokenizer):
     ask = [{"role": "user", "content": "weather in Paris?"}]
     with scripted_output(tokenizer, CALL):
         r = client.responses.create(model=model, input=ask, tools=[WEATHER_TOOL], max_output_tokens=120, temperature=0)
-        events = list(client.responses.create(model=model, input=ask, tools=[WEATHER_TOOL], max_output_tokens=120,
-                                              temperature=0, stream=True))
+        with client.responses.stream(model=model, input=ask, tools=[WEATHER_TOOL], max_output_tokens=120,
+                                     temperature=0) as stream:
+            events = list(stream)
+            streamed = stream.get_final_response()
     [call] = r.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     assert json.loads(call.arguments) == {"city": "Paris"} and call.status == "completed"
@@ -115,6 +117,8 @@ def test_tool_call_and_its_output(client, model, tokenizer):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
     assert not any(e.type == "response.output_text.delta" for e in events)  # the whitespace around it too
+    [streamed_call] = streamed.output  # the SDK's accumulator built the same item from the events
+    assert (streamed_call.name, streamed_call.arguments) == (call.name, call.arguments)
 
     follow = client.responses.create(
         model=model, max_output_tokens=3, temperature=0, tools=[WEATHER_TOOL],

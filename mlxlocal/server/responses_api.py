@@ -22,6 +22,8 @@ Notes on behaviour:
   service_tier, stream_options, truncation, the other include values. strict on a function
   tool is accepted as in chat completions (arguments are not constrained to the schema).
 - parallel_tool_calls=false keeps only the model's first function call.
+- instructions and the system / developer messages before the first other item are one
+  system prompt (many templates take a single one); later developer messages are system turns.
 - tool_choice as in chat completions ("required" / a named function: a system hint), plus
   allowed_tools (the tools it names are the ones offered).
 """
