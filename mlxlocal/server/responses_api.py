@@ -8,8 +8,10 @@ Notes on behaviour:
   `function_call` (call_id, name, arguments as JSON text). Streaming sends the matching
   events (reasoning_text.delta / .done for the think block), each with a sequence_number.
 - include=["reasoning.encrypted_content"] puts the reasoning text, encoded, in
-  encrypted_content so a store=false client (Codex) can send it back; it is rendered again
-  as the think block so the follow-up turn hits the prefix cache.
+  encrypted_content so a store=false client (Codex) can send it back. Reasoning that comes
+  back (content, or that encrypted_content) goes to the template as the assistant's
+  reasoning_content, which Qwen3 / DeepSeek style templates render as the think block: the
+  turn re-renders as generated and the follow-up hits the prefix cache.
 - store (default true) keeps the last 256 responses in memory, for previous_response_id and
   GET / DELETE; store=false keeps nothing. instructions are not carried over (as OpenAI).
 - Refused with a 400 naming the field, because they change the output and are not honoured:
@@ -17,9 +19,9 @@ Notes on behaviour:
   file / audio content, text.format other than text, text.verbosity other than medium,
   reasoning.effort other than medium, max_tool_calls, top_logprobs, background, prompt,
   conversation, include "message.output_text.logprobs".
-- Accepted and ignored, as they do not change what is generated: reasoning.summary, store,
-  metadata, user, safety_identifier, prompt_cache_key, prompt_cache_retention,
-  service_tier, stream_options, truncation, the other include values. strict on a function
+- Accepted and ignored, as they do not change what is generated: reasoning.summary, metadata, user, safety_identifier, prompt_cache_key, prompt_cache_retention,
+  service_tier, stream_options, the other include values; truncation "auto" too (a
+  conversation over the context is a 400, never silently cut). strict on a function
   tool is accepted as in chat completions (arguments are not constrained to the schema).
 - parallel_tool_calls=false keeps only the model's first function call.
 - instructions and the system / developer messages before the first other item are one
