@@ -4,6 +4,7 @@ against a real server on the tiny model, plus a Codex-style request replayed wit
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -337,3 +338,23 @@ def test_input_items_fold_into_chat_messages():
         {"role": "tool", "tool_call_id": "c2", "content": "x"},
         {"role": "assistant", "content": "Done."},  # a summary is not the model's reasoning
     ]
+
+
+def test_client_gone_mid_stream_cancels_the_request(server, model, tokenizer):
+    from conftest import wait_for
+
+    def metric(url: str, name: str) -> float:
+        m = re.search(rf"^{name} (\S+)$", httpx.get(f"{url}/metrics", timeout=30).text, re.M)
+        return float(m[1]) if m else 0.0
+
+    url, app = server
+    engine = app.state.registry.models[0].engine
+    before = metric(url, "mlxlocal_requests_cancelled_total")
+    body = {"model": model, "input": "go on", "max_output_tokens": 6000, "stream": True}
+    with scripted_output(tokenizer, "and on " * 3000):
+        with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line == "event: response.output_text.delta":
+                    break  # hang up while it is generating
+        assert wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, 10)
+    assert metric(url, "mlxlocal_requests_cancelled_total") == before + 1
