@@ -260,6 +260,14 @@ def test_bad_request_is_an_error_naming_the_field(server, model, body, field):
     assert error["param"] == field and field.split(".")[0] in error["message"]
 
 
+def test_long_input_text_is_not_counted_as_items(client, model):
+    r = client.responses.create(model=model, input="word " * 3000, max_output_tokens=1)
+    assert r.usage.input_tokens > 3000
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input=[{"role": "user", "content": "x"}] * 10_001, max_output_tokens=1)
+    assert e.value.body["param"] == "input"
+
+
 def test_harmless_fields_are_accepted(client, model):
     r = client.responses.create(model=model, input="hi", max_output_tokens=2, store=False, metadata={"k": "v"},
                                 reasoning={"summary": "auto"}, prompt_cache_key="abc", truncation="disabled",

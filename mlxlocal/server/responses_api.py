@@ -49,7 +49,13 @@ from mlxlocal.server.events import Finish, StreamEvent, open_events
 from mlxlocal.server.parse import Event
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages
 from mlxlocal.server.responses_items import chat_tools, input_messages, seal, tool_choice
-from mlxlocal.server.validation import MAX_MESSAGES, MAX_TOOLS, CheckedBodyRoute, check_params
+from mlxlocal.server.validation import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    CheckedBodyRoute,
+    check_params,
+    sized_list,
+)
 
 router = APIRouter(route_class=CheckedBodyRoute)
 
@@ -105,7 +111,8 @@ class TextConfig(_Lenient):
 
 class ResponsesRequest(_Lenient):
     model: str
-    input: str | list[Any] = Field(max_length=MAX_MESSAGES)
+    input: str | list[Any]  # at most MAX_MESSAGES items: checked in the route (a pydantic
+    # max_length here would limit a string's characters too, and name the wrong field)
     instructions: str | None = None
     tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
@@ -336,7 +343,7 @@ def _response_object(req: ResponsesRequest, tools: list | None) -> dict:
 async def create_response(req: ResponsesRequest, request: Request):
     _refuse(req)
     items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) \
-        else list(req.input)
+        else list(sized_list(req.input, "input", MAX_MESSAGES))
     if req.previous_response_id is not None:
         previous_items, previous = store_of(request).get(req.previous_response_id, "previous_response_id")
         items = previous_items + previous["output"] + items
