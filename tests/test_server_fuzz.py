@@ -32,6 +32,8 @@ ROUTES: dict[str, dict] = {
                   "messages": [{"role": "user", "content": "hi"}]},
     "/api/generate": {"model": MODEL_FIELD, "stream": False, "prompt": "hi", "options": {"num_predict": 2}},
     "/api/show": {"model": MODEL_FIELD},
+    "/v1/responses": {"model": MODEL_FIELD, "max_output_tokens": 2,
+                      "input": [{"type": "message", "role": "user", "content": "hi"}]},
 }
 # Fields worth hitting besides the ones in the bodies above (sampling knobs of every dialect).
 EXTRA_FIELDS = {
@@ -47,10 +49,14 @@ EXTRA_FIELDS = {
     "/api/chat": ["tools", "format", "keep_alive", "think", "stream"],
     "/api/generate": ["system", "template", "raw", "keep_alive", "format", "images", "think", "suffix"],
     "/api/show": ["name", "verbose"],
+    "/v1/responses": ["instructions", "tools", "tool_choice", "temperature", "top_p", "stream", "store",
+                      "previous_response_id", "reasoning", "text", "include", "parallel_tool_calls",
+                      "truncation", "max_tool_calls", "top_logprobs", "background", "prompt", "metadata"],
 }
 OPTION_FIELDS = ["num_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                  "repeat_penalty", "frequency_penalty", "presence_penalty", "num_ctx"]
 MESSAGE_FIELDS = ["role", "content", "tool_calls", "name", "images", "tool_call_id"]
+INPUT_ITEM_FIELDS = ["type", "role", "content", "call_id", "name", "arguments", "output", "encrypted_content"]
 
 
 def _nested(depth: int) -> object:
@@ -96,8 +102,9 @@ def mutated(draw, route: str) -> bytes:
     value = draw(HOSTILE)
     if where == "options":
         body.setdefault("options", {})[draw(st.sampled_from(OPTION_FIELDS))] = value
-    elif where == "message" and "messages" in body:
-        body["messages"][0][draw(st.sampled_from(MESSAGE_FIELDS))] = value
+    elif where == "message" and ("messages" in body or "input" in body):
+        fields = MESSAGE_FIELDS if "messages" in body else INPUT_ITEM_FIELDS
+        body.get("messages", body.get("input"))[0][draw(st.sampled_from(fields))] = value
     else:
         body[draw(st.sampled_from(sorted(set(body) | set(EXTRA_FIELDS[route]))))] = value
     # json.dumps writes NaN/Infinity and \ud800 escapes: the server must refuse them cleanly.

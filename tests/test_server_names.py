@@ -85,7 +85,7 @@ def test_banner_text(named):
     assert engine.pools.nbytes == blocks * 2 * 2 * 16 * 2 * 16 * 4 and 1 <= mib < 1024
     assert f"{blocks * size:,} tokens, {mib:.1f} MiB" in text
     assert f"APIs     {DIALECTS}" in text
-    assert DIALECTS == ("OpenAI /v1/chat/completions /v1/completions /v1/models · Anthropic /v1/messages"
+    assert DIALECTS == ("OpenAI /v1/chat/completions /v1/completions /v1/responses /v1/models · Anthropic /v1/messages"
                         " · Ollama /api/chat /api/generate")
     assert lines[-1] == "  API key  off"
 

@@ -59,13 +59,14 @@ def hang_up_after(url: str, route: str, body: dict, delay: float) -> None:
         time.sleep(delay)
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages", "/api/chat", "/v1/responses"])
 def test_client_gone_before_the_response_cancels_the_request(slow_server, route):
     url, app, model = slow_server
     engine = app.state.registry.models[0].engine
     messages = [{"role": "user", "content": PROMPT}]
     body = ({"model": model, "stream": False, "options": {"num_predict": 200}, "messages": messages}
-            if route.startswith("/api/") else {"model": model, "max_tokens": 200, "messages": messages})
+            if route.startswith("/api/") else {"model": model, "max_output_tokens": 200, "input": messages}
+            if route == "/v1/responses" else {"model": model, "max_tokens": 200, "messages": messages})
     cancelled = metric(url, "mlxlocal_requests_cancelled_total")
     hang_up_after(url, route, body, 0.1)  # non-streaming, still in prefill
     gone = time.monotonic()

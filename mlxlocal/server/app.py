@@ -264,9 +264,11 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         await asyncio.to_thread(metrics.refresh, [m.engine for m in registry.loaded()])
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    from mlxlocal.server import anthropic_api, ollama_api, openai_api
+    from mlxlocal.server import anthropic_api, ollama_api, openai_api, responses_api
 
+    app.state.responses = responses_api.ResponseStore()  # per server: previous_response_id, GET
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(ollama_api.router)
     return app

@@ -17,7 +17,7 @@ from mlxlocal.server.app import ServerConfig, create_app
 from mlxlocal.server.registry import ModelRegistry
 from mlxlocal.units import human_bytes
 
-DIALECTS = ("OpenAI /v1/chat/completions /v1/completions /v1/models · Anthropic /v1/messages"
+DIALECTS = ("OpenAI /v1/chat/completions /v1/completions /v1/responses /v1/models · Anthropic /v1/messages"
             " · Ollama /api/chat /api/generate")
 
 

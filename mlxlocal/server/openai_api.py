@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from mlxlocal.engine import Chunk, SamplingParams
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
+from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
@@ -289,17 +290,6 @@ def _text_of(content: str | list[ContentPart] | None, where: str) -> str | None:
     return "\n".join(texts)
 
 
-def _arguments(arguments: str | dict) -> Any:
-    """Templates expect a mapping (most do `arguments | tojson`); keep text that is not JSON."""
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return arguments
-    return parsed if isinstance(parsed, dict) else arguments
-
-
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
@@ -312,7 +302,7 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
                                param=f"messages.{i}.tool_calls")
             msg["tool_calls"] = [
                 {"id": c.id or f"call_{i}_{k}", "type": "function",
-                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                 "function": {"name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
                 for k, c in enumerate(m.tool_calls)
             ]
         elif m.content is None and m.role != "assistant":
@@ -330,29 +320,9 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
 def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | None:
     """The tools to render (None for none), adding a system hint for required / named choices."""
     choice = req.tool_choice
-    if not req.tools:
-        if choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice requires tools", param="tool_choice")
-        return None
-    if choice == "none":
-        return None
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    hint = None
-    if choice == "required":
-        hint = "You must answer by calling one or more of the provided tools."
-    elif isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise APIError(400, f"tool_choice names function '{name}', which is not in tools",
-                           param="tool_choice")
-        hint = f"You must answer by calling the function `{name}`."
-    if hint:
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{hint}".strip()
-        else:
-            messages.insert(0, {"role": "system", "content": hint})
-    return tools
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return apply_tool_choice(tools, None if named else choice, named, messages)
 
 
 async def _prepare_chat(req: ChatCompletionRequest, request: Request):
@@ -368,9 +338,7 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
              "logprobs": "top_logprobs", "prompt": "messages"}
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
     engine = await request.app.state.registry.engine(req.model)
-    # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
-    sure = text_bytes(*(m["content"] for m in messages if m["role"] != "assistant"))
-    ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools)
+    ids = await encode_messages(engine, messages, tools, "messages")
     check_params(params, names, engine, ids)
     return engine, ids, params, tools
 

@@ -1,0 +1,58 @@
+"""Chat messages -> prompt ids, shared by the OpenAI-style routers (chat completions and
+responses): tool-call arguments as templates expect them, tool_choice as tools and a system
+hint, and the templated prompt tokenized off the event loop with the early length check."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlxlocal.server.errors import APIError
+from mlxlocal.server.validation import text_bytes, tokenize
+
+
+def template_arguments(arguments: str | dict) -> Any:
+    """Templates expect a mapping (most do `arguments | tojson`); keep text that is not JSON."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def apply_tool_choice(tools: list[dict] | None, choice: str | None, name: str | None,
+                      messages: list[dict], where: str = "tool_choice") -> list[dict] | None:
+    """The tools to render (None for none) for a tool_choice of "auto" / "none" / "required"
+    (choice) or a named function (name). Nothing can force a model to call a tool: "required"
+    and a named function add a system hint (a named one offers only that tool), and `messages`
+    gets it in place. `tools` are chat-completions shaped: {"type": "function", "function": {...}}."""
+    if not tools:
+        if name is not None or choice not in (None, "none", "auto"):
+            raise APIError(400, f"{where} requires tools", param=where)
+        return None
+    if choice == "none":
+        return None
+    hint = None
+    if choice == "required":
+        hint = "You must answer by calling one or more of the provided tools."
+    elif name is not None:
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise APIError(400, f"{where} names function '{name}', which is not in tools", param=where)
+        hint = f"You must answer by calling the function `{name}`."
+    if hint:
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{hint}".strip()
+        else:
+            messages.insert(0, {"role": "system", "content": hint})
+    return tools
+
+
+async def encode_messages(engine, messages: list[dict], tools: list[dict] | None, where: str) -> list[int]:
+    """The chat template over `messages` (and tools), tokenized on a worker thread; text that
+    cannot fit the context is refused before the template runs (a 400 on `where`)."""
+    # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
+    sure = text_bytes(*(m["content"] for m in messages if m["role"] != "assistant"))
+    return await tokenize(engine, sure, where, engine.encode_chat, messages, tools)

@@ -1,0 +1,202 @@
+"""Responses API input items and tools -> chat messages and tools for the chat template.
+
+A Responses conversation is a flat list of items; one assistant turn is several of them
+(reasoning, then a message, then function calls). They are folded back into one assistant
+message, with the reasoning as `reasoning_content` (what Qwen3 / DeepSeek style templates
+render as the think block), so a follow-up turn re-renders the prompt the model saw and
+generated, and the prefix cache serves it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from mlxlocal.server.errors import APIError
+from mlxlocal.server.prompting import template_arguments
+from mlxlocal.server.validation import string
+
+# Text parts: their text goes to the template as it is.
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+
+# Reasoning items returned with include=["reasoning.encrypted_content"] carry the model's
+# reasoning text here. It is not encrypted (a local server has no secret worth keeping from
+# its own client): it only has to come back unchanged, which clients such as Codex do with
+# store=false (they drop `content` when they send reasoning items back).
+SEALED_PREFIX = "mlxlocal.v1:"
+
+
+def seal(text: str) -> str:
+    return SEALED_PREFIX + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def unseal(blob: Any) -> str | None:
+    """The reasoning text in our encrypted_content; None for another server's blob."""
+    if not isinstance(blob, str) or not blob.startswith(SEALED_PREFIX):
+        return None
+    try:
+        return base64.urlsafe_b64decode(blob[len(SEALED_PREFIX):]).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _dict(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise APIError(400, f"{where}: must be an object", param=where)
+    return value
+
+
+def content_text(content: Any, where: str) -> str:
+    """A string, or a list of text parts joined; media parts are refused by name."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: must be a string or a list of content parts", param=where)
+    texts = []
+    for k, part in enumerate(content):
+        at = f"{where}.{k}"
+        kind = _dict(part, at).get("type")
+        if kind in _TEXT_PARTS:
+            texts.append(string(part, "text", f"{at}.text") or "")
+        elif kind == "refusal":
+            texts.append(string(part, "refusal", f"{at}.refusal") or "")
+        elif kind in _MEDIA_PARTS:
+            raise APIError(400, f"{at}: content part type '{kind}' is not supported: the models this "
+                                "server runs are text-only", param=f"{at}.type")
+        else:
+            raise APIError(400, f"{at}: unknown content part type {kind!r}", param=f"{at}.type")
+    return "\n".join(texts)
+
+
+class _Fold:
+    """Items -> messages; consecutive assistant items (reasoning, message, function calls)
+    become one assistant message, in the order a model produces them."""
+
+    def __init__(self):
+        self.messages: list[dict] = []
+        self.open: dict | None = None  # the assistant message still taking items
+
+    def assistant(self, after_text: bool = False) -> dict:
+        """The open assistant message; a new one when the item cannot follow what it holds
+        (reasoning after text or calls, text after calls or text)."""
+        m = self.open
+        if m is None or (after_text and (m["content"] or m.get("tool_calls"))):
+            m = self.open = {"role": "assistant", "content": ""}
+            self.messages.append(m)
+        return m
+
+    def add(self, message: dict) -> None:
+        self.open = None
+        # One system prompt: instructions and the developer / system messages before the
+        # conversation starts (Codex sends both). Many templates take only a first system
+        # message, and some refuse a second one.
+        if message["role"] == "system" and self.messages and all(m["role"] == "system" for m in self.messages):
+            self.messages[0]["content"] = f"{self.messages[0]['content']}\n\n{message['content']}"
+            return
+        self.messages.append(message)
+
+
+def input_messages(items: list[Any], instructions: str | None) -> list[dict]:
+    """The request's instructions and input items as chat-template messages."""
+    fold = _Fold()
+    if instructions:
+        fold.add({"role": "system", "content": instructions})
+    for i, item in enumerate(items):
+        at = f"input.{i}"
+        item = _dict(item, at)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            text = content_text(item.get("content"), f"{at}.content")
+            if role == "assistant":
+                fold.assistant(after_text=True)["content"] = text
+            elif role in ("user", "system", "developer"):
+                fold.add({"role": "system" if role == "developer" else role, "content": text})
+            else:
+                raise APIError(400, f"{at}.role: must be user, assistant, system or developer, got {role!r}",
+                               param=f"{at}.role")
+        elif kind == "function_call":
+            call_id = string(item, "call_id", f"{at}.call_id", required=True)
+            name = string(item, "name", f"{at}.name", required=True)
+            arguments = string(item, "arguments", f"{at}.arguments") or "{}"
+            fold.assistant().setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function",
+                 "function": {"name": name, "arguments": template_arguments(arguments)}})
+        elif kind == "function_call_output":
+            call_id = string(item, "call_id", f"{at}.call_id", required=True)
+            output = item.get("output")
+            if output is None:
+                raise APIError(400, f"{at}.output: required", param=f"{at}.output")
+            fold.add({"role": "tool", "tool_call_id": call_id, "content": content_text(output, f"{at}.output")})
+        elif kind == "reasoning":
+            text = _reasoning_text(item, at)
+            m = fold.assistant()
+            if m["content"] or m.get("tool_calls") or m.get("reasoning_content"):
+                fold.open = None
+                m = fold.assistant()
+            if text:
+                m["reasoning_content"] = text
+        else:
+            raise APIError(400, f"{at}.type: input item type {kind!r} is not supported (message, function_call, "
+                                "function_call_output and reasoning are)", param=f"{at}.type")
+    return fold.messages
+
+
+def _reasoning_text(item: dict, at: str) -> str:
+    """What the model thought: `content` when sent back, else our encrypted_content. A
+    summary is not what the model said, so it does not stand in for the think block."""
+    content = item.get("content")
+    if content:
+        return content_text(content, f"{at}.content")
+    return unseal(item.get("encrypted_content")) or ""
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict] | None:
+    """Responses function tools ({type, name, description, parameters}) in the chat shape
+    the templates render. Hosted tools (web_search, file_search, local_shell, custom, mcp,
+    ...) are refused: the Responses API runs them or defines their call format, and a
+    request that silently lost a tool would get different answers."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        at = f"tools.{i}"
+        kind = _dict(tool, at).get("type")
+        if kind != "function":
+            raise APIError(400, f"{at}.type: tool type {kind!r} is not supported by this server "
+                                "(only 'function' tools; disable the others in the client)", param=f"{at}.type")
+        name = string(tool, "name", f"{at}.name", required=True)
+        function: dict[str, Any] = {"name": name}
+        description = string(tool, "description", f"{at}.description")
+        if description is not None:
+            function["description"] = description
+        parameters = tool.get("parameters")
+        if parameters is not None:
+            function["parameters"] = _dict(parameters, f"{at}.parameters")
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def tool_choice(choice: Any, tools: list[dict] | None) -> tuple[list[dict] | None, str | None, str | None]:
+    """(tools narrowed by an allowed_tools choice, "auto"/"none"/"required" or None, named function)."""
+    if choice is None or isinstance(choice, str):
+        if choice not in (None, "auto", "none", "required"):
+            raise APIError(400, f"tool_choice: must be auto, none, required or an object, got {choice!r}",
+                           param="tool_choice")
+        return tools, choice, None
+    kind = _dict(choice, "tool_choice").get("type")
+    if kind == "function":
+        return tools, None, string(choice, "name", "tool_choice.name", required=True)
+    if kind == "allowed_tools":
+        mode = choice.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise APIError(400, f"tool_choice.mode: must be auto or required, got {mode!r}", param="tool_choice.mode")
+        allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)}
+        narrowed = [t for t in tools or [] if t["function"]["name"] in allowed]
+        if not narrowed:
+            raise APIError(400, "tool_choice.tools: names no function in tools", param="tool_choice.tools")
+        return narrowed, mode, None
+    raise APIError(400, f"tool_choice.type: {kind!r} is not supported (function or allowed_tools)",
+                   param="tool_choice.type")
