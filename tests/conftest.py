@@ -90,6 +90,14 @@ def mlx_lm_models(tmp_path_factory) -> dict[str, Path]:
     return {name: build_tiny(root / name, cfg) for name, cfg in MLX_LM_CONFIGS.items()}
 
 
+@pytest.fixture(scope="session")
+def agent_model(tmp_path_factory) -> Path:
+    """A tiny model with a 64k context and a 4k vocabulary: agent clients' system prompts and
+    tool schemas (tens of thousands of tokens) fit."""
+    return build_tiny(tmp_path_factory.mktemp("agent") / "qwen3",
+                      dict(FAMILY_CONFIGS["qwen3"], vocab_size=4096, max_position_embeddings=65536))
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model):
     """`mlxlocal serve` on the tiny qwen3 model, on loopback: (base URL, app). One per module."""

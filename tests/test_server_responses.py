@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from pydantic import TypeAdapter
-from server_util import scripted_output
+from server_util import running_server, scripted_output
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WEATHER_TOOL = {
@@ -237,7 +237,8 @@ def _user(content) -> list[dict]:
     ({"input": [{"type": "message", "role": "robot", "content": "hi"}]}, "input.0.role"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input.0.name"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": "custom", "name": "grammar_tool"}]}, "tools.0.type"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "x"}]}]}, "tools.0.tools.0.type"),
     ({"tools": [{"type": "function"}]}, "tools.0.name"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
@@ -285,17 +286,29 @@ def _sse_events(text: str) -> list[tuple[str, dict]]:
     return out
 
 
-def test_codex_first_request_replays(server):
+@pytest.fixture(scope="module")
+def agent_server(agent_model):
+    from mlxlocal.server import ServerConfig
+
+    with running_server(ServerConfig(models=[str(agent_model)], served_model_names=["tiny"])) as (url, app):
+        yield url, app
+
+
+def test_codex_first_request_replays(agent_server):
+    """The first request Codex CLI 0.171 sent (recorded from the real client): developer
+    messages, 8 function tools, a namespace of sub-agent tools and the hosted web_search."""
     from openai.types.responses import ResponseStreamEvent
 
-    url, app = server
+    url, app = agent_server
     body = json.loads((FIXTURES / "codex_first_request.json").read_text())
+    assert {t["type"] for t in body["tools"]} == {"function", "namespace", "web_search"}
     tokenizer = app.state.registry.models[0].engine.tokenizer
-    # The model (a random tiny one) is scripted to think, then call a tool, as Codex expects.
-    script = '<think>\nList the files first.\n</think>\n\n\n<tool_call>\n{"name": "shell", "arguments": ' \
-             '{"command": ["ls", "-la"], "workdir": "/repo"}}\n</tool_call>'
-    with scripted_output(tokenizer, script), httpx.stream("POST", url + "/v1/responses", json=body, timeout=120) as r:
+    # The model (a random tiny one) is scripted to think, then call a namespaced tool.
+    script = '<think>\nClose the helper first.\n</think>\n\n\n<tool_call>\n{"name": "multi_agent_v1__close_agent", ' \
+             '"arguments": {"target": "agent-1"}}\n</tool_call>'
+    with scripted_output(tokenizer, script), httpx.stream("POST", url + "/v1/responses", json=body, timeout=300) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-mlxlocal-ignored-tools"] == "web_search"  # hosted: left out, and said so
         events = _sse_events(r.read().decode())
     adapter = TypeAdapter(ResponseStreamEvent)
     for name, data in events:
@@ -310,15 +323,13 @@ def test_codex_first_request_replays(server):
         "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done",
         "response.completed"]
-    added = [d["item"] for n, d in events if n == "response.output_item.added"]
-    assert [(i["type"], i["status"]) for i in added] == [("reasoning", "in_progress"), ("function_call", "in_progress")]
     final = events[-1][1]["response"]
-    assert final["model"] == "gpt-oss:20b" and final["store"] is False
+    assert final["model"] == body["model"] and final["store"] is False
     reasoning, call = final["output"]
     assert reasoning["type"] == "reasoning" and reasoning["encrypted_content"]
-    assert call["type"] == "function_call" and call["name"] == "shell"
-    assert json.loads(call["arguments"]) == {"command": ["ls", "-la"], "workdir": "/repo"}
-    assert final["usage"]["input_tokens"] > 1000  # instructions, developer message and tools all rendered
+    assert (call["type"], call["namespace"], call["name"]) == ("function_call", "multi_agent_v1", "close_agent")
+    assert json.loads(call["arguments"]) == {"target": "agent-1"}
+    assert final["usage"]["input_tokens"] > 5000  # developer messages and every tool rendered
 
 
 def test_input_items_fold_into_chat_messages():

@@ -14,8 +14,14 @@ Notes on behaviour:
   turn re-renders as generated and the follow-up hits the prefix cache.
 - store (default true) keeps the last 256 responses in memory, for previous_response_id and
   GET / DELETE; store=false keeps nothing. instructions are not carried over (as OpenAI).
+- Tools: function tools, and namespace tools (Codex's multi_agent_v1) flattened for the
+  template as "<namespace>__<name>" and split back into the function_call's namespace and
+  name. Hosted tools the API would run itself (web_search, file_search, local_shell, mcp,
+  ...; Codex always sends web_search) cannot run here: they are left out, named in the
+  x-mlxlocal-ignored-tools response header and the log (never a 400, which would make
+  every Codex turn fail).
 - Refused with a 400 naming the field, because they change the output and are not honoured:
-  tools other than type "function" (web_search, local_shell, custom, mcp, ...), image /
+  other tool types (custom grammars, unknown types), image /
   file / audio content, text.format other than text, text.verbosity other than medium,
   reasoning.effort other than medium, max_tool_calls, top_logprobs, background, prompt,
   conversation, include "message.output_text.logprobs".
@@ -33,6 +39,7 @@ Notes on behaviour:
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -40,7 +47,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import SamplingParams
@@ -48,7 +55,13 @@ from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import Finish, StreamEvent, open_events
 from mlxlocal.server.parse import Event
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages
-from mlxlocal.server.responses_items import chat_tools, input_messages, seal, tool_choice
+from mlxlocal.server.responses_items import (
+    chat_tools,
+    input_messages,
+    seal,
+    split_qualified,
+    tool_choice,
+)
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -57,6 +70,7 @@ from mlxlocal.server.validation import (
     sized_list,
 )
 
+log = logging.getLogger("mlxlocal.server")
 router = APIRouter(route_class=CheckedBodyRoute)
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096  # as chat completions; the engine clips it to the context
@@ -185,8 +199,9 @@ class _Builder:
     """Parsed events -> output items and the stream events that build them. Non-streaming
     requests run the same builder and keep only the final response."""
 
-    def __init__(self, response: dict, parallel: bool, sealed: bool):
+    def __init__(self, response: dict, parallel: bool, sealed: bool, namespaces: set[str] = frozenset()):
         self.response, self.parallel, self.sealed = response, parallel, sealed
+        self.namespaces = namespaces  # namespace tools offered: a call's name is split back
         self.output: list[dict] = response["output"]
         self.seq = 0
         self.item: dict | None = None  # the open reasoning or message item
@@ -274,8 +289,11 @@ class _Builder:
             self.calls += 1
             if self.calls > 1 and not self.parallel:
                 return out  # parallel_tool_calls=false: the first call only
-            item = {"id": _new_id("fc"), "type": "function_call", "call_id": e.id, "name": e.name,
+            namespace, name = split_qualified(e.name, self.namespaces)
+            item = {"id": _new_id("fc"), "type": "function_call", "call_id": e.id, "name": name,
                     "arguments": "", "status": "in_progress"}
+            if namespace is not None:
+                item["namespace"] = namespace
             self.output.append(item)
             index = len(self.output) - 1
             out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
@@ -283,7 +301,7 @@ class _Builder:
             out += [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                delta=e.arguments),
                     self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               name=e.name, arguments=e.arguments),
+                               name=name, arguments=e.arguments),
                     self.event("response.output_item.done", output_index=index, item=item)]
         return out
 
@@ -350,7 +368,10 @@ async def create_response(req: ResponsesRequest, request: Request):
     messages = input_messages(items, req.instructions)
     if not any(m["role"] != "system" for m in messages):
         raise APIError(400, "input: no message to answer", param="input")
-    tools, choice, named = tool_choice(req.tool_choice, chat_tools(req.tools))
+    offered, hosted, namespaces = chat_tools(req.tools)
+    if hosted:
+        log.warning("/v1/responses: hosted tools left out (this server cannot run them): %s", ", ".join(hosted))
+    tools, choice, named = tool_choice(req.tool_choice, offered)
     tools = apply_tool_choice(tools, choice, named, messages)
     names = {"max_tokens": "max_output_tokens", "prompt": "input"}
     params = SamplingParams(max_tokens=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
@@ -363,13 +384,14 @@ async def create_response(req: ResponsesRequest, request: Request):
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
 
     builder = _Builder(_response_object(req, req.tools), req.parallel_tool_calls is not False,
-                       "reasoning.encrypted_content" in (req.include or []))
+                       "reasoning.encrypted_content" in (req.include or []), namespaces)
     store = store_of(request) if req.store is not False else None
 
     def keep(done: Finish) -> None:
         if store is not None and done.reason != "cancelled":  # a cancelled one has no client left
             store.put(builder.response, items)
 
+    headers = {"x-mlxlocal-ignored-tools": ",".join(hosted)} if hosted else {}
     if not req.stream:
         async for e in events:
             if isinstance(e, Finish):
@@ -377,7 +399,7 @@ async def create_response(req: ResponsesRequest, request: Request):
                 keep(e)
             else:
                 builder.feed(e)
-        return builder.response
+        return JSONResponse(builder.response, headers=headers)
 
     async def stream() -> AsyncIterator[str]:
         for event in builder.start():
@@ -395,7 +417,7 @@ async def create_response(req: ResponsesRequest, request: Request):
             await events.aclose()  # a client gone mid-stream: cancel the request now
 
     return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
 @router.get("/v1/responses/{response_id}")

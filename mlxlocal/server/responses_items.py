@@ -119,7 +119,8 @@ def input_messages(items: list[Any], instructions: str | None) -> list[dict]:
                                param=f"{at}.role")
         elif kind == "function_call":
             call_id = string(item, "call_id", f"{at}.call_id", required=True)
-            name = string(item, "name", f"{at}.name", required=True)
+            name = qualified(string(item, "namespace", f"{at}.namespace"),
+                             string(item, "name", f"{at}.name", required=True))
             arguments = string(item, "arguments", f"{at}.arguments") or "{}"
             fold.assistant().setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function",
@@ -153,30 +154,67 @@ def _reasoning_text(item: dict, at: str) -> str:
     return unseal(item.get("encrypted_content")) or ""
 
 
-def chat_tools(tools: list[Any] | None) -> list[dict] | None:
+# Tools the Responses API runs itself (or whose calls it defines). We cannot run them, and
+# clients send them by default (Codex: web_search): they are left out of what the model is
+# offered, named in the x-mlxlocal-ignored-tools response header and the log, never a 400.
+HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                "computer_use_preview", "computer", "mcp", "local_shell", "shell", "apply_patch", "tool_search"}
+NAMESPACE_SEP = "__"
+
+
+def qualified(namespace: str | None, name: str) -> str:
+    """A namespaced function's name as the model sees it (templates know no namespaces)."""
+    return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
+
+
+def split_qualified(name: str, namespaces: set[str]) -> tuple[str | None, str]:
+    """(namespace, name) of a function the model called, for the function_call item."""
+    head, sep, tail = name.partition(NAMESPACE_SEP)
+    return (head, tail) if sep and head in namespaces and tail else (None, name)
+
+
+def chat_tools(tools: list[Any] | None) -> tuple[list[dict] | None, list[str], set[str]]:
     """Responses function tools ({type, name, description, parameters}) in the chat shape
-    the templates render. Hosted tools (web_search, file_search, local_shell, custom, mcp,
-    ...) are refused: the Responses API runs them or defines their call format, and a
-    request that silently lost a tool would get different answers."""
+    the templates render; a namespace's functions flattened as "<namespace>__<name>".
+    Returns (tools, hosted tool types left out, namespaces). Other tool types (custom
+    grammars, unknown ones) are refused: a request that silently lost them would get
+    different answers."""
     if not tools:
-        return None
-    out = []
+        return None, [], set()
+    out: list[dict] = []
+    hosted: list[str] = []
+    namespaces: set[str] = set()
+
+    def function(tool: dict, at: str, namespace: str | None = None) -> None:
+        name = string(tool, "name", f"{at}.name", required=True)
+        spec: dict[str, Any] = {"name": qualified(namespace, name)}
+        description = string(tool, "description", f"{at}.description")
+        if description is not None:
+            spec["description"] = description
+        parameters = tool.get("parameters")
+        if parameters is not None:
+            spec["parameters"] = _dict(parameters, f"{at}.parameters")
+        out.append({"type": "function", "function": spec})
+
     for i, tool in enumerate(tools):
         at = f"tools.{i}"
         kind = _dict(tool, at).get("type")
-        if kind != "function":
+        if kind == "function":
+            function(tool, at)
+        elif kind == "namespace":
+            namespace = string(tool, "name", f"{at}.name", required=True)
+            namespaces.add(namespace)
+            for j, inner in enumerate(tool.get("tools") or []):
+                if _dict(inner, f"{at}.tools.{j}").get("type") != "function":
+                    raise APIError(400, f"{at}.tools.{j}.type: only 'function' tools are supported in a namespace",
+                                   param=f"{at}.tools.{j}.type")
+                function(inner, f"{at}.tools.{j}", namespace)
+        elif kind in HOSTED_TOOLS:
+            hosted.append(kind)
+        else:
             raise APIError(400, f"{at}.type: tool type {kind!r} is not supported by this server "
-                                "(only 'function' tools; disable the others in the client)", param=f"{at}.type")
-        name = string(tool, "name", f"{at}.name", required=True)
-        function: dict[str, Any] = {"name": name}
-        description = string(tool, "description", f"{at}.description")
-        if description is not None:
-            function["description"] = description
-        parameters = tool.get("parameters")
-        if parameters is not None:
-            function["parameters"] = _dict(parameters, f"{at}.parameters")
-        out.append({"type": "function", "function": function})
-    return out
+                                "(function and namespace tools are; hosted tools are left out)", param=f"{at}.type")
+    return out or None, hosted, namespaces
 
 
 def tool_choice(choice: Any, tools: list[dict] | None) -> tuple[list[dict] | None, str | None, str | None]:
