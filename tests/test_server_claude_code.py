@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import copy
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import BASE, build_tiny
+
+from tests.server_util import steered_output
 
 FIXTURE = Path(__file__).parent / "fixtures" / "claude_code_first_request.json"
 CONTEXT = 65536
@@ -34,7 +37,8 @@ def big_server(tmp_path_factory):
         BASE, model_type="qwen3", tie_word_embeddings=True, max_position_embeddings=CONTEXT,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
     with running_server(ServerConfig(models=[str(path)])) as (url, app):
-        yield url, app.state.registry.models[0].name
+        served = app.state.registry.models[0]
+        yield url, served.name, served.engine.tokenizer
 
 
 def fixture_body(model: str) -> dict:
@@ -118,13 +122,13 @@ def test_fixture_is_what_claude_code_sends():
 
 
 def test_whole_fixture_counts_and_fits(big_server):
-    url, model = big_server
+    url, model, _ = big_server
     n = count_tokens(url, fixture_body(model))
     assert 30_000 < n < CONTEXT  # every tool schema is in the prompt
 
 
 def test_fixture_replay_stream(big_server):
-    url, model = big_server
+    url, model, _ = big_server
     body = trimmed(fixture_body(model))
     body["max_tokens"] = 8  # the random model rambles; 32000 is only a cap
     n = count_tokens(url, body)
@@ -140,8 +144,51 @@ def test_fixture_replay_stream(big_server):
 
 @pytest.mark.slow
 def test_whole_fixture_replay_stream(big_server):
-    url, model = big_server
+    url, model, _ = big_server
     body = fixture_body(model)
     body["max_tokens"] = 4
     usage = replay(url, body)
     assert usage["start"]["input_tokens"] == count_tokens(url, body)
+
+
+@contextmanager
+def thinks_until_stopped(tokenizer, answer: str):
+    """The model opens a think block and never closes it itself; once the think-end
+    marker is in its history, it answers `answer` and stops."""
+    def ids(text):
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    (start,), (end,), x = ids("<think>"), ids("</think>"), ids("x")[0]
+    reply, gap = ids(answer) + [min(tokenizer.eos_token_ids)], len(ids("\n\n"))
+
+    def next_token(history: list[int]) -> int:
+        if start not in history:
+            return start
+        if end not in history:
+            return x
+        k = len(history) - history.index(end) - 1 - gap
+        return reply[min(max(k, 0), len(reply) - 1)]
+
+    with steered_output(next_token):
+        yield
+
+
+def test_thinking_budget_closes_the_think_block(big_server):
+    url, model, tokenizer = big_server
+    body = {"model": model, "max_tokens": 1100, "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "think hard"}]}
+    with thinks_until_stopped(tokenizer, "Done"):
+        r = httpx.post(f"{url}/v1/messages", json=body, headers=HEADERS, timeout=300)
+    assert r.status_code == 200, r.text
+    msg = r.json()
+    assert [b["type"] for b in msg["content"]] == ["thinking", "text"], msg["content"]
+    assert msg["content"][0]["thinking"].rstrip() == "x" * 1023  # <think> then x up to the budget
+    assert msg["content"][1]["text"] == "Done" and msg["stop_reason"] == "end_turn"
+    # One request to the client: its prompt, every generated token (the marker is not output).
+    assert msg["usage"]["output_tokens"] == 1024 + len(tokenizer.encode("Done", add_special_tokens=False))
+    assert msg["usage"]["input_tokens"] + msg["usage"]["cache_read_input_tokens"] == count_tokens(url, body)
+    # Without a budget the same model thinks until max_tokens.
+    del body["thinking"]
+    with thinks_until_stopped(tokenizer, "Done"):
+        msg = httpx.post(f"{url}/v1/messages", json=body, headers=HEADERS, timeout=300).json()
+    assert [b["type"] for b in msg["content"]] == ["thinking"] and msg["stop_reason"] == "max_tokens"

@@ -217,7 +217,8 @@ async def messages(request: Request):
     engine, ids, tools, thinking = await prepare(request, body, params)
     model = body["model"]
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors.
-    parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
+    parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
+                               think_budget=thinking.budget)
     events = _events(engine, ids, params, thinking, parsed)
 
     if not body.get("stream", False):

@@ -48,8 +48,9 @@ class Thinking:
     "enabled", "adaptive" (on for a model that thinks), "disabled" (enable_thinking=False
     to a template that reads it; any reasoning the model writes anyway is left out of the
     reply). budget: `budget_tokens` of "enabled" (checked as Anthropic does: >= 1024 and
-    below max_tokens). Thinking counts toward max_tokens, as on Anthropic's API; the
-    budget itself is not a separate limit (see docs/architecture.md).
+    below max_tokens): a think block still open after that many generated tokens is
+    closed by writing the think-end marker, and the answer follows (events._budgeted).
+    Thinking counts toward max_tokens, as on Anthropic's API.
     omit: display "omitted": thinking blocks are sent without their text.
     """
 
