@@ -279,3 +279,15 @@ def test_model_metadata_per_dialect(client, model, server):
     show = httpx.post(f"{server[0]}/api/show", json={"model": model}, timeout=10).json()
     assert show["model_info"]["qwen3.context_length"] == 512
     assert {"completion", "tools", "thinking"} <= set(show["capabilities"])
+
+
+def test_tool_choice_any_and_tool_ask_for_a_call(client, model):
+    two = TOOLS + [{"name": "get_time", "description": "", "input_schema": {"type": "object"}}]
+    auto = count(client, model, tools=two, messages=HI)
+    # The same system hint as OpenAI's "required" / named choice (tool_choice.py).
+    assert count(client, model, tools=two, messages=HI, tool_choice={"type": "any"}) > auto
+    named = count(client, model, tools=two, messages=HI, tool_choice={"type": "tool", "name": "get_time"})
+    only = count(client, model, tools=two[1:], messages=HI)
+    assert only < named  # one tool offered, plus the hint naming it
+    assert count(client, model, tools=two, messages=HI, tool_choice={"type": "none"}) == count(
+        client, model, messages=HI)

@@ -81,7 +81,7 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
     check_fields(body)
     thinking = thinking_mode(body, params.max_tokens if params is not None else None)
     messages = convert_messages(body, thinking_turns_kept(body))
-    tools = convert_tools(body)
+    tools = convert_tools(body, messages)
     engine = await registry.engine(model)
     # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
     sure = text_bytes(*(m["content"] for m in messages if m["role"] in ("system", "user", "tool")))

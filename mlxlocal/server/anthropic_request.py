@@ -18,6 +18,7 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
   metadata, service_tier, speed,            accepted, ignored (accounting and routing)
   inference_geo, diagnostics, container
   mcp_servers                               non-empty -> 400 (server-side tools)
+  tool_choice any / tool                    a system hint asks for a call (tool_choice.py)
   tool_choice.disable_parallel_tool_use     accepted, ignored (nothing makes calls parallel)
   anything else                             ignored, as clients send newer fields first
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxlocal.server.errors import APIError
+from mlxlocal.server.tool_choice import require_call
 from mlxlocal.server.validation import MAX_MESSAGES, MAX_TOOLS, is_int, sized_list, string
 
 # Block types a text-only model cannot read: a 400 naming the part and where it is.
@@ -244,7 +246,9 @@ def convert_messages(body: dict, keep_thinking: int | None = None) -> list[dict]
     return out
 
 
-def convert_tools(body: dict) -> list[dict] | None:
+def convert_tools(body: dict, messages: list[dict]) -> list[dict] | None:
+    """The tools to render (None for none). tool_choice "any" and "tool" add the shared
+    system hint (tool_choice.py) to `messages`, as OpenAI's "required" and named choices do."""
     tools = body.get("tools")
     choice = body.get("tool_choice") or {"type": "auto"}
     if not tools:
@@ -271,4 +275,7 @@ def convert_tools(body: dict) -> list[dict] | None:
         out = [t for t in out if t["function"]["name"] == choice.get("name")]
         if not out:
             raise APIError(400, f"tool_choice.name: no tool named {choice.get('name')!r}", param="tool_choice")
+        require_call(messages, choice["name"])
+    elif choice["type"] == "any":
+        require_call(messages)
     return out

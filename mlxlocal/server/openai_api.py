@@ -37,6 +37,7 @@ from mlxlocal.engine import Chunk, SamplingParams
 from mlxlocal.server import model_cards
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
+from mlxlocal.server.tool_choice import require_call
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
@@ -342,21 +343,15 @@ def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | Non
     if choice == "none":
         return None
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    hint = None
     if choice == "required":
-        hint = "You must answer by calling one or more of the provided tools."
+        require_call(messages)
     elif isinstance(choice, NamedToolChoice):
         name = choice.function.name
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise APIError(400, f"tool_choice names function '{name}', which is not in tools",
                            param="tool_choice")
-        hint = f"You must answer by calling the function `{name}`."
-    if hint:
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{hint}".strip()
-        else:
-            messages.insert(0, {"role": "system", "content": hint})
+        require_call(messages, name)
     return tools
 
 
