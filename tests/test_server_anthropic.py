@@ -291,3 +291,20 @@ def test_tool_choice_any_and_tool_ask_for_a_call(client, model):
     assert only < named  # one tool offered, plus the hint naming it
     assert count(client, model, tools=two, messages=HI, tool_choice={"type": "none"}) == count(
         client, model, messages=HI)
+
+
+def test_template_variables_only_where_a_template_reads_them():
+    from mlxlocal.server.anthropic_request import check_fields, thinking_mode
+
+    def kwargs(body, template):
+        check_fields(body)
+        return thinking_mode(body, 4000).template_kwargs(template)
+
+    qwen, gpt_oss = "{% if enable_thinking is false %}", "Reasoning: {{ reasoning_effort }}"
+    assert kwargs({"thinking": {"type": "disabled"}}, qwen) == {"enable_thinking": False}
+    assert kwargs({"thinking": {"type": "adaptive"}}, qwen) == {"enable_thinking": True}
+    assert kwargs({}, qwen) == {}  # no `thinking`: the template's own default
+    assert kwargs({"thinking": {"type": "disabled"}}, gpt_oss) == {}
+    assert kwargs({"output_config": {"effort": "low"}}, gpt_oss) == {"reasoning_effort": "low"}
+    assert kwargs({"output_config": {"effort": "max"}}, gpt_oss) == {"reasoning_effort": "high"}
+    assert kwargs({"output_config": {"effort": "low"}}, qwen) == {}

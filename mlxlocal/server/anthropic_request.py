@@ -11,8 +11,10 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
   thinking                                  honoured, see `thinking_mode`
   context_management                        clear_thinking_20251015 applied to the prompt;
                                             other edits (clear_tool_uses_...) -> 400
-  output_config.effort                      accepted, no effect: no local model has an effort
-                                            control (Anthropic calls it a hint, not a limit)
+  output_config.effort                      to templates that read `reasoning_effort`
+                                            (gpt-oss: low / medium / high; xhigh and max are
+                                            high); elsewhere accepted without effect, as
+                                            those models have no effort control
   output_config.format                      -> 400 (no constrained decoding here)
   cache_control (top level and on blocks)   accepted: the prefix cache is automatic
   metadata, service_tier, speed,            accepted, ignored (accounting and routing)
@@ -59,22 +61,31 @@ class Thinking:
     mode: str = "default"
     budget: int | None = None
     omit: bool = False
+    effort: str | None = None  # output_config.effort
 
     @property
     def on(self) -> bool | None:
         return None if self.mode == "default" else self.mode != "disabled"
 
     def template_kwargs(self, chat_template: Any) -> dict:
-        """enable_thinking for templates that read it (Qwen3 and the like); others get nothing."""
-        if self.on is None or not isinstance(chat_template, str) or "enable_thinking" not in chat_template:
+        """Variables for the templates that read them: enable_thinking (Qwen3 and the like),
+        reasoning_effort (gpt-oss); a template that reads neither gets nothing."""
+        if not isinstance(chat_template, str):
             return {}
-        return {"enable_thinking": self.on}
+        kwargs: dict = {}
+        if self.on is not None and "enable_thinking" in chat_template:
+            kwargs["enable_thinking"] = self.on
+        if self.effort is not None and "reasoning_effort" in chat_template:
+            kwargs["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(self.effort, self.effort)
+        return kwargs
 
 
 def thinking_mode(body: dict, max_tokens: int | None) -> Thinking:
+    config = body.get("output_config")
+    effort = config.get("effort") if isinstance(config, dict) else None  # checked by check_fields
     spec = body.get("thinking")
     if spec is None:
-        return Thinking()
+        return Thinking(effort=effort)
     if not isinstance(spec, dict):
         raise APIError(400, "thinking: must be an object", param="thinking")
     kind = spec.get("type")
@@ -94,7 +105,7 @@ def thinking_mode(body: dict, max_tokens: int | None) -> Thinking:
         if max_tokens is not None and budget >= max_tokens:
             raise APIError(400, f"thinking.budget_tokens: must be less than max_tokens ({max_tokens})",
                            param="thinking.budget_tokens")
-    return Thinking(kind, budget, display == "omitted")
+    return Thinking(kind, budget, display == "omitted", effort)
 
 
 def check_fields(body: dict) -> None:

@@ -68,7 +68,7 @@ def anthropic_card(m, model_id: str | None = None) -> dict:
             "structured_outputs": no,
             "context_management": {"supported": True, "clear_thinking_20251015": _supported(True),
                                    "clear_tool_uses_20250919": no},
-            # Accepted and ignored (anthropic_request.py): no local model has an effort control.
+            # Only templates that read reasoning_effort (gpt-oss) act on it (anthropic_request.py).
             "effort": {"supported": False, "low": no, "medium": no, "high": no, "max": no},
             "server_tools": {"supported": False, "code_execution": no, "web_search": no},
             "thinking": {"supported": thinks, "types": {
