@@ -308,3 +308,14 @@ def test_template_variables_only_where_a_template_reads_them():
     assert kwargs({"output_config": {"effort": "low"}}, gpt_oss) == {"reasoning_effort": "low"}
     assert kwargs({"output_config": {"effort": "max"}}, gpt_oss) == {"reasoning_effort": "high"}
     assert kwargs({"output_config": {"effort": "low"}}, qwen) == {}
+
+
+def test_tool_result_error_is_said_in_the_text(client, model):
+    def turn(**flags):
+        return [{"role": "user", "content": "Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom", **flags}]}]
+
+    plain = count(client, model, tools=TOOLS, messages=turn())
+    assert count(client, model, tools=TOOLS, messages=turn(is_error=True)) > plain
+    assert count(client, model, tools=TOOLS, messages=turn(is_error=False)) == plain

@@ -231,8 +231,11 @@ def convert_messages(body: dict, keep_thinking: int | None = None) -> list[dict]
                               "function": {"name": string(block, "name", f"{bwhere}.name", required=True),
                                            "arguments": args}})
             elif kind == "tool_result" and role == "user":
+                text = text_of(block.get("content"), f"{bwhere}.content")
+                if block.get("is_error"):
+                    text = f"Error: {text}"  # templates have no field for it: say it in the text
                 results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""),
-                                "content": text_of(block.get("content"), f"{bwhere}.content")})
+                                "content": text})
             elif kind == "thinking" and role == "assistant":
                 if i >= thinking_from:
                     thoughts.append(string(block, "thinking", f"{bwhere}.thinking") or "")
