@@ -56,24 +56,35 @@ def scripted_output(tokenizer, text: str):
     reasoning): the next token is the script's continuation of what was generated.
     """
     script = list(tokenizer.encode(text, add_special_tokens=False)) + [min(tokenizer.eos_token_ids)]
-    original, original_batch = sampling.Sampler.__call__, sampling.sample_batch
 
-    def next_token(history, pending) -> int:
-        if pending is not None:  # the previous token is still in flight: wait for its value
-            history = history + [int(pending.item())]
+    def next_token(history) -> int:
         done = next((k for k in range(len(script), 0, -1) if history[-k:] == script[:k]), 0)
         return script[min(done, len(script) - 1)]
 
-    def scripted(self, logits, history, pending=None):
-        _, logprobs = original(self, logits, history, pending)
-        return mx.array([next_token(history, pending)]), logprobs
-
-    def scripted_batch(samplers, logits, histories, pendings):
-        _, logprobs = original_batch(samplers, logits, histories, pendings)
-        return mx.array([next_token(h, p) for h, p in zip(histories, pendings)], mx.uint32), logprobs
-
-    sampling.Sampler.__call__, sampling.sample_batch = scripted, scripted_batch
-    try:
+    with steered_output(next_token):
         yield script
+
+
+@contextmanager
+def steered_output(next_token):
+    """Make every request's sampler emit next_token(prompt + generated ids so far)."""
+    original, original_batch = sampling.Sampler.__call__, sampling.sample_batch
+
+    def known(history, pending) -> list[int]:
+        if pending is not None:  # the previous token is still in flight: wait for its value
+            history = history + [int(pending.item())]
+        return history
+
+    def steered(self, logits, history, pending=None):
+        _, logprobs = original(self, logits, history, pending)
+        return mx.array([next_token(known(history, pending))]), logprobs
+
+    def steered_batch(samplers, logits, histories, pendings):
+        _, logprobs = original_batch(samplers, logits, histories, pendings)
+        return mx.array([next_token(known(h, p)) for h, p in zip(histories, pendings)], mx.uint32), logprobs
+
+    sampling.Sampler.__call__, sampling.sample_batch = steered, steered_batch
+    try:
+        yield
     finally:
         sampling.Sampler.__call__, sampling.sample_batch = original, original_batch

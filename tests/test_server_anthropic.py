@@ -127,3 +127,195 @@ def test_errors(client, model, server):
         "messages": [{"role": "user", "content": "word " * 600}]})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- what current clients (Claude Code 2.1) send -------------------------------------------
+THINK_THEN_ANSWER = "<think>\nplan\n</think>\n\nOK"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def count(client, model, **kw) -> int:
+    return client.messages.count_tokens(model=model, **kw).input_tokens
+
+
+def test_system_entries_in_messages_fold_into_the_system_prompt(client, model, tokenizer):
+    inside = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Be terse."},
+              {"role": "user", "content": [{"type": "text", "text": "again"}]}]
+    with scripted_output(tokenizer, "fine"):
+        msg = client.messages.create(model=model, max_tokens=10, system="Be brief.", messages=inside)
+    assert msg.content[0].text == "fine"
+    # The rule: top-level system, then each system entry in order, joined by a blank line.
+    folded = count(client, model, system="Be brief.\n\nBe terse.",
+                   messages=[{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
+    assert count(client, model, system="Be brief.", messages=inside) == folded
+    assert count(client, model, messages=inside) == count(
+        client, model, system="Be terse.", messages=[inside[0], inside[2]])
+
+
+def test_thinking_modes(client, model, tokenizer):
+    default = count(client, model, messages=HI)
+    assert count(client, model, messages=HI, thinking={"type": "adaptive"}) == default
+    assert count(client, model, messages=HI, thinking={"type": "enabled", "budget_tokens": 1024}) == default
+    # disabled: the template's enable_thinking=False switch (an empty think block) is rendered
+    assert count(client, model, messages=HI, thinking={"type": "disabled"}) > default
+
+    for thinking in ({"type": "adaptive"}, {"type": "enabled", "budget_tokens": 2000}):
+        with scripted_output(tokenizer, THINK_THEN_ANSWER):
+            msg = client.messages.create(model=model, max_tokens=4000, messages=HI, thinking=thinking)
+        assert [b.type for b in msg.content] == ["thinking", "text"]
+        assert msg.content[0].thinking.rstrip() == "plan" and msg.content[0].signature.startswith("mlxlocal-")
+        assert msg.content[1].text == "OK"
+    with scripted_output(tokenizer, THINK_THEN_ANSWER):
+        msg = client.messages.create(model=model, max_tokens=40, messages=HI, thinking={"type": "disabled"})
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "OK"
+    with scripted_output(tokenizer, THINK_THEN_ANSWER):
+        msg = client.messages.create(model=model, max_tokens=40, messages=HI,
+                                     thinking={"type": "adaptive", "display": "omitted"})
+    assert msg.content[0].type == "thinking" and msg.content[0].thinking == ""
+    assert msg.content[0].signature.startswith("mlxlocal-")
+
+
+def test_thinking_stream_has_signature(client, model, tokenizer):
+    with scripted_output(tokenizer, THINK_THEN_ANSWER):
+        with client.messages.stream(model=model, max_tokens=40, messages=HI,
+                                    thinking={"type": "adaptive"}) as stream:
+            kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+            final = stream.get_final_message()
+    assert "thinking_delta" in kinds and "signature_delta" in kinds and "text_delta" in kinds
+    assert final.content[0].thinking.rstrip() == "plan" and final.content[0].signature.startswith("mlxlocal-")
+    assert final.content[1].text == "OK"
+
+
+@pytest.mark.parametrize("thinking, field", [
+    ({"type": "enabled", "budget_tokens": 500}, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": 5000}, "thinking.budget_tokens"),  # not below max_tokens
+    ({"type": "sometimes"}, "thinking.type"),
+])
+def test_thinking_refused(client, model, thinking, field):
+    with pytest.raises(anthropic.BadRequestError, match=field):
+        client.messages.create(model=model, max_tokens=2000, messages=HI, thinking=thinking)
+
+
+def test_tool_loop_echoing_thinking_hits_the_prefix_cache(client, model, tokenizer):
+    first = [{"role": "user", "content": "Weather in Paris, please?"}]
+    with scripted_output(tokenizer, "<think>\nI should call the tool\n</think>\n\n" + TOOL_CALL):
+        msg = client.messages.create(model=model, max_tokens=100, tools=TOOLS, messages=first,
+                                     thinking={"type": "adaptive"})
+    assert [b.type for b in msg.content] == ["thinking", "tool_use"] and msg.stop_reason == "tool_use"
+    prompt1 = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    use = msg.content[1]
+    second = first + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "22C",
+                                      "cache_control": {"type": "ephemeral"}}]}]
+    with scripted_output(tokenizer, "It is sunny"):
+        reply = client.messages.create(model=model, max_tokens=20, tools=TOOLS, messages=second,
+                                       thinking={"type": "adaptive"})
+    assert reply.content[-1].text == "It is sunny"
+    total = count(client, model, tools=TOOLS, messages=second, thinking={"type": "adaptive"})
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == total
+    assert reply.usage.cache_creation_input_tokens == 0
+    # The echoed thinking is rendered as the model wrote it: the cache covers the whole first
+    # prompt and on into what turn 1 generated.
+    assert reply.usage.cache_read_input_tokens > prompt1
+    # context_management: keep no thinking turns -> the thinking leaves the prompt.
+    cleared = {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}]}
+    fewer = client.messages.count_tokens(model=model, tools=TOOLS, messages=second,
+                                         extra_body={"context_management": cleared}).input_tokens
+    assert fewer < total
+    kept = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    assert client.messages.count_tokens(model=model, tools=TOOLS, messages=second,
+                                        extra_body={"context_management": kept}).input_tokens == total
+
+
+def test_media_parts_are_refused_naming_them(client, model):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\.2\.content\.1: image"):
+        client.messages.create(model=model, max_tokens=5, messages=history + [
+            {"role": "user", "content": [{"type": "text", "text": "look"}, image]}])
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\.0\.content\.0: document"):
+        client.messages.count_tokens(model=model, messages=[{"role": "user", "content": [pdf]}])
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\.0\.content\.0\.content\.0: image"):
+        client.messages.create(model=model, max_tokens=5, messages=[{"role": "user", "content": [result]}])
+
+
+def test_harmless_fields_accepted_and_the_rest_refused(client, model, tokenizer):
+    extra = {"metadata": {"user_id": "u"}, "output_config": {"effort": "low"}, "service_tier": "auto",
+             "container": None, "a_field_from_the_future": {"x": 1}, "cache_control": {"type": "ephemeral"},
+             "context_management": {"edits": [{"type": "clear_thinking_20251015"}]}}
+    system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    tools = [{**TOOLS[0], "cache_control": {"type": "ephemeral"}}]
+    with scripted_output(tokenizer, "fine"):
+        msg = client.messages.create(model=model, max_tokens=10, system=system, tools=tools, extra_body=extra,
+                                     extra_query={"beta": "true"},
+                                     extra_headers={"anthropic-beta": "context-management-2025-06-27"},
+                                     messages=[{"role": "user", "content": [
+                                         {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}])
+    assert msg.content[0].text == "fine"
+    for body, field in [({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+                        ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+                        ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+                         r"context_management\.edits\.0\.type")]:
+        with pytest.raises(anthropic.BadRequestError, match=field):
+            client.messages.create(model=model, max_tokens=10, messages=HI, extra_body=body)
+
+
+def test_model_metadata_per_dialect(client, model, server):
+    listed = client.models.list()  # the SDK sends anthropic-version
+    assert [m.id for m in listed.data] == [model] and listed.data[0].type == "model"
+    info = client.models.retrieve(model)
+    assert info.max_input_tokens == 512 and info.display_name == model and info.created_at.year >= 2024
+    assert info.capabilities.thinking.supported and not info.capabilities.image_input.supported
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("nope")
+    openai = httpx.get(f"{server[0]}/v1/models", timeout=10).json()
+    assert openai["object"] == "list"
+    assert openai["data"][0]["context_length"] == openai["data"][0]["max_model_len"] == 512
+    one = httpx.get(f"{server[0]}/v1/models/{model}", timeout=10).json()
+    assert one["object"] == "model" and one["context_length"] == 512
+    show = httpx.post(f"{server[0]}/api/show", json={"model": model}, timeout=10).json()
+    assert show["model_info"]["qwen3.context_length"] == 512
+    assert {"completion", "tools", "thinking"} <= set(show["capabilities"])
+
+
+def test_tool_choice_any_and_tool_ask_for_a_call(client, model):
+    two = TOOLS + [{"name": "get_time", "description": "", "input_schema": {"type": "object"}}]
+    auto = count(client, model, tools=two, messages=HI)
+    # The same system hint as OpenAI's "required" / named choice (tool_choice.py).
+    assert count(client, model, tools=two, messages=HI, tool_choice={"type": "any"}) > auto
+    named = count(client, model, tools=two, messages=HI, tool_choice={"type": "tool", "name": "get_time"})
+    only = count(client, model, tools=two[1:], messages=HI)
+    assert only < named  # one tool offered, plus the hint naming it
+    assert count(client, model, tools=two, messages=HI, tool_choice={"type": "none"}) == count(
+        client, model, messages=HI)
+
+
+def test_template_variables_only_where_a_template_reads_them():
+    from mlxlocal.server.anthropic_request import check_fields, thinking_mode
+
+    def kwargs(body, template):
+        check_fields(body)
+        return thinking_mode(body, 4000).template_kwargs(template)
+
+    qwen, gpt_oss = "{% if enable_thinking is false %}", "Reasoning: {{ reasoning_effort }}"
+    assert kwargs({"thinking": {"type": "disabled"}}, qwen) == {"enable_thinking": False}
+    assert kwargs({"thinking": {"type": "adaptive"}}, qwen) == {"enable_thinking": True}
+    assert kwargs({}, qwen) == {}  # no `thinking`: the template's own default
+    assert kwargs({"thinking": {"type": "disabled"}}, gpt_oss) == {}
+    assert kwargs({"output_config": {"effort": "low"}}, gpt_oss) == {"reasoning_effort": "low"}
+    assert kwargs({"output_config": {"effort": "max"}}, gpt_oss) == {"reasoning_effort": "high"}
+    assert kwargs({"output_config": {"effort": "low"}}, qwen) == {}
+
+
+def test_tool_result_error_is_said_in_the_text(client, model):
+    def turn(**flags):
+        return [{"role": "user", "content": "Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom", **flags}]}]
+
+    plain = count(client, model, tools=TOOLS, messages=turn())
+    assert count(client, model, tools=TOOLS, messages=turn(is_error=True)) > plain
+    assert count(client, model, tools=TOOLS, messages=turn(is_error=False)) == plain

@@ -38,12 +38,16 @@ class EngineBase:
         messages: list[dict[str, Any]],
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        """`template_kwargs` go to the template as variables (enable_thinking=False: Qwen3's
+        switch); a template that does not read a variable ignores it."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             text = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
             return self.encode_text(text + ("\nassistant:" if add_generation_prompt else ""))
         ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **(template_kwargs or {}),
         )
         if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]

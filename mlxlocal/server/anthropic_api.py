@@ -1,26 +1,42 @@
-"""Anthropic Messages API: POST /v1/messages (streaming or not), /v1/messages/count_tokens."""
+"""Anthropic Messages API: POST /v1/messages (streaming or not), /v1/messages/count_tokens.
+
+The body -> prompt translation (and which fields are honoured, ignored or refused) is in
+anthropic_request.py; this module runs the request and writes Anthropic's events.
+
+Usage: input_tokens + cache_read_input_tokens is the prompt's length (= count_tokens);
+cache_read_input_tokens is what the prefix cache held, cache_creation_input_tokens is 0
+(every prompt is cached without being asked, and Anthropic counts that write only for
+cache_control breakpoints). message_start carries the whole prompt as input_tokens, since
+the cache hit is known only at the end; message_delta carries the split (the SDKs and
+Claude Code take the last values).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal.engine import SamplingParams
+from mlxlocal.server.anthropic_request import (
+    Thinking,
+    check_fields,
+    convert_messages,
+    convert_tools,
+    thinking_mode,
+    thinking_turns_kept,
+)
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.events import Finish, StreamEvent, open_events
 from mlxlocal.server.parse import Event
 from mlxlocal.server.validation import (
-    MAX_MESSAGES,
-    MAX_TOOLS,
     boolean,
     check_params,
     number,
-    sized_list,
     stop_strings,
     string,
     text_bytes,
@@ -32,113 +48,6 @@ router = APIRouter()
 
 async def read_body(request: Request) -> dict:
     return await read_json_object(request, empty_ok=False)
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A string, or a list of text blocks; anything else (images, documents) is refused."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}: content must be a string or a list of blocks", param=where)
-    parts = []
-    for i, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            parts.append(string(block, "text", f"{where}.{i}.text") or "")
-        else:
-            raise APIError(400, f"{where}.{i}: block type {kind!r} is not supported here (text only)",
-                           param=f"{where}.{i}")
-    return "".join(parts)
-
-
-def convert_messages(body: dict) -> list[dict]:
-    """Anthropic system + messages -> OpenAI-style messages for the chat template."""
-    out: list[dict] = []
-    system = body.get("system")
-    if system:
-        out.append({"role": "system", "content": _text_of(system, "system")})
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages: a non-empty list is required", param="messages")
-    sized_list(messages, "messages", MAX_MESSAGES)
-    for i, m in enumerate(messages):
-        where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise APIError(400, f"{where}.role: must be 'user' or 'assistant'", param=f"{where}.role")
-        role, content = m["role"], m.get("content")
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
-            raise APIError(400, f"{where}.content: must be a string or a list of blocks", param=f"{where}.content")
-        texts: list[str] = []
-        calls: list[dict] = []
-        results: list[dict] = []
-        for j, block in enumerate(content):
-            bwhere = f"{where}.content.{j}"
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text":
-                texts.append(string(block, "text", f"{bwhere}.text") or "")
-            elif kind == "tool_use" and role == "assistant":
-                args = block.get("input") or {}
-                if not isinstance(args, dict):
-                    raise APIError(400, f"{bwhere}.input: must be an object", param=f"{bwhere}.input")
-                calls.append({"id": string(block, "id", f"{bwhere}.id") or "", "type": "function",
-                              "function": {"name": string(block, "name", f"{bwhere}.name", required=True),
-                                           "arguments": args}})
-            elif kind == "tool_result" and role == "user":
-                text = _text_of(block.get("content"), f"{bwhere}.content")
-                if block.get("is_error"):
-                    text = f"Error: {text}"
-                results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""),
-                                "content": text})
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                continue  # earlier reasoning is not replayed to the model
-            elif kind in ("image", "document"):
-                raise APIError(400, f"{bwhere}: {kind} blocks are not supported (text-only models)", param=bwhere)
-            else:
-                raise APIError(400, f"{bwhere}: unsupported block type {kind!r} in a {role} message", param=bwhere)
-        out.extend(results)
-        if role == "assistant":
-            msg: dict = {"role": "assistant", "content": "".join(texts)}
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
-        elif texts or not results:
-            out.append({"role": "user", "content": "".join(texts)})
-    return out
-
-
-def convert_tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    choice = body.get("tool_choice") or {"type": "auto"}
-    if not tools:
-        return None
-    sized_list(tools, "tools", MAX_TOOLS)
-    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
-        raise APIError(400, "tool_choice.type: must be auto, any, tool or none", param="tool_choice")
-    if choice["type"] == "none":
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise APIError(400, f"tools.{i}: must be an object", param=f"tools.{i}")
-        string(t, "name", f"tools.{i}.name", required=True)
-        schema = t.get("input_schema")
-        if schema is not None and not isinstance(schema, dict):
-            raise APIError(400, f"tools.{i}.input_schema: must be an object", param=f"tools.{i}.input_schema")
-        if t.get("type") not in (None, "custom"):
-            raise APIError(400, f"tools.{i}: server tool {t.get('type')!r} is not supported", param=f"tools.{i}")
-        out.append({"type": "function", "function": {
-            "name": t["name"], "description": string(t, "description", f"tools.{i}.description") or "",
-            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
-    if choice["type"] == "tool":
-        out = [t for t in out if t["function"]["name"] == choice.get("name")]
-        if not out:
-            raise APIError(400, f"tool_choice.name: no tool named {choice.get('name')!r}", param="tool_choice")
-    return out
 
 
 # SamplingParams field -> the name an Anthropic client knows it by.
@@ -164,21 +73,24 @@ def sampling_params(body: dict) -> SamplingParams:
 
 
 async def prepare(request: Request, body: dict, params: SamplingParams | None = None):
-    """Validate, load the model, build the prompt: (engine, ids, tools). With `params`, the
+    """Validate, load the model, build the prompt: (engine, ids, tools, thinking). With `params`, the
     prompt is also checked against the model (context, vocabulary), as it will be generated."""
     model = string(body, "model", required=True)
     registry = request.app.state.registry
     registry.find(model)  # 404 before anything else
-    messages = convert_messages(body)
-    tools = convert_tools(body)
+    check_fields(body)
+    thinking = thinking_mode(body, params.max_tokens if params is not None else None)
+    messages = convert_messages(body, thinking_turns_kept(body))
+    tools = convert_tools(body, messages)
     engine = await registry.engine(model)
     # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
     sure = text_bytes(*(m["content"] for m in messages if m["role"] in ("system", "user", "tool")))
+    kwargs = thinking.template_kwargs(getattr(engine.tokenizer, "chat_template", None))
     ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools,
-                         check_length=params is not None)
+                         template_kwargs=kwargs, check_length=params is not None)
     if params is not None:
         check_params(params, _NAMES, engine, ids)
-    return engine, ids, tools
+    return engine, ids, tools, thinking
 
 
 def new_message_id() -> str:
@@ -189,10 +101,11 @@ class Blocks:
     """Parser events -> Anthropic content-block stream events (also used to build the
     non-streaming message, so both agree)."""
 
-    def __init__(self):
+    def __init__(self, thinking: Thinking | None = None):
         self.index = -1
         self.open: str | None = None  # type of the open block
-        self.seen_text = False
+        self.thinking = thinking or Thinking()
+        self.thought: list[str] = []  # the open thinking block's text, for its signature
 
     def _start(self, block: dict) -> list[dict]:
         events = self.close()
@@ -203,8 +116,13 @@ class Blocks:
     def close(self) -> list[dict]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":
+            events.append({"type": "content_block_delta", "index": self.index,
+                           "delta": {"type": "signature_delta", "signature": signature("".join(self.thought))}})
+            self.thought = []
         self.open = None
-        return [{"type": "content_block_stop", "index": self.index}]
+        return events + [{"type": "content_block_stop", "index": self.index}]
 
     def feed(self, event: Event) -> list[dict]:
         out: list[dict] = []
@@ -218,12 +136,16 @@ class Blocks:
             out.append({"type": "content_block_delta", "index": self.index,
                         "delta": {"type": "text_delta", "text": text}})
         elif event.kind == "reasoning":
+            if self.thinking.mode == "disabled":
+                return []  # a model whose template has no switch thought anyway: not asked for
             if self.open != "thinking":
                 if not event.text.strip():
                     return []
                 out += self._start({"type": "thinking", "thinking": "", "signature": ""})
-            out.append({"type": "content_block_delta", "index": self.index,
-                        "delta": {"type": "thinking_delta", "thinking": event.text}})
+            self.thought.append(event.text)
+            if not self.thinking.omit:
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "thinking_delta", "thinking": event.text}})
         elif event.kind == "tool_call":
             out += self._start({"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24],
                                 "name": event.name, "input": {}})
@@ -231,6 +153,12 @@ class Blocks:
                         "delta": {"type": "input_json_delta", "partial_json": event.arguments or "{}"}})
             out += self.close()
         return out
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's signature: Anthropic's is an encrypted copy; ours is a digest of
+    the text, so a client that wants one non-empty has it (clients echo it back unread)."""
+    return "mlxlocal-" + hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def stop_info(engine, done: Finish, stops: list[str]) -> tuple[str, str | None]:
@@ -252,9 +180,10 @@ def usage(stats, prompt_len: int, out_tokens: int) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-async def _events(engine, ids, params, events: AsyncIterator[StreamEvent]) -> AsyncIterator[dict]:
+async def _events(engine, ids, params, thinking: Thinking,
+                  events: AsyncIterator[StreamEvent]) -> AsyncIterator[dict]:
     """All of a message's stream events after message_start."""
-    blocks = Blocks()
+    blocks = Blocks(thinking)
     async for ev in events:
         if ev.kind == "token":
             continue
@@ -285,11 +214,12 @@ def _sse(event: dict) -> str:
 async def messages(request: Request):
     body = await read_body(request)
     params = sampling_params(body)
-    engine, ids, tools = await prepare(request, body, params)
+    engine, ids, tools, thinking = await prepare(request, body, params)
     model = body["model"]
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors.
-    parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
-    events = _events(engine, ids, params, parsed)
+    parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
+                               think_budget=thinking.budget)
+    events = _events(engine, ids, params, thinking, parsed)
 
     if not body.get("stream", False):
         message = _message(model, [], len(ids))
@@ -303,6 +233,8 @@ async def messages(request: Request):
                     block["text"] += delta["text"]
                 elif delta["type"] == "thinking_delta":
                     block["thinking"] += delta["thinking"]
+                elif delta["type"] == "signature_delta":
+                    block["signature"] = delta["signature"]
                 else:
                     partial[ev["index"]] = partial.get(ev["index"], "") + delta["partial_json"]
             elif ev["type"] == "message_delta":
@@ -336,5 +268,5 @@ async def messages(request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     body = await read_body(request)
-    _, ids, _ = await prepare(request, body)
+    _, ids, _, _ = await prepare(request, body)
     return {"input_tokens": len(ids)}

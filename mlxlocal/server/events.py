@@ -13,7 +13,7 @@ stream it returns yields, in order:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 
@@ -79,10 +79,61 @@ async def _rest(first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chu
 
 
 async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
-                      tools: list[dict] | None, metrics: Metrics) -> AsyncIterator[StreamEvent]:
-    """`open_chunks`, parsed into events (see the module docstring)."""
+                      tools: list[dict] | None, metrics: Metrics,
+                      think_budget: int | None = None) -> AsyncIterator[StreamEvent]:
+    """`open_chunks`, parsed into events (see the module docstring). With `think_budget`,
+    a think block still open after that many generated tokens is closed (`_budgeted`)."""
     parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning(engine, ids))
-    return parse_chunks(await open_chunks(request, engine, ids, params, metrics), parser)
+    if think_budget is None or not parser.think_end or think_budget >= params.max_tokens:
+        return parse_chunks(await open_chunks(request, engine, ids, params, metrics), parser)
+    first = await open_chunks(request, engine, ids, replace(params, max_tokens=think_budget), metrics)
+    return parse_chunks(_budgeted(request, engine, ids, params, metrics, parser, first), parser)
+
+
+async def _budgeted(request: Request, engine, ids: list[int], params: SamplingParams, metrics: Metrics,
+                    parser: OutputParser, first: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """A thinking budget: the request runs with max_tokens = budget first. If that cut it
+    (not a stop, not the context) the request goes on as a second one over prompt +
+    generated ids (a prefix-cache hit), with the think-end marker written in between when
+    the parser is still inside the think block, which is what the model would have written
+    (the parser gets the marker as text, so the answer after it is content). The caller
+    sees one request: one Finish, stats of both (usage of the first prompt).
+
+    Exact when the model starts thinking at its first token (templates that open the think
+    block); a reply that thinks after some text gets its budget counted from the start."""
+    generated, last = [], None
+    try:
+        async for chunk in first:
+            if chunk.token is not None:
+                generated.append(chunk.token)
+            if chunk.finish_reason is not None:
+                last = chunk
+                break
+            yield chunk
+    finally:
+        await first.aclose()  # cancels it if our consumer stopped early
+    stats = last.stats if last is not None else None
+    if last is None or last.finish_reason != "length" or stats is None or stats.truncated_by != "max_tokens":
+        if last is not None:
+            yield last
+        return
+    yield replace(last, finish_reason=None, stats=None)  # its text and token; the parser reads them now
+    extra: list[int] = []
+    if parser.state == "reasoning":
+        close = f"\n{parser.think_end}\n\n"
+        extra = list(engine.tokenizer.encode(close, add_special_tokens=False))
+        yield Chunk(close)  # no token: the marker is prompt for the second part, not output
+    rest = await open_chunks(request, engine, ids + generated + extra,
+                             replace(params, max_tokens=params.max_tokens - len(generated)), metrics)
+    try:
+        async for chunk in rest:
+            if chunk.stats is not None:
+                chunk = replace(chunk, stats=replace(
+                    chunk.stats, prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
+                    ttft_s=stats.ttft_s, completion_tokens=stats.completion_tokens + chunk.stats.completion_tokens))
+            yield chunk
+    finally:
+        await rest.aclose()
 
 
 class _Trim:

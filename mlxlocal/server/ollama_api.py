@@ -431,11 +431,7 @@ async def show(request: Request):
     info = m.info
     tok = engine.tokenizer if engine is not None else None
     template = getattr(tok, "chat_template", None) or ""
-    capabilities = ["completion"]
-    if tok is not None and getattr(tok, "has_tool_calling", False):
-        capabilities.append("tools")
-    if tok is not None and getattr(tok, "has_thinking", False):
-        capabilities.append("thinking")
+    capabilities = m.capabilities or ["completion"]
     arch = info.model_type
     model_info = {"general.architecture": arch, "general.parameter_count": info.n_params,
                   "general.basename": info.name, f"{arch}.context_length": info.context_length,

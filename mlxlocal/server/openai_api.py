@@ -30,10 +30,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import Chunk, SamplingParams
+from mlxlocal.server import model_cards
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
@@ -50,7 +51,6 @@ from mlxlocal.server.validation import (
 
 router = APIRouter(route_class=CheckedBodyRoute)
 
-_STARTED = int(time.time())
 DEFAULT_CHAT_MAX_TOKENS = 4096
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP = 16
@@ -259,20 +259,25 @@ def _chat_logprob(chunk: Chunk, text_of: _TokenText) -> dict:
     }
 
 
-# --- models --------------------------------------------------------------------------------
-def _model_card(m) -> dict:
-    return {"id": m.name, "object": "model", "created": int(m.loaded_at) or _STARTED, "owned_by": "mlxlocal"}
-
-
+# --- models (shared with Anthropic clients: model_cards.py) ------------------------------------
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": [_model_card(m) for m in request.app.state.registry.models]}
+    models = request.app.state.registry.models
+    if model_cards.wants_anthropic(request):
+        return model_cards.anthropic_list(models)
+    return {"object": "list", "data": [model_cards.openai_card(m) for m in models]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
     # Under the name asked for, like every response: an alias is a model of that id to clients.
-    return {**_model_card(request.app.state.registry.find(model_id)), "id": model_id}
+    if not model_cards.wants_anthropic(request):
+        return model_cards.openai_card(request.app.state.registry.find(model_id), model_id)
+    try:
+        return model_cards.anthropic_card(request.app.state.registry.find(model_id), model_id)
+    except APIError as e:  # the path is OpenAI's: answer in the format the client reads
+        return JSONResponse({"type": "error", "error": {"type": "not_found_error", "message": e.message}},
+                            status_code=e.status)
 
 
 # --- chat ------------------------------------------------------------------------------------

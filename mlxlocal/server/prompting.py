@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from mlxlocal.server.errors import APIError
+from mlxlocal.server.tool_choice import require_call
 from mlxlocal.server.validation import text_bytes, tokenize
 
 
@@ -34,19 +35,13 @@ def apply_tool_choice(tools: list[dict] | None, choice: str | None, name: str | 
         return None
     if choice == "none":
         return None
-    hint = None
     if choice == "required":
-        hint = "You must answer by calling one or more of the provided tools."
+        require_call(messages)
     elif name is not None:
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise APIError(400, f"{where} names function '{name}', which is not in tools", param=where)
-        hint = f"You must answer by calling the function `{name}`."
-    if hint:
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{hint}".strip()
-        else:
-            messages.insert(0, {"role": "system", "content": hint})
+        require_call(messages, name)
     return tools
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from mlxlocal.engine import Engine, open_engine
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.server.errors import APIError
+from mlxlocal.server.model_cards import capabilities_of
 
 log = logging.getLogger("mlxlocal.server")
 
@@ -85,6 +86,7 @@ class ServedModel:
     loaded_at: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     info: Any = None  # ModelInfo of the last load, kept for /api/show after unload
+    capabilities: list[str] | None = None  # model_cards.capabilities_of, from the last load
 
     @property
     def names(self) -> list[str]:
@@ -138,6 +140,7 @@ class ModelRegistry:
                 except MlxLocalError as e:
                     raise APIError(500, f"cannot load model '{m.name}': {e}") from None
                 m.info, m.loaded_at = m.engine.info, time.time()
+                m.capabilities = capabilities_of(m.engine.tokenizer)
                 m.found_names |= {m.info.name, m.info.path.name}
             if keep_alive is not None:
                 m.keep_alive = keep_alive
