@@ -115,6 +115,9 @@ def _claude(base: str, model: str, key: str, _dir: Path, context: int | None) ->
     }
     if context:  # an unknown model id is assumed to have a 1M window: compact before ours is full
         env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(context)
+        # The binary's own advice for an unknown model ("set CLAUDE_CODE_MAX_CONTEXT_TOKENS to
+        # its real window"): the window it enforces, not only where it compacts.
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(context)
     return Plan("claude", "claude", env)
 
 

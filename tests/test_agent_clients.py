@@ -101,8 +101,8 @@ def test_codex_exec_two_turns(clients, agent_server, tmp_path):
 def test_claude_print_two_turns(clients, agent_server, tmp_path):
     claude = clients["claude"]
     url, app = agent_server
-    env = {"HOME": str(tmp_path), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "local",
-           "ANTHROPIC_MODEL": NAME, "ANTHROPIC_SMALL_FAST_MODEL": NAME, "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "65536",
+    env = {"HOME": str(tmp_path), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": "local",
+           "ANTHROPIC_MODEL": NAME, "ANTHROPIC_SMALL_FAST_MODEL": NAME, "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "65536", "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "65536",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
     first = run([claude, "-p", "Say hi"], env, tmp_path)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
