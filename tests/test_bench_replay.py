@@ -221,3 +221,41 @@ def test_replay_cli_errors(tmp_path):
     assert out.exit_code == 2 and "in order" in out.output
     out = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--replay", str(tmp_path / "none.jsonl")])
     assert out.exit_code == 1 and "does not exist" in out.output
+
+
+def test_gen_tokens_caps_every_dialect_reply():
+    from mlxlocal.bench.replay import ReplayRequest, prepare
+
+    cases = [("/v1/messages", {"max_tokens": 32000}, "max_tokens"),
+             ("/v1/chat/completions", {"max_completion_tokens": 5000}, "max_completion_tokens"),
+             ("/v1/responses", {}, "max_output_tokens")]
+    for path, body, field in cases:
+        req = ReplayRequest(path=path, body={"model": "m", **body}, headers={}, line=1)
+        sent, _ = prepare(req, max_tokens=16)
+        assert sent[field] == 16 and sent["stream"] is True
+    small = ReplayRequest(path="/v1/messages", body={"model": "m", "max_tokens": 4}, headers={}, line=1)
+    assert prepare(small, max_tokens=16)[0]["max_tokens"] == 4  # never raised
+
+
+def test_recorded_claude_code_session_converts_to_chat():
+    """scripts/anthropic_to_chat.py on the recorded 5-turn Claude Code session: same turns,
+    the system entry folded after the top-level system, tools as function tools."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("anthropic_to_chat", root / "scripts" / "anthropic_to_chat.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    convert = script.convert
+    lines = [json.loads(x) for x in (root / "tests" / "fixtures" / "claude_code_session.jsonl").read_text().splitlines()]
+    assert len(lines) == 5
+    for i, rec in enumerate(lines):
+        body = rec["body"]
+        chat = convert(body)
+        roles = [m["role"] for m in chat["messages"]]
+        assert roles[0] == "system" and roles.count("system") == 1
+        assert roles[1:] == ["user"] + ["assistant", "user"] * i
+        system_entry = next(m for m in body["messages"] if m["role"] == "system")
+        assert chat["messages"][0]["content"].endswith(system_entry["content"][0]["text"])
+        assert [t["function"]["name"] for t in chat["tools"]] == [t["name"] for t in body["tools"]]

@@ -95,11 +95,22 @@ def load_replay(file: str, default_path: str | None = None) -> list[ReplayReques
     return out
 
 
-def prepare(req: ReplayRequest, model: str | None = None, api_key: str | None = None) -> tuple[dict, dict]:
-    """The body and headers actually sent for one recorded request."""
+MAX_TOKEN_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "anthropic": ("max_tokens",),
+                    "responses": ("max_output_tokens",)}
+
+
+def prepare(req: ReplayRequest, model: str | None = None, api_key: str | None = None,
+            max_tokens: int | None = None) -> tuple[dict, dict]:
+    """The body and headers actually sent for one recorded request; `max_tokens` caps the
+    reply's length (recorded agents ask for up to 32k tokens: TTFT is what a replay measures)."""
     body = dict(req.body, stream=True)
     if model:
         body["model"] = model
+    if max_tokens is not None:
+        fields = MAX_TOKEN_FIELDS.get(req.dialect, ("max_tokens",))
+        present = [f for f in fields if f in body]
+        for f in present or fields[:1]:
+            body[f] = min(int(body.get(f) or max_tokens), max_tokens)
     if req.dialect == "chat":
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     headers = {"Accept": "text/event-stream"}
@@ -115,7 +126,7 @@ def prepare(req: ReplayRequest, model: str | None = None, api_key: str | None = 
 
 async def measure_replay(url: str, file: str, replay_path: str | None = None, model: str | None = None,
                          api_key: str | None = None, request_timeout: float = 600.0,
-                         transport: httpx.AsyncBaseTransport | None = None) -> dict:
+                         transport: httpx.AsyncBaseTransport | None = None, max_tokens: int | None = None) -> dict:
     requests = load_replay(file, replay_path)
     base = _base_url(url)
     turns: list[dict] = []
@@ -123,7 +134,7 @@ async def measure_replay(url: str, file: str, replay_path: str | None = None, mo
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=http_timeout, trust_env=False, transport=transport) as client:
         for i, req in enumerate(requests):
-            body, headers = prepare(req, model, api_key)
+            body, headers = prepare(req, model, api_key, max_tokens)
             rec = RequestRecord(index=i)
             try:
                 await _stream_one(client, base + req.path, headers, body, rec, dialect=req.dialect)
@@ -188,8 +199,8 @@ def print_replay_table(result: dict, console=None) -> None:
 
 
 def run_replay_bench(url: str, file: str, replay_path: str | None = None, model: str | None = None,
-                     as_json: bool = False, api_key: str | None = None) -> dict:
-    result = asyncio.run(measure_replay(url, file, replay_path, model, api_key))
+                     as_json: bool = False, api_key: str | None = None, max_tokens: int | None = None) -> dict:
+    result = asyncio.run(measure_replay(url, file, replay_path, model, api_key, max_tokens=max_tokens))
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()

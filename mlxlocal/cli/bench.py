@@ -27,7 +27,8 @@ cache per session).
 
 Replay (--url URL --replay FILE.jsonl): recorded client requests (/v1/messages,
 /v1/chat/completions, /v1/responses), one per line, streamed in order; a table of per-turn
-TTFT, total time, prompt and cached tokens from the server's usage (--json: one object)."""
+TTFT, total time, prompt and cached tokens from the server's usage (--json: one object);
+-g caps each reply's length (recorded agents ask for up to 32k tokens)."""
 
 
 def bench(
@@ -71,7 +72,7 @@ def bench(
         from mlxlocal.errors import EndpointBenchError
 
         try:
-            run_replay_bench(url, replay, replay_path, model, as_json=as_json)
+            run_replay_bench(url, replay, replay_path, model, as_json=as_json, max_tokens=gen_tokens)
         except EndpointBenchError as e:
             fail(str(e), 1)
         return
