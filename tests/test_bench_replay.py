@@ -257,5 +257,5 @@ def test_recorded_claude_code_session_converts_to_chat():
         assert roles[0] == "system" and roles.count("system") == 1
         assert roles[1:] == ["user"] + ["assistant", "user"] * i
         system_entry = next(m for m in body["messages"] if m["role"] == "system")
-        assert chat["messages"][0]["content"].endswith(system_entry["content"][0]["text"])
+        assert chat["messages"][0]["content"].endswith(script._text(system_entry["content"]))
         assert [t["function"]["name"] for t in chat["tools"]] == [t["name"] for t in body["tools"]]
