@@ -57,10 +57,14 @@ class KVPools:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block src's K/V rows into block dst in every full-attention layer
         (copy-on-write reuse; models with windowed layers reuse whole blocks only)."""
-        for layer, windowed in enumerate(self.windowed):
-            if not windowed:
-                self.k[layer][dst] = self.k[layer][src]
-                self.v[layer][dst] = self.v[layer][src]
+        layers = [i for i, windowed in enumerate(self.windowed) if not windowed]
+        # The block as arrays of their own first: a pool updated from a view of itself cannot
+        # be updated in place, and MLX would copy the whole pool (146 ms per 268 MB pool here).
+        blocks = [(mx.contiguous(self.k[i][src]), mx.contiguous(self.v[i][src])) for i in layers]
+        mx.eval(blocks)
+        for i, (k, v) in zip(layers, blocks):
+            self.k[i][dst] = k
+            self.v[i][dst] = v
 
     def write(self, layer: int, batch: StepBatch, k: mx.array, v: mx.array) -> None:
         """Store new k/v [B, H, L, D] at the step's slots, in the order of the slot mapping."""
