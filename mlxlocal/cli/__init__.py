@@ -59,6 +59,16 @@ quant.register(app)
 
 def main() -> None:
     try:
+        _main()
+    finally:
+        # MLX asks every thread that used it, the main one too, to clear its streams before
+        # the interpreter ends, or the process may abort at exit.
+        if "mlx.core" in sys.modules:
+            sys.modules["mlx.core"].clear_streams()
+
+
+def _main() -> None:
+    try:
         app()
     except MlxLocalError as e:  # anything a command did not catch itself
         err.print(f"[bold red]error:[/] {e}", highlight=False)

@@ -18,6 +18,34 @@ REPLY_MARKER = "\x00mlxlocal-reply\x00"
 WORKER_STREAM = mx.new_thread_local_stream(mx.default_device())
 
 
+def in_own_thread(fn, *args):
+    """fn(*args) on a thread of its own that clears its MLX streams before it ends.
+
+    A pooled thread (asyncio.to_thread) that ran MLX work keeps that thread's resources
+    until interpreter exit, where MLX may abort the process ("terminate called without an
+    active exception"). What fn returns must be evaluated: a lazy array would still point
+    at the streams cleared here.
+    """
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+        finally:
+            mx.clear_streams()
+
+    thread = threading.Thread(target=run, name="mlxlocal-load")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class EngineBase:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxlocal.engine import Engine, open_engine
+from mlxlocal.engine.base import in_own_thread
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.model_cards import capabilities_of
@@ -150,7 +151,9 @@ class ModelRegistry:
     def _load(self, spec: str):
         from mlxlocal.source.loader import load
 
-        return open_engine(load(spec), **self.engine_options)
+        # On a thread of its own that clears its MLX streams: a pooled one would keep them
+        # to interpreter exit, where MLX may abort the process.
+        return in_own_thread(lambda: open_engine(load(spec), **self.engine_options))
 
     def touch(self, name: str) -> None:
         m = self.find(name)
