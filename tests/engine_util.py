@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx_lm
+from conftest import wait_for
 from mlx_lm.generate import generate_step
 
 from mlxlocal.engine import SamplingParams
@@ -28,3 +29,24 @@ def mlx_lm_greedy(model_dir):
         return [int(t) for t, _ in steps]
 
     return greedy
+
+
+def idle(eng) -> dict:
+    assert wait_for(lambda: eng.stats()["running"] + eng.stats()["waiting"] == 0)
+    return eng.stats()
+
+
+def assert_no_leak(eng) -> None:
+    """Nothing held once the engine is idle and the prefix cache cleared: blocks, window
+    blocks, state snapshots."""
+    st = idle(eng)
+    assert st["blocks_used"] == 0, st
+    assert eng.call(lambda: eng.blocks.num_referenced) == 0
+    eng.call(eng.blocks.clear_prefix_cache)
+    st = eng.stats()
+    assert st["blocks_free"] == st["blocks_total"] and st["blocks_cached"] == 0, st
+    assert eng.call(lambda: len(set(eng.blocks.free))) == eng.num_blocks  # no duplicates
+    if eng.runner.recurrent:  # every state snapshot went with its block
+        assert eng.call(lambda: len(eng.runner.snapshots)) == 0
+    if eng.windows is not None:  # and every window block
+        assert eng.call(lambda: (eng.windows.num_referenced, len(eng.windows.kept))) == (0, 0)

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from conftest import wait_for
+from engine_util import assert_no_leak, idle
 from mlx_lm.generate import generate_step
 
 from mlxlocal.cache import BlockManager, OutOfBlocks, RadixCache
@@ -109,25 +110,6 @@ def make_engine(loaded, family):
     yield make
     for eng in engines:
         eng.shutdown()
-
-
-def idle(eng: PagedEngine) -> dict:
-    assert wait_for(lambda: eng.stats()["running"] + eng.stats()["waiting"] == 0)
-    return eng.stats()
-
-
-def assert_no_leak(eng: PagedEngine) -> None:
-    st = idle(eng)
-    assert st["blocks_used"] == 0, st
-    assert eng.call(lambda: eng.blocks.num_referenced) == 0
-    eng.call(eng.blocks.clear_prefix_cache)
-    st = eng.stats()
-    assert st["blocks_free"] == st["blocks_total"] and st["blocks_cached"] == 0, st
-    assert eng.call(lambda: len(set(eng.blocks.free))) == eng.num_blocks  # no duplicates
-    if hybrid(eng):  # every state snapshot went with its block
-        assert eng.call(lambda: len(eng.runner.snapshots)) == 0
-    if eng.windows is not None:  # and every window block
-        assert eng.call(lambda: (eng.windows.num_referenced, len(eng.windows.kept))) == (0, 0)
 
 
 # --- 1. parity with mlx-lm ------------------------------------------------------------

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from engine_util import assert_no_leak, idle
 
 from mlxlocal.cache import BlockManager, RadixCache
 from mlxlocal.engine import PagedEngine, SamplingParams, open_engine
@@ -25,26 +24,6 @@ def tokens_of(handle) -> list[int]:
     chunks = list(handle)
     assert chunks[-1].finish_reason is not None
     return [c.token for c in chunks if c.token is not None]
-
-
-def idle(eng: PagedEngine) -> dict:
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        st = eng.stats()
-        if st["running"] + st["waiting"] == 0:
-            return st
-        time.sleep(0.005)
-    raise AssertionError("engine not idle")
-
-
-def assert_no_leak(eng: PagedEngine) -> None:
-    st = idle(eng)
-    assert st["blocks_used"] == 0, st
-    assert eng.call(lambda: eng.blocks.num_referenced) == 0
-    eng.call(eng.blocks.clear_prefix_cache)
-    st = eng.stats()
-    assert st["blocks_free"] == st["blocks_total"] and st["blocks_cached"] == 0, st
-    assert eng.call(lambda: len(set(eng.blocks.free))) == eng.num_blocks
 
 
 def partial_nodes(eng: PagedEngine) -> dict[int, int]:

@@ -122,13 +122,16 @@ class StepBatch:
     # of a gather (a lone sequence usually gets consecutive blocks from the free list).
     host_slot: tuple[int, int] | None = None
     host_run: int | None = None
-    _masks: dict = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict)  # per-step values every layer shares: masks, window starts
 
     def window_start(self, window: int, block_size: int) -> int:
         """First block any query of this step sees in a `window` layer: keys before it are
         neither gathered nor masked (they left every sequence's window)."""
-        L = self.slot_offsets.shape[0] // len(self.host_context_lens)
-        return min(max(0, c - L - window + 1) for c in self.host_context_lens) // block_size
+        key = ("start", window)
+        if key not in self._masks:  # asked by every window layer, for K and V: once per step
+            L = self.slot_offsets.shape[0] // len(self.host_context_lens)
+            self._masks[key] = min(max(0, c - L - window + 1) for c in self.host_context_lens) // block_size
+        return self._masks[key]
 
     def window_mask(self, L: int, window: int, block_size: int) -> mx.array | str | None:
         """The mask of a window layer whose keys start at window_start's block."""
@@ -166,12 +169,10 @@ class PagedLayerView:
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         b, pools = self.batch, self.pools
         pools.write(self.layer, b, k, v)
-        L, bs = q.shape[2], pools.block_size
-        if self.window is None:
-            return paged_attention(q, pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1],
-                                   b.context_lens, scale, None, n_keys=max(b.host_context_lens),
-                                   mask=b.mask(L, None), first_block=b.host_run)
+        L, bs, w = q.shape[2], pools.block_size, self.window
         # A window layer reads from the first block any query of this step still sees.
         return paged_attention(q, pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1],
-                               b.context_lens, scale, self.window, n_keys=max(b.host_context_lens),
-                               mask=b.window_mask(L, self.window, bs), window_start=b.window_start(self.window, bs))
+                               b.context_lens, scale, w, n_keys=max(b.host_context_lens),
+                               mask=b.mask(L, None) if w is None else b.window_mask(L, w, bs),
+                               first_block=b.host_run if w is None else None,
+                               window_start=0 if w is None else b.window_start(w, bs))

@@ -32,9 +32,7 @@ def open_engine(loaded: LoadedModel, **config) -> Engine:
     try:
         runner = make_runner(loaded)
     except NotPageable as e:
-        engine = SimpleEngine(loaded, **config)
-        engine.paged_reason = str(e)
-        return engine
+        return SimpleEngine(loaded, paged_reason=str(e), **config)
     return PagedEngine(loaded, EngineConfig(**config), runner)
 
 

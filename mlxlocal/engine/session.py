@@ -8,6 +8,8 @@ blocks and recurrent states on the paged engine, a dense mlx-lm cache on the oth
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 
 def common_prefix(held: list[int], prompt: list[int]) -> int:
     """Leading tokens `held` shares with `prompt`, at most len(prompt) - 1."""
@@ -15,7 +17,7 @@ def common_prefix(held: list[int], prompt: list[int]) -> int:
     return next((i for i in range(limit) if held[i] != prompt[i]), limit)
 
 
-class Session:
+class Session(ABC):
     def __init__(self) -> None:
         self.tokens: list[int] = []  # tokens whose state the engine holds for this conversation
         self.busy = False
@@ -30,6 +32,6 @@ class Session:
             raise ValueError("this session is already generating")
         self.busy = True
 
+    @abstractmethod
     def reset(self) -> None:
         """Forget everything held (the next turn starts from nothing)."""
-        raise NotImplementedError

@@ -83,11 +83,12 @@ def _cache_arrays(cache: list[Any]) -> list[mx.array]:
 class SimpleEngine(EngineBase):
     """One sequence at a time on dense caches: the path for models mlx-lm runs for us."""
 
-    def __init__(self, loaded: LoadedModel, max_step_tokens: int = 512, **_ignored: Any):
+    def __init__(self, loaded: LoadedModel, max_step_tokens: int = 512,
+                 paged_reason: str = "chosen by the caller", **_ignored: Any):
         super().__init__(loaded)
         self.prefill_step = max_step_tokens
         self._native = loaded.info.native
-        self.paged_reason = "chosen by the caller"  # open_engine says why the paged engine cannot hold it
+        self.paged_reason = paged_reason  # why the paged engine cannot hold this model (open_engine)
         self._busy = threading.Lock()  # submitted requests run one at a time
         self._live: dict[RequestHandle, threading.Thread] = {}  # submitted, not yet ended
         self.dead_reason: str | None = None  # set by shutdown: no more requests
