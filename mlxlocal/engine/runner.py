@@ -29,14 +29,16 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
     positions = [p + i for p in starts for i in range(n)]
     index = [(j, p // block_size) for j, p0 in enumerate(starts) for p in range(p0, p0 + n)]
 
-    def tables(of: list[list[int]]) -> tuple[mx.array, mx.array]:
+    def tables(of: list[list[int]], holes: bool = False) -> tuple[mx.array, mx.array]:
         width = max(len(t) for t in of)
-        # Holes (-1, blocks that left the window) and padding read block 0: masked.
+        # Padding, and the holes of window tables (-1: blocks that left the window), read
+        # block 0: masked. Full tables have no holes: no per-block pass over them each step.
+        rows = [[max(b, 0) for b in t] for t in of] if holes else of
         return (mx.array([of[j][i] for j, i in index]),
-                mx.array([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in of]))
+                mx.array([t + [0] * (width - len(t)) for t in rows]))
 
     slot_blocks, block_tables = tables([s.block_table for s in seqs])
-    window_slots, window_tables = tables([s.window_table for s in seqs]) if windowed else (None, None)
+    window_slots, window_tables = tables([s.window_table for s in seqs], holes=True) if windowed else (None, None)
     host_slot = host_run = None
     if len(seqs) == 1:
         table = seqs[0].block_table
