@@ -23,6 +23,19 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on what may be generated, in llguidance's grammar format (the JSON text
+    `llguidance.LLMatcher.grammar_from_*` returns: JSON schema, Lark, regex, or several).
+
+    Built and checked by mlxlocal.grammar from what the request asked for; `param` is the
+    request field it came from, named in any error about it.
+    """
+
+    spec: str
+    param: str = "grammar"
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -42,6 +55,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # Token id -> value added to its logit before sampling (OpenAI: in [-100, 100]).
     logit_bias: dict[int, float] | None = None
+    # Only tokens the grammar allows are sampled; it ends the output (EOS) when complete.
+    grammar: Grammar | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of its range.
@@ -84,6 +99,8 @@ class SamplingParams:
             raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict):
