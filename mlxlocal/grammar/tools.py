@@ -1,0 +1,237 @@
+"""A grammar that forces tool calls, written in the model family's own tool-call syntax.
+
+tool_choice "required" or a named tool (OpenAI chat and Responses, Anthropic any / tool) is
+enforced by letting the model write only what its chat template taught it to write for a
+call: the text server/parse.py's OutputParser turns back into tool calls (markers from the
+tokenizer, mlx-lm's tool parser for the family). Each call's arguments are constrained by
+the tool's `parameters` JSON schema: fully for `strict` tools, for the others as far as
+llguidance implements the schema (at worst to a JSON object). After the last call the
+grammar is complete and the engine ends the reply (EOS).
+
+Formats, by mlx-lm tool parser (what is generated):
+  json_tools  Hermes / Qwen 2.5 / Qwen 3:  <tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>
+              one per call, "\\n" between calls
+  longcat     the same JSON between <longcat_tool_call> ... </longcat_tool_call>
+  mistral     [TOOL_CALLS] [{"name": N, "arguments": A}, ...]  (Mistral 7B v0.3, Nemo), or
+              [TOOL_CALLS]N[ARGS]A per call where the template uses [ARGS] (v11+ templates)
+  kimi_k2     <|tool_calls_section_begin|> then per call <|tool_call_begin|>functions.N:I
+              <|tool_call_argument_begin|>A<|tool_call_end|>, then <|tool_calls_section_end|>
+  (none)      families without tool markers (Llama 3.x, Gemma 3): one bare JSON object
+              {"name": N, "parameters": A} ("arguments" if the template does not say
+              "parameters"); one call only, as the parser reads a single object
+Families whose calls are not JSON (qwen3_coder, glm47 / laguna, minimax_m2, minicpm5 and
+muse_spark XML; pythonic, gemma4, function_gemma) raise GrammarError naming the family: the
+request is refused rather than answered without the constraint.
+
+Generation that starts inside a think block (the prompt opened it) must close it before
+the calls; otherwise the calls come first, with no think block. (A hybrid thinker such as
+Qwen 3 answers a forced call as in its non-thinking mode: an unconstrained think block could
+spend the whole budget before the call.)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llguidance import LLMatcher
+
+from mlxlocal.engine.types import Grammar
+from mlxlocal.grammar.errors import GrammarError
+
+# JSON whitespace inside arguments: at most 8 characters wherever JSON allows some. llguidance's
+# default ([ \t\n\r]+ at each spot) lets a model that is unsure, and a random-weight model
+# always, write whitespace forever; 8 still fits a newline plus an indent.
+WHITESPACE = r"[ \t\n\r]{1,8}"
+# Calls in one reply when parallel calls are allowed: more than any real turn makes; it keeps a
+# model that keeps calling from running to max_tokens mid-call.
+MAX_CALLS = 16
+
+_JSON_PARSERS = ("json_tools", "longcat", "mistral", "kimi_k2")
+# Keywords whose value is a subschema, a map of subschemas, or a list of them.
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else",
+              "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
+
+
+def family(tokenizer: Any) -> str:
+    """The tool-call format's name: mlx-lm's tool parser module ("json_tools", "mistral",
+    ...), or "" for a tokenizer without tool markers (calls are bare JSON objects)."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None:
+        return "unknown" if getattr(tokenizer, "tool_call_start", None) else ""
+    return getattr(parser, "__module__", "").rsplit(".", 1)[-1] or "unknown"
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _marker(tokenizer: Any, text: str) -> str:
+    """A marker in Lark. One added token (special or not) is matched by id: llguidance keeps
+    added tokens apart from text, so spelling the marker out in ordinary tokens would also be
+    allowed but is not what the model was trained to write. Anything else is a string."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    if len(ids) == 1 and ids[0] in added:
+        return f"<[{ids[0]}]>"
+    return _lit(text)
+
+
+def _strict(schema: Any) -> Any:
+    """OpenAI strict mode: an object allows no properties beyond those it lists unless it says
+    otherwise (OpenAI requires additionalProperties: false on every object; we default to it)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _strict(out[key])
+    for key in _SCHEMA_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _strict(v) for k, v in out[key].items()}
+    for key in _SCHEMA_LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [_strict(v) for v in out[key]]
+    return out
+
+
+def _compile_error(schema: dict) -> str | None:
+    """llguidance's refusal of a JSON schema (one line), or None when it compiles."""
+    try:
+        spec = LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as e:
+        return str(e)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(spec)
+    if not is_error:
+        return None
+    lines = [ln.strip() for ln in (messages[0] if messages else "rejected").splitlines() if ln.strip()]
+    return lines[0] if lines else "rejected"
+
+
+def arguments_schema(tool: dict, param: str) -> dict:
+    """The JSON schema a call's arguments are generated under (with our whitespace bound).
+
+    strict tools: the schema exactly (objects closed by default); one llguidance cannot
+    enforce is a GrammarError naming the tool. Other tools: the schema as far as it goes:
+    as given, else with llguidance's `lenient` option (keywords it does not implement are
+    ignored, the rest still holds), else any JSON object."""
+    fn = tool.get("function", tool)
+    name = fn["name"]
+    strict = fn.get("strict") is True or tool.get("strict") is True
+    schema = fn.get("parameters")
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        if strict:
+            raise GrammarError(f"{param}: tool '{name}': parameters must be a JSON schema of type object", param)
+        schema = {"type": "object"}
+    schema = {k: v for k, v in schema.items() if k not in ("x-guidance", "$schema")}
+    schema.setdefault("type", "object")
+    guidance = {"whitespace_pattern": WHITESPACE}
+    if strict:
+        exact = {**_strict(schema), "x-guidance": guidance}
+        error = _compile_error(exact)
+        if error:
+            raise GrammarError(f"{param}: tool '{name}': its parameters schema cannot be enforced: {error}", param)
+        return exact
+    for candidate in ({**schema, "x-guidance": guidance},
+                      {**schema, "x-guidance": {**guidance, "lenient": True}}):
+        if _compile_error(candidate) is None:
+            return candidate
+    return {"type": "object", "x-guidance": guidance}
+
+
+def _repeat(item: str, sep: str, parallel: bool) -> str:
+    return f"{item} ({sep} {item}){{0,{MAX_CALLS - 1}}}" if parallel else item
+
+
+def _json_calls(names: list[str], key: str) -> list[str]:
+    """Rules call_i: the JSON object {"name": N, key: A} of tool i (its arguments: args_i)."""
+    heads = [_lit("{" + f'"name": {json.dumps(n, ensure_ascii=False)}, "{key}": ') for n in names]
+    return [f"call_{i}: {head} args_{i} " + _lit("}") for i, head in enumerate(heads)]
+
+
+def _one_of(rule: str, names: list[str]) -> str:
+    return f"{rule}: " + " | ".join(f"call_{i}" for i in range(len(names)))
+
+
+def _calls(tokenizer: Any, fam: str, names: list[str], parallel: bool) -> list[str]:
+    """Lark rules for `calls` in the family's format (arguments: rules args_i)."""
+    start = getattr(tokenizer, "tool_call_start", None)
+    end = getattr(tokenizer, "tool_call_end", None)
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
+    if fam == "":
+        key = "parameters" if '"parameters"' in template else "arguments"
+        return [*_json_calls(names, key), _one_of("calls", names)]
+    if fam in ("json_tools", "longcat"):
+        rule = f"{_marker(tokenizer, start)} \"\\n\" call \"\\n\" {_marker(tokenizer, end)}"
+        return [*_json_calls(names, "arguments"), _one_of("call", names),
+                f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
+    if fam == "mistral":
+        head = _marker(tokenizer, start)
+        if "[ARGS]" in template:
+            args = _marker(tokenizer, "[ARGS]")
+            rules = [f"call_{i}: {head} {_lit(n)} {args} args_{i}" for i, n in enumerate(names)]
+            return [*rules, _one_of("call", names), f"calls: {_repeat('call', '', parallel)}"]
+        # The v0.3 template writes "[TOOL_CALLS] [", Nemo's "[TOOL_CALLS][": either parses.
+        return [*_json_calls(names, "arguments"), _one_of("call", names),
+                f"calls: {head} \" \"? \"[\" {_repeat('call', _lit(', '), parallel)} \"]\""]
+    if fam == "kimi_k2":
+        # Call ids are functions.N:I with I counting the calls of the reply, as Kimi writes them.
+        begin, arg, stop = (_marker(tokenizer, m) for m in
+                            ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"))
+        rules = []
+        count = MAX_CALLS if parallel else 1
+        for k in range(count):
+            alts = " | ".join(f"{begin} {_lit(f'functions.{n}:{k}')} {arg} args_{i} {stop}"
+                              for i, n in enumerate(names))
+            rules.append(f"call_at_{k}: {alts}")
+        chain = "".join(f" (call_at_{k}" for k in range(1, count)) + ")?" * (count - 1)
+        return [*rules, f"calls: {_marker(tokenizer, start)} call_at_0{chain} {_marker(tokenizer, end)}"]
+    raise AssertionError(fam)
+
+
+def _reasoning_rules(tokenizer: Any) -> list[str]:
+    """Rules for `think`: free text up to the think-end marker, then at most two newlines
+    (templates put "\\n\\n" after the block)."""
+    marker = _marker(tokenizer, tokenizer.think_end)
+    if marker.startswith("<["):  # a token: text cannot contain it, so the text ends there
+        return [f"think: /(?s:.*)/ {marker} GAP?", "GAP: /\\n{1,2}/"]
+    # A marker in plain text: the think text ends at its first occurrence.
+    return ["think: think_text GAP?", f"think_text[suffix={marker}]: /(?s:.*)/", "GAP: /\\n{1,2}/"]
+
+
+def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
+               starts_in_reasoning: bool = False, parallel: bool = True) -> Grammar:
+    """A grammar that admits only calls of `tools` (only `name` when given) in the format the
+    tokenizer's family writes and its server parser reads: one call, or when `parallel` one or
+    more (families without markers: always one). `tools` are chat-completions shaped
+    ({"type": "function", "function": {name, parameters, strict?}}; a top-level `strict`
+    counts too). `param` is the request field named in errors (GrammarError)."""
+    fam = family(tokenizer)
+    if fam not in ("", *_JSON_PARSERS):
+        raise GrammarError(f"{param}: tool calls of this model's family ({fam}) cannot be enforced "
+                           f"(only JSON-bodied formats are); use tool_choice auto", param)
+    offered = [t for t in tools if name is None or t.get("function", t).get("name") == name]
+    if not offered:
+        raise GrammarError(f"{param}: names tool {name!r}, which is not in tools", param)
+    names = [t.get("function", t)["name"] for t in offered]
+    rules = _calls(tokenizer, fam, names, parallel)
+    rules += [f"args_{i}: %json {json.dumps(arguments_schema(t, param), ensure_ascii=False)}"
+              for i, t in enumerate(offered)]
+    top = "start: calls"
+    if starts_in_reasoning and getattr(tokenizer, "has_thinking", False) and getattr(tokenizer, "think_end", None):
+        top = "start: think calls"
+        rules += _reasoning_rules(tokenizer)
+    lark = "\n".join([top, *rules]) + "\n"
+    spec = LLMatcher.grammar_from_lark(lark)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(spec)
+    if is_error:  # a tool name or schema that breaks the grammar text
+        raise GrammarError(f"{param}: cannot build the tool-call grammar: {messages[0].splitlines()[0]}", param)
+    return Grammar(spec, param)
