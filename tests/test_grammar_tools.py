@@ -276,3 +276,12 @@ def test_what_the_grammar_lets_a_model_write_parses_and_validates(toks, fmt):
         for n, args in calls:
             assert name in (None, n)
             jsonschema.validate(args, SCHEMAS[n])
+
+
+def test_a_thinking_budget_closes_the_block(toks):
+    tok = toks["chatml"]
+    grammar = tool_calls(tok, [WEATHER], None, "tool_choice", starts_in_reasoning=True, max_think_tokens=5)
+    text = tok.decode(_random_walk(tok, grammar, 0))
+    thought, sep, rest = text.partition("</think>")
+    assert sep and len(tok.encode(thought, add_special_tokens=False)) <= 6, text
+    assert [n for n, _ in parse(tok, rest)] == ["get_weather"]

@@ -197,23 +197,30 @@ def _calls(tokenizer: Any, fam: str, names: list[str], parallel: bool) -> list[s
     raise AssertionError(fam)
 
 
-def _reasoning_rules(tokenizer: Any) -> list[str]:
+def _reasoning_rules(tokenizer: Any, max_think_tokens: int | None) -> list[str]:
     """Rules for `think`: free text up to the think-end marker, then at most two newlines
-    (templates put "\\n\\n" after the block)."""
+    (templates put "\\n\\n" after the block). With `max_think_tokens`, after that many
+    tokens of it only the marker is allowed (a thinking budget inside the grammar)."""
     marker = _marker(tokenizer, tokenizer.think_end)
+    options = [f"max_tokens={int(max_think_tokens)}"] if max_think_tokens else []
     if marker.startswith("<["):  # a token: text cannot contain it, so the text ends there
-        return [f"think: /(?s:.*)/ {marker} GAP?", "GAP: /\\n{1,2}/"]
-    # A marker in plain text: the think text ends at its first occurrence.
-    return ["think: think_text GAP?", f"think_text[suffix={marker}]: /(?s:.*)/", "GAP: /\\n{1,2}/"]
+        rules = [f"think: think_text {marker} GAP?"]
+    else:  # a marker in plain text: the think text ends at its first occurrence
+        rules = ["think: think_text GAP?"]
+        options.insert(0, f"suffix={marker}")
+    head = f"think_text[{', '.join(options)}]" if options else "think_text"
+    return [*rules, f"{head}: /(?s:.*)/", "GAP: /\\n{1,2}/"]
 
 
 def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
-               starts_in_reasoning: bool = False, parallel: bool = True) -> Grammar:
+               starts_in_reasoning: bool = False, parallel: bool = True,
+               max_think_tokens: int | None = None) -> Grammar:
     """A grammar that admits only calls of `tools` (only `name` when given) in the format the
     tokenizer's family writes and its server parser reads: one call, or when `parallel` one or
     more (families without markers: always one). `tools` are chat-completions shaped
     ({"type": "function", "function": {name, parameters, strict?}}; a top-level `strict`
-    counts too). `param` is the request field named in errors (GrammarError)."""
+    counts too). `param` is the request field named in errors (GrammarError).
+    `max_think_tokens` bounds the think block the prompt opened (Anthropic budget_tokens)."""
     fam = family(tokenizer)
     if fam not in ("", *_JSON_PARSERS):
         raise GrammarError(f"{param}: tool calls of this model's family ({fam}) cannot be enforced "
@@ -228,7 +235,7 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
     top = "start: calls"
     if starts_in_reasoning and getattr(tokenizer, "has_thinking", False) and getattr(tokenizer, "think_end", None):
         top = "start: think calls"
-        rules += _reasoning_rules(tokenizer)
+        rules += _reasoning_rules(tokenizer, max_think_tokens)
     lark = "\n".join([top, *rules]) + "\n"
     spec = LLMatcher.grammar_from_lark(lark)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(spec)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,12 +28,14 @@ from mlxlocal.server.anthropic_request import (
     check_fields,
     convert_messages,
     convert_tools,
+    forced_call,
     thinking_mode,
     thinking_turns_kept,
 )
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.events import Finish, StreamEvent, open_events
 from mlxlocal.server.parse import Event
+from mlxlocal.server.tool_choice import forced_call_grammar
 from mlxlocal.server.validation import (
     boolean,
     check_params,
@@ -88,6 +91,13 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
     kwargs = thinking.template_kwargs(getattr(engine.tokenizer, "chat_template", None))
     ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools,
                          template_kwargs=kwargs, check_length=params is not None)
+    forced = forced_call(body) if tools else None
+    if params is not None and forced is not None:
+        # The thinking budget goes into the grammar: the engine's own budget (events.py) would
+        # restart the constrained reply after a think-end marker the grammar has not seen.
+        params.grammar = await forced_call_grammar(engine, tools, forced[0], ids, forced[1],
+                                                   max_think_tokens=thinking.budget)
+        thinking = replace(thinking, budget=None)
     if params is not None:
         check_params(params, _NAMES, engine, ids)
     return engine, ids, tools, thinking

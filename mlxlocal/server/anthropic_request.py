@@ -20,8 +20,13 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
   metadata, service_tier, speed,            accepted, ignored (accounting and routing)
   inference_geo, diagnostics, container
   mcp_servers                               non-empty -> 400 (server-side tools)
-  tool_choice any / tool                    a system hint asks for a call (tool_choice.py)
-  tool_choice.disable_parallel_tool_use     accepted, ignored (nothing makes calls parallel)
+  tool_choice any / tool                    the call is forced: decoding constrained to the
+                                            family's tool-call syntax, input under the tool's
+                                            input_schema (`strict` tools exactly), plus a
+                                            system hint (tool_choice.py); wins over
+                                            output_config.format in the same request
+  tool_choice.disable_parallel_tool_use     with any / tool: exactly one call; with auto:
+                                            accepted, ignored
   anything else                             ignored, as clients send newer fields first
 
 Messages: a `system`-role entry inside `messages` (Claude Code sends one) is folded into
@@ -260,9 +265,20 @@ def convert_messages(body: dict, keep_thinking: int | None = None) -> list[dict]
     return out
 
 
+def forced_call(body: dict) -> tuple[str | None, bool] | None:
+    """For tool_choice any / tool: (the tool's name or None for any, whether several calls
+    may come); None when no call is forced. convert_tools has checked the choice."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict) or choice.get("type") not in ("any", "tool"):
+        return None
+    return (choice.get("name") if choice["type"] == "tool" else None,
+            choice.get("disable_parallel_tool_use") is not True)
+
+
 def convert_tools(body: dict, messages: list[dict]) -> list[dict] | None:
     """The tools to render (None for none). tool_choice "any" and "tool" add the shared
-    system hint (tool_choice.py) to `messages`, as OpenAI's "required" and named choices do."""
+    system hint (tool_choice.py) to `messages`, as OpenAI's "required" and named choices do
+    (the call itself is forced by the grammar anthropic_api.prepare sets: `forced_call`)."""
     tools = body.get("tools")
     choice = body.get("tool_choice") or {"type": "auto"}
     if not tools:
@@ -282,9 +298,11 @@ def convert_tools(body: dict, messages: list[dict]) -> list[dict] | None:
             raise APIError(400, f"tools.{i}.input_schema: must be an object", param=f"tools.{i}.input_schema")
         if t.get("type") not in (None, "custom"):
             raise APIError(400, f"tools.{i}: server tool {t.get('type')!r} is not supported", param=f"tools.{i}")
-        out.append({"type": "function", "function": {
-            "name": t["name"], "description": string(t, "description", f"tools.{i}.description") or "",
-            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+        function = {"name": t["name"], "description": string(t, "description", f"tools.{i}.description") or "",
+                    "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+        if t.get("strict") is True:  # a forced call then holds its input to the schema exactly
+            function["strict"] = True
+        out.append({"type": "function", "function": function})
     if choice["type"] == "tool":
         out = [t for t in out if t["function"]["name"] == choice.get("name")]
         if not out:

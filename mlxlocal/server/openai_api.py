@@ -8,16 +8,17 @@ Notes on behaviour:
   4096 for chat (the engine clips it to what is left of the context) and 16 for completions.
 - frequency_penalty and presence_penalty count the tokens generated so far (as OpenAI);
   logit_bias maps token-id strings to a bias in [-100, 100] added to that token's logit.
-- top_k, min_p and repetition_penalty are accepted as extensions; user, metadata, store,
-  parallel_tool_calls are accepted and ignored.
+- top_k, min_p and repetition_penalty are accepted as extensions; user, metadata, store are
+  accepted and ignored; parallel_tool_calls=false limits a forced call (below) to one.
 - Bodies go through the shared checks (validation.py) before FastAPI parses them: nested
   at most 64 deep, valid UTF-8 with no lone surrogates; numbers must be finite, booleans
   true/false; ranges the engine cannot honour (top_k over the vocabulary, seed outside
   [0, 2**63)) are 400s naming the field.
 - tool_choice "none" renders the prompt without tools (and tool calls are not parsed);
-  "required" or a named function adds a system hint telling the model to call a tool
-  (for a named one only that tool is offered). Nothing forces the model: if it answers
-  without a tool call, its text is returned with finish_reason "stop".
+  "required" or a named function forces a call: decoding is constrained to the family's
+  tool-call syntax with the arguments under the tool's parameters schema (strict tools
+  exactly), see tool_choice.py; a named one offers only that tool. With "auto" the model
+  may answer in text. A forced call wins over a response_format in the same request.
 - response_format other than {"type": "text"} and n > 1 are refused (400).
 """
 
@@ -38,6 +39,7 @@ from mlxlocal.server import model_cards
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
+from mlxlocal.server.tool_choice import forced_call_grammar
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
@@ -323,7 +325,8 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | None:
-    """The tools to render (None for none), adding a system hint for required / named choices."""
+    """The tools to render (None for none), with the system hint for required / named choices
+    (the call itself is forced by the grammar `_prepare_chat` sets)."""
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -344,6 +347,10 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "messages")
+    choice = req.tool_choice
+    if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        params.grammar = await forced_call_grammar(engine, tools, named, ids, req.parallel_tool_calls is not False)
     check_params(params, names, engine, ids)
     return engine, ids, params, tools
 

@@ -1,6 +1,7 @@
 """Chat messages -> prompt ids, shared by the OpenAI-style routers (chat completions and
 responses): tool-call arguments as templates expect them, tool_choice as tools and a system
-hint, and the templated prompt tokenized off the event loop with the early length check."""
+hint (the forced call's grammar: tool_choice.py), and the templated prompt tokenized off the
+event loop with the early length check."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ def template_arguments(arguments: str | dict) -> Any:
 def apply_tool_choice(tools: list[dict] | None, choice: str | None, name: str | None,
                       messages: list[dict], where: str = "tool_choice") -> list[dict] | None:
     """The tools to render (None for none) for a tool_choice of "auto" / "none" / "required"
-    (choice) or a named function (name). Nothing can force a model to call a tool: "required"
-    and a named function add a system hint (a named one offers only that tool), and `messages`
-    gets it in place. `tools` are chat-completions shaped: {"type": "function", "function": {...}}."""
+    (choice) or a named function (name). "required" and a named function add a system hint (a
+    named one offers only that tool), and `messages` gets it in place; the routes then force
+    the call with tool_choice.forced_call_grammar once the prompt is encoded. `tools` are
+    chat-completions shaped: {"type": "function", "function": {...}}."""
     if not tools:
         if name is not None or choice not in (None, "none", "auto"):
             raise APIError(400, f"{where} requires tools", param=where)

@@ -28,12 +28,16 @@ Notes on behaviour:
 - Accepted and ignored, as they do not change what is generated: reasoning.summary, metadata, user, safety_identifier, prompt_cache_key, prompt_cache_retention,
   service_tier, stream_options, the other include values; truncation "auto" too (a
   conversation over the context is a 400, never silently cut). strict on a function
-  tool is accepted as in chat completions (arguments are not constrained to the schema).
-- parallel_tool_calls=false keeps only the model's first function call.
+  tool: its arguments are held to the schema exactly when a call is forced (tool_choice);
+  without strict they are held to it as far as the grammar engine implements it.
+- parallel_tool_calls=false keeps only the model's first function call (and a forced call
+  is one call).
 - instructions and the system / developer messages before the first other item are one
   system prompt (many templates take a single one); later developer messages are system turns.
-- tool_choice as in chat completions ("required" / a named function: a system hint), plus
-  allowed_tools (the tools it names are the ones offered).
+- tool_choice as in chat completions ("required" / a named function: the call is forced by
+  a grammar over the family's tool-call syntax, see tool_choice.py), plus allowed_tools (the
+  tools it names are the ones offered; mode "required" forces a call of one of them). A
+  forced call wins over text.format in the same request.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from mlxlocal.server.responses_items import (
     split_qualified,
     tool_choice,
 )
+from mlxlocal.server.tool_choice import forced_call_grammar
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -380,6 +385,8 @@ async def create_response(req: ResponsesRequest, request: Request):
     check_params(params, names)
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "input")
+    if tools and (choice == "required" or named is not None):
+        params.grammar = await forced_call_grammar(engine, tools, named, ids, req.parallel_tool_calls is not False)
     check_params(params, names, engine, ids)
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
 

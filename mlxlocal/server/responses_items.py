@@ -194,6 +194,8 @@ def chat_tools(tools: list[Any] | None) -> tuple[list[dict] | None, list[str], s
         parameters = tool.get("parameters")
         if parameters is not None:
             spec["parameters"] = _dict(parameters, f"{at}.parameters")
+        if tool.get("strict") is True:  # a forced call then holds its arguments to the schema exactly
+            spec["strict"] = True
         out.append({"type": "function", "function": spec})
 
     for i, tool in enumerate(tools):

@@ -1,11 +1,25 @@
 """A tool choice that requires a call, the same way in every dialect.
 
-Nothing in decoding forces a call: a system hint tells the model to make one (for a named
-tool, only that tool is offered by the caller). If it answers in text anyway, the text is
-returned as an ordinary reply.
+Decoding is constrained to the model family's own tool-call syntax (grammar/tools.py): the
+reply is one call (or, when parallel calls are allowed, several) of an offered tool (only
+the named one for a named choice), with arguments under the tool's parameters schema, and
+nothing else. A system hint also tells the model which call is wanted, so a real model
+fills the arguments in knowingly rather than only because it must. A family whose calls
+the grammar cannot express is a 400 naming the field, never a silently unforced reply.
+
+A forced call and a response format in one request: the call wins (its grammar replaces the
+format's), as a reply cannot be both a tool call and a document.
 """
 
 from __future__ import annotations
+
+import asyncio
+
+from mlxlocal.engine.types import Grammar
+from mlxlocal.grammar.errors import GrammarError
+from mlxlocal.grammar.tools import tool_calls
+from mlxlocal.server.errors import APIError
+from mlxlocal.server.events import starts_in_reasoning
 
 
 def require_call(messages: list[dict], name: str | None = None) -> None:
@@ -16,3 +30,17 @@ def require_call(messages: list[dict], name: str | None = None) -> None:
         messages[0]["content"] = f"{messages[0]['content']}\n\n{hint}".strip()
     else:
         messages.insert(0, {"role": "system", "content": hint})
+
+
+async def forced_call_grammar(engine, tools: list[dict], name: str | None, ids: list[int],
+                              parallel: bool = True, param: str = "tool_choice",
+                              max_think_tokens: int | None = None) -> Grammar:
+    """The grammar for a required call of `tools` (chat-completions shaped, as rendered) or of
+    the one named, for the prompt `ids` (whether it opens a think block, which may then
+    run for at most `max_think_tokens`). Built on a worker thread: compiling many tools'
+    schemas takes a while. GrammarError -> a 400 on `param`."""
+    try:
+        return await asyncio.to_thread(tool_calls, engine.tokenizer, tools, name, param,
+                                       starts_in_reasoning(engine, ids), parallel, max_think_tokens)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
