@@ -5,8 +5,10 @@ call of an offered tool whose arguments validate against its schema, in each cha
 own syntax, streaming or not, across seeds and temperatures. (Ollama's API has no
 tool_choice, so there is nothing to force there.)
 
-Schemas are bounded (maxLength, maxItems, enums) so a random model's document ends well
-inside max_tokens; a model that keeps making parallel calls stops at MAX_CALLS.
+Schemas are bounded (maxLength, maxItems, enums, closed objects: a schema open to more
+properties lets a random model add keys forever, as JSON Schema allows it) so a random
+model's document ends well inside max_tokens; one that keeps making parallel calls stops at
+MAX_CALLS.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 10},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]}}}
+        "required": ["city", "unit"], "additionalProperties": False}}}
 SEARCH = {"type": "function", "function": {
     "name": "search", "description": "Search notes by tags",
     "parameters": {"type": "object", "additionalProperties": False, "properties": {
@@ -41,7 +43,7 @@ ALARM = {"type": "function", "function": {
         "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
         "days": {"type": "array", "items": {"enum": ["mon", "tue", "wed"]}, "maxItems": 2},
         "loud": {"type": "boolean"}},
-        "required": ["time"]}}}
+        "required": ["time"], "additionalProperties": False}}}
 TOOLS = [WEATHER, SEARCH, ALARM]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MAX_TOKENS = 3000  # a bounded call is a few hundred tokens at most, even spelled byte by byte
@@ -167,7 +169,7 @@ def test_anthropic_any_and_tool_always_call(claude, served, family):
                {"type": "any"}]
     for temperature, choice in zip(TEMPERATURES, choices):
         msg = claude.messages.create(model=model, max_tokens=MAX_TOKENS, messages=ASK, tools=_anthropic_tools(),
-                                     tool_choice=choice, temperature=temperature)
+                                     tool_choice=choice, extra_body={"temperature": temperature})
         assert msg.stop_reason == "tool_use", msg
         uses = [b for b in msg.content if b.type == "tool_use"]
         assert [b for b in msg.content if b.type == "text" and b.text.strip()] == []
@@ -179,7 +181,7 @@ def test_anthropic_any_and_tool_always_call(claude, served, family):
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
 def test_anthropic_stream_strict_tools(claude, served, family):
     model = served[1][family]
-    with claude.messages.stream(model=model, max_tokens=MAX_TOKENS, messages=ASK, temperature=1.0,
+    with claude.messages.stream(model=model, max_tokens=MAX_TOKENS, messages=ASK, extra_body={"temperature": 1.0},
                                 tools=_anthropic_tools(strict=True),
                                 tool_choice={"type": "tool", "name": "search", "disable_parallel_tool_use": True}) as s:
         msg = s.get_final_message()
