@@ -63,7 +63,7 @@ def toks(tmp_path_factory) -> dict:
     """Tokenizers per format: the synthetic chatml (json_tools), llama3 (no markers) and
     mistral (v0.3 JSON list) ones, and the chatml one posing as other JSON-bodied families."""
     from mlx_lm.tokenizer_utils import load
-    from mlx_lm.tool_parsers import kimi_k2, longcat, qwen3_coder
+    from mlx_lm.tool_parsers import glm47, kimi_k2, longcat, pythonic, qwen3_coder
 
     from mlxlocal.source.synthetic.tokenizer import write_tokenizer
 
@@ -82,6 +82,8 @@ def toks(tmp_path_factory) -> dict:
     out["kimi_k2"] = posing(kimi_k2)
     out["mistral_args"] = Family(out["mistral"], chat_template=out["mistral"].chat_template + "[ARGS]")
     out["qwen3_coder"] = posing(qwen3_coder)
+    out["glm47"] = posing(glm47)
+    out["pythonic"] = posing(pythonic)
     return out
 
 
@@ -130,6 +132,16 @@ def call_text(fmt: str, calls: list[tuple[str, dict]]) -> str:
         return "[TOOL_CALLS] [" + ", ".join(obj(n, a) for n, a in calls) + "]"
     if fmt == "mistral_args":
         return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
+    def value(v):
+        return v if isinstance(v, str) else json.dumps(v)
+    if fmt == "qwen3_coder":
+        return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
+            f"<parameter={k}>\n{value(v)}\n</parameter>\n" for k, v in a.items()) + "</function>\n</tool_call>"
+            for n, a in calls)
+    if fmt == "glm47":
+        return "\n".join(f"<tool_call>{n}\n" + "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{value(v)}</arg_value>\n" for k, v in a.items()) + "</tool_call>"
+            for n, a in calls)
     if fmt == "kimi_k2":
         return "<|tool_calls_section_begin|>" + "".join(
             f"<|tool_call_begin|>functions.{n}:{k}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
@@ -137,7 +149,8 @@ def call_text(fmt: str, calls: list[tuple[str, dict]]) -> str:
     raise AssertionError(fmt)
 
 
-FORMATS = ["chatml", "llama3", "mistral", "mistral_args", "longcat", "kimi_k2"]
+FORMATS = ["chatml", "llama3", "mistral", "mistral_args", "longcat", "kimi_k2", "qwen3_coder", "glm47"]
+XML_FORMATS = ("qwen3_coder", "glm47")  # strings are written raw: 7 is a string there
 GOOD = [("get_weather", {"city": "Oslo", "unit": "celsius"}),
         ("search", {"query": "mlx", "filters": {"tags": ["a", "b"], "limit": 3}})]
 
@@ -147,6 +160,7 @@ def test_family_names(toks):
     assert family(toks["llama3"]) == ""
     assert family(toks["mistral"]) == "mistral"
     assert family(toks["kimi_k2"]) == "kimi_k2"
+    assert family(toks["qwen3_coder"]) == "qwen3_coder"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -166,7 +180,8 @@ def test_wrong_calls_are_refused(toks, fmt):
     wrong = [
         [("get_wether", {"city": "Oslo", "unit": "celsius"})],  # no such tool
         [("get_weather", {"city": "Oslo"})],  # required unit missing
-        [("get_weather", {"city": 7, "unit": "celsius"})],  # city is a string
+        *([] if fmt in XML_FORMATS else [[("get_weather", {"city": 7, "unit": "celsius"})]]),  # city: a string
+        [("search", {"query": "q", "filters": {"tags": ["a"], "limit": "3"}})],  # limit: an integer
         [("get_weather", {"city": "Oslo", "unit": "kelvin"})],  # not in the enum
         [("get_weather", {"city": "Oslo", "unit": "celsius", "extra": 1})],  # strict: closed object
         [("search", {"query": "q", "filters": {"tags": []}})],  # minItems 1
@@ -177,7 +192,7 @@ def test_wrong_calls_are_refused(toks, fmt):
     assert not accepts(tok, grammar, "Sure, let me check the weather.")  # text instead of a call
 
 
-@pytest.mark.parametrize("fmt", ["chatml", "mistral", "kimi_k2"])
+@pytest.mark.parametrize("fmt", ["chatml", "mistral", "kimi_k2", "qwen3_coder"])
 def test_a_named_tool_admits_only_that_tool(toks, fmt):
     tok = toks[fmt]
     grammar = tool_calls(tok, TOOLS, "search", "tool_choice")
@@ -188,7 +203,7 @@ def test_a_named_tool_admits_only_that_tool(toks, fmt):
     assert err.value.param == "tool_choice"
 
 
-@pytest.mark.parametrize("fmt", ["chatml", "mistral", "mistral_args", "kimi_k2"])
+@pytest.mark.parametrize("fmt", ["chatml", "mistral", "mistral_args", "kimi_k2", "glm47"])
 def test_parallel_false_allows_exactly_one_call(toks, fmt):
     tok = toks[fmt]
     single = tool_calls(tok, TOOLS, None, "tool_choice", parallel=False)
@@ -239,9 +254,9 @@ def test_non_strict_tools_fall_back_where_llguidance_stops(toks):
         tool_calls(tok, [strict], None, "tool_choice")
 
 
-def test_families_without_json_bodies_are_refused(toks):
-    with pytest.raises(GrammarError, match="qwen3_coder") as err:
-        tool_calls(toks["qwen3_coder"], TOOLS, None, "tool_choice")
+def test_families_the_grammar_cannot_write_are_refused(toks):
+    with pytest.raises(GrammarError, match="pythonic") as err:
+        tool_calls(toks["pythonic"], TOOLS, None, "tool_choice")
     assert err.value.param == "tool_choice"
 
 
@@ -285,3 +300,33 @@ def test_a_thinking_budget_closes_the_block(toks):
     thought, sep, rest = text.partition("</think>")
     assert sep and len(tok.encode(thought, add_special_tokens=False)) <= 6, text
     assert [n for n, _ in parse(tok, rest)] == ["get_weather"]
+
+
+def test_raw_xml_strings_stay_parseable(toks):
+    q, g = toks["qwen3_coder"], toks["glm47"]
+    note = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 30}}, "required": ["text"]}}}
+
+    def written(tok, fmt, text):
+        return accepts(tok, tool_calls(tok, [note], None, "tool_choice"), call_text(fmt, [("note", {"text": text})]))
+
+    assert written(q, "qwen3_coder", " two\nlines ") and written(g, "glm47", "two\nlines")
+    assert not written(q, "qwen3_coder", "a</parameter>b")  # the parser would end the value there
+    assert not written(q, "qwen3_coder", "NULL")  # qwen3_coder's parser reads it as null
+    assert not written(g, "glm47", " padded")  # glm47's parser strips values
+    assert not written(g, "glm47", "a</arg_value>b")
+
+
+def test_xml_formats_refuse_what_a_raw_string_cannot_hold(toks):
+    dated = {"type": "function", "function": {"name": "dated", "strict": True, "parameters": {
+        "type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"]}}}
+    tool_calls(toks["chatml"], [dated], None, "tool_choice")  # JSON: llguidance enforces the format
+    with pytest.raises(GrammarError, match="format"):
+        tool_calls(toks["qwen3_coder"], [dated], None, "tool_choice")
+    either = {"type": "function", "function": {"name": "either", "strict": True, "parameters": {
+        "type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}}}}}
+    with pytest.raises(GrammarError, match="single type"):
+        tool_calls(toks["qwen3_coder"], [either], None, "tool_choice")
+    grammar = tool_calls(toks["glm47"], [either], None, "tool_choice")  # glm47 reads any JSON value
+    assert accepts(toks["glm47"], grammar, call_text("glm47", [("either", {"v": True})]))
+    assert parse(toks["glm47"], call_text("glm47", [("either", {"v": 3})]), [either]) == [("either", {"v": 3})]

@@ -19,9 +19,15 @@ Formats, by mlx-lm tool parser (what is generated):
   (none)      families without tool markers (Llama 3.x, Gemma 3): one bare JSON object
               {"name": N, "parameters": A} ("arguments" if the template does not say
               "parameters"); one call only, as the parser reads a single object
-Families whose calls are not JSON (qwen3_coder, glm47 / laguna, minimax_m2, minicpm5 and
-muse_spark XML; pythonic, gemma4, function_gemma) raise GrammarError naming the family: the
-request is refused rather than answered without the constraint.
+  qwen3_coder <tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n...</function>\n</tool_call>
+  glm47       <tool_call>N\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call> (also laguna)
+              XML values: strings raw (the parser keeps them as text when the schema says
+              string), everything else JSON; parameters in schema order, optional ones may
+              be left out. A strict tool whose properties these cannot express (no single
+              type, string formats) is a GrammarError.
+Other families (minimax_m2, minicpm5 and muse_spark XML, whose parsers need the markup
+escaped or CDATA; pythonic, gemma4, function_gemma) raise GrammarError naming the family:
+the request is refused rather than answered without the constraint.
 
 Generation that starts inside a think block (the prompt opened it) must close it before
 the calls; otherwise the calls come first, with no think block. (A hybrid thinker such as
@@ -32,9 +38,10 @@ spend the whole budget before the call.)
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, regex_to_lark
 
 from mlxlocal.engine.types import Grammar
 from mlxlocal.grammar.errors import GrammarError
@@ -48,6 +55,17 @@ WHITESPACE = r"[ \t\n\r]{1,8}"
 MAX_CALLS = 16
 
 _JSON_PARSERS = ("json_tools", "longcat", "mistral", "kimi_k2")
+# XML-bodied formats: per parameter (open, close around the value), whether the parser
+# strips the value (so a string must not start or end with whitespace), and whether it
+# reads every value "null" as null (so a string must not be that word).
+_XML = {
+    "qwen3_coder": ("<parameter={key}>\n", "\n</parameter>\n", False, True),
+    "glm47": ("<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n", True, False),
+    "laguna": ("<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n", True, False),
+}
+# String keywords a raw XML value can be held to; others are refused for strict tools.
+_XML_STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "pattern", "description", "title",
+                    "default", "examples"}
 # Keywords whose value is a subschema, a map of subschemas, or a list of them.
 _SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else",
               "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
@@ -182,6 +200,15 @@ def _calls(tokenizer: Any, fam: str, names: list[str], parallel: bool) -> list[s
         # The v0.3 template writes "[TOOL_CALLS] [", Nemo's "[TOOL_CALLS][": either parses.
         return [*_json_calls(names, "arguments"), _one_of("call", names),
                 f"calls: {head} \" \"? \"[\" {_repeat('call', _lit(', '), parallel)} \"]\""]
+    if fam == "qwen3_coder":
+        heads = [_lit(f"\n<function={n}>\n") for n in names]
+        rules = [f"call_{i}: {h} args_{i} " + _lit("</function>\n") for i, h in enumerate(heads)]
+        rule = f"{_marker(tokenizer, start)} call {_marker(tokenizer, end)}"
+        return [*rules, _one_of("call", names), f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
+    if fam in ("glm47", "laguna"):
+        rules = [f"call_{i}: {_lit(n + chr(10))} args_{i}" for i, n in enumerate(names)]
+        rule = f"{_marker(tokenizer, start)} call {_marker(tokenizer, end)}"
+        return [*rules, _one_of("call", names), f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
     if fam == "kimi_k2":
         # Call ids are functions.N:I with I counting the calls of the reply, as Kimi writes them.
         begin, arg, stop = (_marker(tokenizer, m) for m in
@@ -195,6 +222,78 @@ def _calls(tokenizer: Any, fam: str, names: list[str], parallel: bool) -> list[s
         chain = "".join(f" (call_at_{k}" for k in range(1, count)) + ")?" * (count - 1)
         return [*rules, f"calls: {_marker(tokenizer, start)} call_at_0{chain} {_marker(tokenizer, end)}"]
     raise AssertionError(fam)
+
+
+def _anchored(pattern: str) -> str:
+    """A JSON Schema pattern (found anywhere in the string unless anchored) as a regex that
+    must match the whole value, in llguidance's Lark regex syntax."""
+    core = pattern
+    head = "" if core.startswith("^") else "(?s:.*)"
+    tail = "" if core.endswith("$") and not core.endswith("\\$") else "(?s:.*)"
+    core = core[1:] if not head else core
+    core = core[:-1] if not tail else core
+    return regex_to_lark(f"{head}(?:{core}){tail}", "dw")
+
+
+def _xml_string(rule: str, schema: dict, fam: str, where: str, strict: bool, param: str) -> list[str]:
+    """A raw string value: its enum / const as literals, else a terminal held to the length
+    bounds and pattern, never containing the closing tag (the parser would end there)."""
+    _, close, stripped, null_word = _XML[fam]
+    extra = sorted(set(schema) - _XML_STRING_KEYS)
+    if extra and strict:
+        raise GrammarError(f"{param}: {where}: {', '.join(extra)} cannot be enforced on a raw string "
+                           f"in this model's tool-call format ({fam})", param)
+    closing = close.strip("\n")
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if options is not None:
+        ok = [o for o in options if isinstance(o, str) and closing not in o
+              and not (stripped and o != o.strip()) and not (null_word and o.lower() == "null")]
+        if not ok:
+            raise GrammarError(f"{param}: {where}: no enum value can be written in this format ({fam})", param)
+        return [f"{rule}: " + " | ".join(f"{_lit(o)} {_lit(close)}" for o in ok)]
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    parts = [f"/(?s:.{{{int(lo)},{'' if hi is None else int(hi)}}})/",
+             f"~/(?s:.*){regex_to_lark(re.escape(closing))}(?s:.*)/"]
+    if isinstance(schema.get("pattern"), str):
+        parts.append(f"/{_anchored(schema['pattern'])}/")
+    if stripped:
+        parts.append("/(?s:(\\S(.*\\S)?)?)/")
+    if null_word:
+        parts.append("~/(?i:null)/")
+    terminal = rule.upper()
+    return [f"{terminal}: " + " & ".join(parts), f"{rule}[suffix={_lit(close)}]: {terminal}"]
+
+
+def _xml_arguments(i: int, tool: dict, fam: str, param: str) -> list[str]:
+    """Rules args_i for tool i in an XML format: each parameter in schema order (optional
+    ones may be left out), strings raw, other values JSON under their own schema."""
+    fn = tool.get("function", tool)
+    strict = fn.get("strict") is True or tool.get("strict") is True
+    schema = arguments_schema(tool, param)
+    guidance = schema.get("x-guidance", {})
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = set(schema.get("required") or [])
+    missing = sorted(required - set(props))
+    if missing and strict:
+        raise GrammarError(f"{param}: tool '{fn['name']}': required {missing} not in properties", param)
+    open_, *_ = _XML[fam]
+    rules, seq = [], []
+    for k, (key, sub) in enumerate(props.items()):
+        rule, where = f"v_{i}_{k}", f"tool '{fn['name']}' parameter '{key}'"
+        sub = sub if isinstance(sub, dict) else {}
+        kind = sub.get("type")
+        if kind == "string" or (kind is None and all(isinstance(o, str) for o in sub.get("enum", [None]))):
+            rules += _xml_string(rule, sub, fam, where, strict, param)
+        else:
+            if not isinstance(kind, str) and strict and fam == "qwen3_coder":
+                # qwen3_coder's parser converts a value by its schema's one type.
+                raise GrammarError(f"{param}: {where}: needs a single type in this model's "
+                                   f"tool-call format ({fam})", param)
+            value = {**sub, "x-guidance": {**guidance, **({} if strict else {"lenient": True})}}
+            rules.append(f"{rule}: %json {json.dumps(value, ensure_ascii=False)} {_lit(_XML[fam][1])}")
+        item = f"{_lit(open_.replace('{key}', key))} {rule}"
+        seq.append(item if key in required else f"({item})?")
+    return [*rules, f"args_{i}: {' '.join(seq)}" if seq else f'args_{i}: ""']
 
 
 def _reasoning_rules(tokenizer: Any, max_think_tokens: int | None) -> list[str]:
@@ -222,16 +321,17 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
     counts too). `param` is the request field named in errors (GrammarError).
     `max_think_tokens` bounds the think block the prompt opened (Anthropic budget_tokens)."""
     fam = family(tokenizer)
-    if fam not in ("", *_JSON_PARSERS):
+    if fam not in ("", *_JSON_PARSERS, *_XML):
         raise GrammarError(f"{param}: tool calls of this model's family ({fam}) cannot be enforced "
-                           f"(only JSON-bodied formats are); use tool_choice auto", param)
+                           f"(only JSON and simple XML bodies are); use tool_choice auto", param)
     offered = [t for t in tools if name is None or t.get("function", t).get("name") == name]
     if not offered:
         raise GrammarError(f"{param}: names tool {name!r}, which is not in tools", param)
     names = [t.get("function", t)["name"] for t in offered]
     rules = _calls(tokenizer, fam, names, parallel)
-    rules += [f"args_{i}: %json {json.dumps(arguments_schema(t, param), ensure_ascii=False)}"
-              for i, t in enumerate(offered)]
+    for i, t in enumerate(offered):
+        rules += (_xml_arguments(i, t, fam, param) if fam in _XML else
+                  [f"args_{i}: %json {json.dumps(arguments_schema(t, param), ensure_ascii=False)}"])
     top = "start: calls"
     if starts_in_reasoning and getattr(tokenizer, "has_thinking", False) and getattr(tokenizer, "think_end", None):
         top = "start: think calls"
