@@ -330,3 +330,32 @@ def test_xml_formats_refuse_what_a_raw_string_cannot_hold(toks):
     grammar = tool_calls(toks["glm47"], [either], None, "tool_choice")  # glm47 reads any JSON value
     assert accepts(toks["glm47"], grammar, call_text("glm47", [("either", {"v": True})]))
     assert parse(toks["glm47"], call_text("glm47", [("either", {"v": 3})]), [either]) == [("either", {"v": 3})]
+
+
+def test_a_think_marker_in_plain_text_ends_the_block_at_its_first_occurrence(toks):
+    tok = Family(toks["chatml"], has_thinking=True, think_start="[THINK]", think_end="[/THINK]")
+    grammar = tool_calls(tok, [WEATHER], None, "tool_choice", starts_in_reasoning=True)
+    call = call_text("chatml", GOOD[:1])
+    assert accepts(tok, grammar, "weather, so get_weather[/THINK]\n\n" + call)
+    assert not accepts(tok, grammar, "a[/THINK]b[/THINK]" + call)  # the block ended at the first one
+    # A random walk rarely spells the marker out: the budget ends the block.
+    budget = tool_calls(tok, [WEATHER], None, "tool_choice", starts_in_reasoning=True, parallel=False,
+                        max_think_tokens=20)
+    text = tok.decode(_random_walk(tok, budget, 1))
+    parser = OutputParser(tok, TOOLS, starts_in_reasoning=True)
+    events = parser.feed(text) + parser.finish()
+    assert [e.name for e in events if e.kind == "tool_call"] == ["get_weather"], text
+
+
+def test_arguments_may_use_local_definitions(toks):
+    tok = toks["chatml"]
+    moved = {"type": "function", "function": {"name": "move", "strict": True, "parameters": {
+        "type": "object", "$defs": {"point": {"type": "object", "properties": {
+            "x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}},
+        "properties": {"src": {"$ref": "#/$defs/point"}, "dst": {"$ref": "#/$defs/point"}},
+        "required": ["src", "dst"]}}}
+    grammar = tool_calls(tok, [moved], None, "tool_choice")
+    ok = {"src": {"x": 1, "y": 2}, "dst": {"x": 3, "y": 4}}
+    assert accepts(tok, grammar, call_text("chatml", [("move", ok)]))
+    assert not accepts(tok, grammar, call_text("chatml", [("move", {**ok, "dst": {"x": 3}})]))
+    assert not accepts(tok, grammar, call_text("chatml", [("move", {**ok, "dst": {"x": 3, "y": 4, "z": 5}})]))

@@ -87,14 +87,27 @@ def _lit(text: str) -> str:
 
 
 def _marker(tokenizer: Any, text: str) -> str:
-    """A marker in Lark. One added token (special or not) is matched by id: llguidance keeps
-    added tokens apart from text, so spelling the marker out in ordinary tokens would also be
-    allowed but is not what the model was trained to write. Anything else is a string."""
+    """A marker in Lark. Added tokens (special or not) in it are matched by id: llguidance
+    keeps them apart from text, so spelling them out in ordinary tokens would also be allowed
+    but is not what the model was trained to write (and text before a marker that starts
+    with one cannot run into it). A marker of ordinary tokens only is a string."""
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    if len(ids) == 1 and ids[0] in added:
-        return f"<[{ids[0]}]>"
-    return _lit(text)
+    if not any(i in added for i in ids):
+        return _lit(text)
+    parts: list[str] = []
+    run: list[int] = []
+    for i in ids:
+        if i in added:
+            if run:
+                parts.append(_lit(tokenizer.decode(run)))
+                run = []
+            parts.append(f"<[{i}]>")
+        else:
+            run.append(i)
+    if run:
+        parts.append(_lit(tokenizer.decode(run)))
+    return " ".join(parts)
 
 
 def _strict(schema: Any) -> Any:
@@ -301,14 +314,14 @@ def _reasoning_rules(tokenizer: Any, max_think_tokens: int | None) -> list[str]:
     (templates put "\\n\\n" after the block). With `max_think_tokens`, after that many
     tokens of it only the marker is allowed (a thinking budget inside the grammar)."""
     marker = _marker(tokenizer, tokenizer.think_end)
-    options = [f"max_tokens={int(max_think_tokens)}"] if max_think_tokens else []
     if marker.startswith("<["):  # a token: text cannot contain it, so the text ends there
-        rules = [f"think: think_text {marker} GAP?"]
-    else:  # a marker in plain text: the think text ends at its first occurrence
-        rules = ["think: think_text GAP?"]
-        options.insert(0, f"suffix={marker}")
-    head = f"think_text[{', '.join(options)}]" if options else "think_text"
-    return [*rules, f"{head}: /(?s:.*)/", "GAP: /\\n{1,2}/"]
+        head = f"think_text[max_tokens={int(max_think_tokens)}]" if max_think_tokens else "think_text"
+        return [f"think: think_text {marker} GAP?", f"{head}: /(?s:.*)/", "GAP: /\\n{1,2}/"]
+    # A marker in plain text: the think text ends at its first occurrence (a lazy lexeme with
+    # the marker as suffix). llguidance's max_tokens would end such a lexeme without its
+    # suffix, so a budget here bounds characters instead (about 4 per token).
+    text = f"/(?s:.{{0,{4 * int(max_think_tokens)}}})/" if max_think_tokens else "/(?s:.*)/"
+    return ["think: think_text GAP?", f"think_text[suffix={marker}]: {text}", "GAP: /\\n{1,2}/"]
 
 
 def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
