@@ -359,3 +359,37 @@ def test_arguments_may_use_local_definitions(toks):
     assert accepts(tok, grammar, call_text("chatml", [("move", ok)]))
     assert not accepts(tok, grammar, call_text("chatml", [("move", {**ok, "dst": {"x": 3}})]))
     assert not accepts(tok, grammar, call_text("chatml", [("move", {**ok, "dst": {"x": 3, "y": 4, "z": 5}})]))
+
+
+ODD_TOOLS = [
+    {"type": "function", "function": {"name": "say", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "a-b_c", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "minLength": "x", "pattern": "(?<=a)b"},
+                                         "t": {"const": "fixed"}, "n": {"type": ["integer", "null"]}}}}},
+    {"type": "function", "function": {"name": "listy", "parameters": {"type": "object", "properties": [1, 2]}}},
+    {"type": "function", "function": {"name": "notobj", "parameters": {"type": "string"}}},
+    {"type": "function", "function": {"name": "none"}},
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_odd_non_strict_tools_still_get_a_grammar(toks, fmt):
+    """Whatever a non-strict tool's schema holds, a grammar is built (falling back where it
+    must) and what it lets a model write parses back into calls of those tools."""
+    tok = toks[fmt]
+    grammar = tool_calls(tok, ODD_TOOLS, None, "tool_choice", parallel=False)
+    for seed in range(3):
+        calls = parse(tok, tok.decode(_random_walk(tok, grammar, seed)), ODD_TOOLS)
+        assert len(calls) == 1 and calls[0][0] in {t["function"]["name"] for t in ODD_TOOLS}
+        assert isinstance(calls[0][1], dict)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_names_outside_json_must_be_identifiers(toks, fmt):
+    odd = [{"type": "function", "function": {"name": 'say "hi"', "parameters": {"type": "object"}}}]
+    if fmt in ("chatml", "llama3", "longcat") or fmt == "mistral":  # the name is a JSON string
+        grammar = tool_calls(toks[fmt], odd, None, "tool_choice")
+        assert parse(toks[fmt], toks[fmt].decode(_random_walk(toks[fmt], grammar, 0)), odd)[0][0] == 'say "hi"'
+    else:
+        with pytest.raises(GrammarError, match="say"):
+            tool_calls(toks[fmt], odd, None, "tool_choice")

@@ -19,8 +19,8 @@ Formats, by mlx-lm tool parser (what is generated):
   (none)      families without tool markers (Llama 3.x, Gemma 3): one bare JSON object
               {"name": N, "parameters": A} ("arguments" if the template does not say
               "parameters"); one call only, as the parser reads a single object
-  qwen3_coder <tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n...</function>\n</tool_call>
-  glm47       <tool_call>N\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call> (also laguna)
+  qwen3_coder <tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>\\n...</function>\\n</tool_call>
+  glm47       <tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n...</tool_call> (also laguna)
               XML values: strings raw (the parser keeps them as text when the schema says
               string), everything else JSON; parameters in schema order, optional ones may
               be left out. A strict tool whose properties these cannot express (no single
@@ -63,6 +63,10 @@ _XML = {
     "glm47": ("<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n", True, False),
     "laguna": ("<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n", True, False),
 }
+# Formats that write a tool's name outside JSON, and the names their parsers read back
+# (OpenAI's and Anthropic's own rule for tool names).
+_RAW_NAMES = ("kimi_k2", *_XML)  # and mistral's [ARGS] format
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # String keywords a raw XML value can be held to; others are refused for strict tools.
 _XML_STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "pattern", "description", "title",
                     "default", "examples"}
@@ -248,6 +252,10 @@ def _anchored(pattern: str) -> str:
     return regex_to_lark(f"{head}(?:{core}){tail}", "dw")
 
 
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 20
+
+
 def _xml_string(rule: str, schema: dict, fam: str, where: str, strict: bool, param: str) -> list[str]:
     """A raw string value: its enum / const as literals, else a terminal held to the length
     bounds and pattern, never containing the closing tag (the parser would end there)."""
@@ -265,10 +273,17 @@ def _xml_string(rule: str, schema: dict, fam: str, where: str, strict: bool, par
             raise GrammarError(f"{param}: {where}: no enum value can be written in this format ({fam})", param)
         return [f"{rule}: " + " | ".join(f"{_lit(o)} {_lit(close)}" for o in ok)]
     lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-    parts = [f"/(?s:.{{{int(lo)},{'' if hi is None else int(hi)}}})/",
+    lo = lo if _count(lo) else 0
+    hi = hi if _count(hi) else None
+    parts = [f"/(?s:.{{{lo},{'' if hi is None else hi}}})/",
              f"~/(?s:.*){regex_to_lark(re.escape(closing))}(?s:.*)/"]
-    if isinstance(schema.get("pattern"), str):
-        parts.append(f"/{_anchored(schema['pattern'])}/")
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        regex = f"/{_anchored(pattern)}/"
+        if not LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_lark(f"start: {regex}"))[0]:
+            parts.append(regex)
+        elif strict:
+            raise GrammarError(f"{param}: {where}: pattern {pattern!r} cannot be enforced", param)
     if stripped:
         parts.append("/(?s:(\\S(.*\\S)?)?)/")
     if null_word:
@@ -295,7 +310,8 @@ def _xml_arguments(i: int, tool: dict, fam: str, param: str) -> list[str]:
         rule, where = f"v_{i}_{k}", f"tool '{fn['name']}' parameter '{key}'"
         sub = sub if isinstance(sub, dict) else {}
         kind = sub.get("type")
-        if kind == "string" or (kind is None and all(isinstance(o, str) for o in sub.get("enum", [None]))):
+        options = sub.get("enum", [sub["const"]] if "const" in sub else [None])
+        if kind == "string" or (kind is None and all(isinstance(o, str) for o in options)):
             rules += _xml_string(rule, sub, fam, where, strict, param)
         else:
             if not isinstance(kind, str) and strict and fam == "qwen3_coder":
@@ -341,6 +357,12 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
     if not offered:
         raise GrammarError(f"{param}: names tool {name!r}, which is not in tools", param)
     names = [t.get("function", t)["name"] for t in offered]
+    odd = [n for n in names if not _NAME.fullmatch(n)]
+    template = getattr(tokenizer, "chat_template", None)
+    raw = fam in _RAW_NAMES or (fam == "mistral" and isinstance(template, str) and "[ARGS]" in template)
+    if odd and raw:
+        raise GrammarError(f"{param}: tool name {odd[0]!r} cannot be written in this model's tool-call format "
+                           f"({fam}): use letters, digits, '_' and '-'", param)
     rules = _calls(tokenizer, fam, names, parallel)
     for i, t in enumerate(offered):
         rules += (_xml_arguments(i, t, fam, param) if fam in _XML else
