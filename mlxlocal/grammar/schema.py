@@ -139,6 +139,10 @@ def _clean(message: str) -> str:
 def json_schema(schema: Any, param: str, strict: bool = False) -> Grammar:
     """A grammar producing JSON that validates against `schema` (see the module docstring)."""
     check_schema(schema, param)
+    if schema is False:
+        raise GrammarError(f"{param}: the schema is false, which no document matches", param)
+    if schema is True:
+        schema = {}  # any JSON value; llguidance's options need an object to sit in
     if strict:
         schema = _strict(schema)
     try:
