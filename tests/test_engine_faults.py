@@ -127,11 +127,11 @@ def test_sampling_fault_mid_stream_fails_only_that_request(engine, monkeypatch):
                 raise RuntimeError("injected sampling fault")
         return original_batch(samplers, *args)
 
-    def call(self, logits, history, pending=None):
+    def call(self, logits, history, pending=None, allowed=None):
         # The engine's fallback samples one by one, so the fault lands on this request alone.
         if self.params.seed == POISON:
             raise RuntimeError("injected sampling fault")
-        return original(self, logits, history, pending)
+        return original(self, logits, history, pending, allowed)
 
     monkeypatch.setattr("mlxlocal.engine.sampling.sample_batch", batch)
     monkeypatch.setattr(Sampler, "__call__", call)

@@ -6,6 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxlocal.engine.constraint import Constraint, GrammarTokenizers
 from mlxlocal.engine.types import SamplingParams
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.source.loader import LoadedModel, ModelInfo
@@ -51,6 +52,7 @@ class EngineBase:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self._grammars: GrammarTokenizers | None = None
 
     @property
     def info(self) -> ModelInfo:
@@ -121,16 +123,32 @@ class EngineBase:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The logits' width (it may exceed the tokenizer's), if the config says."""
+        cfg = self.loaded.model_config
+        raw = self.loaded.config or {}
+        return cfg.vocab_size if cfg is not None else (
+            raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size"))
+
+    @property
+    def grammars(self) -> GrammarTokenizers:
+        if self._grammars is None:
+            self._grammars = GrammarTokenizers(self.tokenizer, self.vocab_size or len(self.tokenizer.vocab))
+        return self._grammars
+
+    def constraint(self, params: SamplingParams) -> Constraint | None:
+        """The request's grammar matcher (None without a grammar); compiling it here, on the
+        caller's thread, makes a grammar the tokenizer cannot take a ValueError at submit."""
+        return self.grammars.compile(params.grammar) if params.grammar is not None else None
+
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise before anything is queued: bad parameters, empty or over-long prompt."""
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
         # The checks against the vocabulary: the logits' width, which may exceed the tokenizer's.
-        cfg = self.loaded.model_config
-        raw = self.loaded.config or {}
-        vocab = cfg.vocab_size if cfg is not None else (
-            raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size"))
+        vocab = self.vocab_size
         if vocab:
             if params.top_k > vocab:
                 raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got {params.top_k}")

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlxlocal.cache import BlockManager, KVPools
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import WindowBlocks
-from mlxlocal.engine import sampling
+from mlxlocal.engine import constraint, sampling
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.output import Output
@@ -154,6 +154,7 @@ class PagedEngine(EngineBase):
     ) -> RequestHandle:
         params = params or SamplingParams()
         self.validate(prompt, params)
+        constraint = self.constraint(params)
         need = -(-(len(prompt) + 1) // self.config.block_size)
         if need > self.num_blocks:
             raise CapacityError(
@@ -173,6 +174,7 @@ class PagedEngine(EngineBase):
             handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason), session=session,
         )
         seq.handle.seq = seq
+        seq.constraint = constraint
         try:
             self._post(("submit", seq))
         except EngineDeadError:
@@ -379,20 +381,39 @@ class PagedEngine(EngineBase):
             groups.append((plan.decode, 1))
         if plan.prefill is not None:
             groups.append(([plan.prefill], plan.prefill_tokens))
-        sampled: list[tuple] = []
+        ready: list[tuple[list[Sequence], mx.array]] = []  # (sequences to sample, their logits)
         for seqs, n in groups:
             logits = self._forward(seqs, n)  # a batch's failure is no one request's: _loop fails all
             for seq in seqs:
                 seq.num_computed += n
-            ready = [i for i, seq in enumerate(seqs) if seq.remaining == 0]
-            if ready:
-                sampled += self._sample([seqs[i] for i in ready],
-                                        logits if len(ready) == len(seqs) else logits[mx.array(ready)])
+            rows = [i for i, seq in enumerate(seqs) if seq.remaining == 0]
+            if rows:
+                ready.append(([seqs[i] for i in rows], logits if len(rows) == len(seqs) else logits[mx.array(rows)]))
+        previous, self._inflight = self._inflight, []
+        masks: list = [None] * len(ready)
+        if any(seq.constraint is not None for seqs, _ in ready for seq in seqs):
+            # A grammar's mask needs the previous token: start the forward on the device,
+            # take the previous step's tokens meanwhile, then work out the masks.
+            mx.async_eval([logits for _, logits in ready] + self.pools.state()
+                          + self.runner.state([q for g, _ in groups for q in g]))
+            self._take(previous)
+            previous = []
+            ready, masks = self._constrain(ready)
+        sampled: list[tuple] = []
+        for (seqs, logits), allowed in zip(ready, masks):
+            sampled += self._sample(seqs, logits, allowed)
         if sampled or groups:
             mx.async_eval([t for _, t, _, _ in sampled] + [a for _, _, lp, _ in sampled for a in lp]
                           + self.pools.state() + self.runner.state([q for g, _ in groups for q in g]))
-        previous, self._inflight = self._inflight, sampled
-        values: dict[int, list[int]] = {}  # one host read per sampled batch, not one per token
+        self._inflight = sampled
+        self._take(previous)
+        for seq, token, _, src in sampled:
+            if seq.status is not Status.FINISHED:
+                seq.pending, seq.pending_from = token, src
+
+    def _take(self, previous: list[tuple]) -> None:
+        """Hand out the tokens a step sampled: one host read per sampled batch."""
+        values: dict[int, list[int]] = {}
         for seq, token, lp, src in previous:
             if seq.pending is token:
                 seq.pending = seq.pending_from = None
@@ -402,20 +423,62 @@ class PagedEngine(EngineBase):
                 token = values[id(src[0])][src[1]]
             if seq.status is not Status.FINISHED:
                 self._guarded(seq, self._accept, seq, token, lp)
-        for seq, token, _, src in sampled:
-            if seq.status is not Status.FINISHED:
-                seq.pending, seq.pending_from = token, src
+
+    def _constrain(self, ready: list[tuple[list[Sequence], mx.array]]) -> tuple[list, list]:
+        """Drop what no longer needs sampling (finished, or given the grammar's forced
+        tokens to feed next step); the grammar masks of what does, one call for all."""
+        kept, constrained = [], []
+        alone = len(self.scheduler.running) == 1 and not self.scheduler.waiting
+        for seqs, logits in ready:
+            live = []
+            for i, seq in enumerate(seqs):
+                if seq.status is Status.FINISHED:
+                    continue
+                # Jump forward: feed the grammar's only continuation in one forward instead
+                # of one step per token. Only when running alone: in a batch it would wait
+                # for the step's one prefill slot while the others decode.
+                if alone and seq.constraint is not None and seq.params.logprobs is None:
+                    self._guarded(seq, self._force, seq)
+                    if seq.status is Status.FINISHED or seq.remaining:
+                        continue
+                live.append(i)
+                if seq.constraint is not None:
+                    constrained.append(seq)
+            if live:
+                kept.append(([seqs[i] for i in live], logits if len(live) == len(seqs) else logits[mx.array(live)]))
+        if not constrained:
+            return kept, [None] * len(kept)
+        try:
+            mask = constraint.allowed_tokens(self.grammars, [seq.constraint for seq in constrained])
+        except Exception as e:
+            for seq in constrained:
+                self._fail(seq, e)
+            return self._constrain(kept)
+        row_of = {id(seq): j for j, seq in enumerate(constrained)}
+        masks = []
+        for seqs, _ in kept:
+            rows = [i for i, seq in enumerate(seqs) if id(seq) in row_of]
+            masks.append((rows, mask[mx.array([row_of[id(seqs[i])] for i in rows])]) if rows else None)
+        return kept, masks
+
+    def _force(self, seq: Sequence) -> None:
+        """Append the grammar's forced tokens as if sampled; the next step feeds them."""
+        for token in seq.constraint.forced():
+            self._accept(seq, token)
+            if seq.status is Status.FINISHED:
+                return
 
     def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
         """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
         return self.runner.forward(self.pools, seqs, n)
 
-    def _sample(self, seqs: list[Sequence], logits: mx.array) -> list[tuple]:
+    def _sample(self, seqs: list[Sequence], logits: mx.array, allowed: tuple | None = None) -> list[tuple]:
         """(seq, token [1], logprob arrays, (the batch's token array, row)) for each
-        sequence: one batched call for all (the source is None when sampled one by one)."""
+        sequence: one batched call for all (the source is None when sampled one by one).
+        `allowed`: (rows, masks) of the sequences with a grammar."""
         try:
             tokens, logprobs = sampling.sample_batch([s.sampler for s in seqs], logits,
-                                                     [s.tokens for s in seqs], [s.pending for s in seqs])
+                                                     [s.tokens for s in seqs], [s.pending for s in seqs], allowed)
             # The next decode feeds the batch's token array as a whole (runner.step_inputs).
             return [(seq, token, lp, (tokens, i))
                     for i, (seq, token, lp) in enumerate(zip(seqs, mx.split(tokens, len(seqs)), logprobs))]
@@ -423,9 +486,10 @@ class PagedEngine(EngineBase):
             # Keys are untouched when it raises: one by one, a faulty request fails alone.
             log.exception("batched sampling failed; sampling %d requests one by one", len(seqs))
         sampled = []
+        mask_of = dict(zip(allowed[0], mx.split(allowed[1], len(allowed[0])))) if allowed else {}
         for i, seq in enumerate(seqs):
             try:
-                token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending)
+                token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending, mask_of.get(i))
                 sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs), None))
             except Exception as e:
                 log.exception("sampling failed for request %d", seq.id)
@@ -457,6 +521,8 @@ class PagedEngine(EngineBase):
             logprob = lp[0].item()
             if len(lp) == 3:
                 top = list(zip(lp[1][0].tolist(), lp[2][0].tolist()))
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
         chunk, finish = seq.out.token(token, logprob, top)
         if chunk is not None:
             seq.tokens.append(token)
@@ -466,6 +532,8 @@ class PagedEngine(EngineBase):
             self._finish(seq, finish)
 
     def _finish(self, seq: Sequence, reason: str, cause: str | None = None) -> None:
+        if seq.constraint is not None:
+            seq.stats.grammar_complete = seq.constraint.complete
         computed = seq.tokens[: seq.num_computed]
         if seq.block_table:
             self.reuse.cache_prefix(seq)

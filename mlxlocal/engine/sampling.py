@@ -11,6 +11,8 @@ The logits go through, in order:
 2. frequency_penalty / presence_penalty (OpenAI's: additive, over the generated tokens only);
 3. logit_bias (added as given);
 then log-softmax (the logprobs reported to the caller, so they show the effect of 1-3),
+4. a grammar's mask, for requests that have one: disallowed tokens to -inf and the rest
+   renormalised (the reported logprobs stay the model's own, before the mask),
 then greedy argmax (temperature 0), or top-p, min-p, top-k and temperature as mlx-lm does.
 """
 
@@ -65,19 +67,21 @@ class Sampler:
         p = self.params
         return bool(self.penalty is not None or p.frequency_penalty or p.presence_penalty or p.logit_bias)
 
-    def __call__(self, logits: mx.array, history: list[int], pending: mx.array | None = None
-                 ) -> tuple[mx.array, mx.array]:
+    def __call__(self, logits: mx.array, history: list[int], pending: mx.array | None = None,
+                 allowed: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """logits [1, V] -> (token id [1], logprobs [1, V] before filtering), both lazy.
 
         `history` is prompt + generated so far (it only grows); `pending` is the token after
-        it when its value is not known yet (pipelined steps).
+        it when its value is not known yet (pipelined steps); `allowed` [1, V] bool: the
+        only tokens that may be picked (a grammar's mask).
         """
         p = self.params
         logprobs = self.adjust(logits, history, pending)
-        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        full = logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        if allowed is not None:
+            logprobs = mask_logprobs(logprobs, allowed)
         if p.temperature < MIN_TEMPERATURE:
-            return mx.argmax(logprobs, axis=-1), logprobs
-        full = logprobs
+            return mx.argmax(logprobs, axis=-1), full
         # Same filter order as mlx-lm's make_sampler.
         if 0 < p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)
@@ -158,12 +162,14 @@ def _advance_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list[int]],
-                 pendings: list[mx.array | None]) -> tuple[mx.array, list[list[mx.array]]]:
+                 pendings: list[mx.array | None], allowed: tuple[list[int], mx.array] | None = None
+                 ) -> tuple[mx.array, list[list[mx.array]]]:
     """logits [B, V] -> (token ids [B], per row [chosen logprob, top ids, top logprobs] as
     the request asked: [] for none, [chosen] for logprobs=0), all lazy.
 
-    Row i gets the token samplers[i](logits[i:i+1], histories[i], pendings[i]) would give,
-    and its key advances the same way. Only penalties and logit_bias cost per-row ops;
+    `allowed`: (rows, mask [len(rows), V] bool), the grammar masks of the rows that have one.
+    Row i gets the token samplers[i](logits[i:i+1], histories[i], pendings[i], its mask)
+    would give, and its key advances the same way. Only penalties and logit_bias cost per-row ops;
     greedy and plain-temperature batches take a fixed number of ops whatever B is.
     Each Sampler's key is updated only once everything is built, so a call that raises
     leaves them as they were (the caller may then sample the rows one by one).
@@ -177,13 +183,16 @@ def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list
             adjusted[i] = s.adjust(logits[i : i + 1], histories[i], pendings[i])
     if adjusted:
         logits = _replace_rows(logits, list(adjusted), mx.concatenate(list(adjusted.values())))
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = chosen = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if allowed is not None:
+        rows, mask = allowed
+        chosen = _on_rows(logprobs, rows, lambda r: mask_logprobs(r, mask))
 
     drawn = [i for i, s in enumerate(samplers) if s.params.temperature >= MIN_TEMPERATURE]
-    tokens = mx.argmax(logprobs, axis=-1) if len(drawn) < b else None
+    tokens = mx.argmax(chosen, axis=-1) if len(drawn) < b else None
     if drawn:
         params = [samplers[i].params for i in drawn]
-        x = _filter(logprobs if len(drawn) == b else logprobs[mx.array(drawn)], params, vocab)
+        x = _filter(chosen if len(drawn) == b else chosen[mx.array(drawn)], params, vocab)
         # 1/T is rounded to x's dtype as Sampler's Python-float product rounds it.
         inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32).astype(x.dtype)
         keys, uniforms = _advance_keys(_stack_keys([samplers[i] for i in drawn]))
@@ -194,6 +203,13 @@ def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list
         for j, i in enumerate(drawn):
             samplers[i]._keys, samplers[i]._row = keys, j
     return tokens, rows
+
+
+def mask_logprobs(logprobs: mx.array, allowed: mx.array) -> mx.array:
+    """Log-probabilities over the allowed tokens only, renormalised (top-p and min-p read
+    them as a distribution)."""
+    x = mx.where(allowed, logprobs, -float("inf"))
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
 def _replace_rows(x: mx.array, rows: list[int], values: mx.array) -> mx.array:

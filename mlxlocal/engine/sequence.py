@@ -44,7 +44,8 @@ class Sequence:
     # finished turn keeps the one that matches its tokens (the last step may be wasted).
     recurrent: Any = None
     recurrent_prev: Any = None
-    snapshot_at: int = 0  # hybrids: a prefill chunk ends here, so the state there is kept
+    snapshot_at: int = 0
+    constraint: Any = None  # engine.constraint.Constraint: the request's grammar, if any  # hybrids: a prefill chunk ends here, so the state there is kept
 
     def __post_init__(self):
         if not self.tokens:

@@ -16,9 +16,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
+from mlxlocal.engine.constraint import Constraint, allowed_tokens
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.output import Output
-from mlxlocal.engine.sampling import Sampler
+from mlxlocal.engine.sampling import Sampler, mask_logprobs
 from mlxlocal.engine.session import Session, common_prefix
 from mlxlocal.engine.types import Chunk, SamplingParams
 from mlxlocal.source.loader import LoadedModel
@@ -121,7 +122,7 @@ class SimpleEngine(EngineBase):
         params = params or SamplingParams()
         self.validate(prompt, params)
         self._check_alive()
-        return self._generate(prompt, params, session or self.new_session(), cancel)
+        return self._generate(prompt, params, session or self.new_session(), cancel, self.constraint(params))
 
     def submit(
         self,
@@ -135,6 +136,7 @@ class SimpleEngine(EngineBase):
         thread per request, one request at a time, chunks through a RequestHandle."""
         params = params or SamplingParams()
         self.validate(prompt, params)  # bad requests raise here, before any thread starts
+        constraint = self.constraint(params)
         self._check_alive()
         session = session or self.new_session()
 
@@ -143,7 +145,7 @@ class SimpleEngine(EngineBase):
                 # MLX streams belong to threads: this worker runs on its own.
                 with self._busy, mx.stream(WORKER_STREAM):
                     self._check_alive()  # shut down while this one waited its turn?
-                    for chunk in self._generate(prompt, params, session, handle.cancelled):
+                    for chunk in self._generate(prompt, params, session, handle.cancelled, constraint):
                         handle.put(chunk)
             except Exception as e:  # raised in the consumer
                 handle.put(e)
@@ -197,12 +199,13 @@ class SimpleEngine(EngineBase):
             raise self._dead_error()
 
     def _generate(
-        self, prompt: list[int], params: SamplingParams, session: DenseSession, cancel: threading.Event | None
+        self, prompt: list[int], params: SamplingParams, session: DenseSession, cancel: threading.Event | None,
+        constraint: Constraint | None = None,
     ) -> Iterator[Chunk]:
         session.claim()  # at the first chunk: a generator never started holds nothing
         self._running += 1
         try:
-            yield from self._stream(prompt, params, session, cancel)
+            yield from self._stream(prompt, params, session, cancel, constraint)
         except Exception:
             # A step that failed halfway leaves the cache out of step with session.tokens:
             # the session's next turn starts over on a fresh cache.
@@ -213,7 +216,8 @@ class SimpleEngine(EngineBase):
             session.busy = False
 
     def _stream(
-        self, prompt: list[int], params: SamplingParams, session: DenseSession, cancel: threading.Event | None
+        self, prompt: list[int], params: SamplingParams, session: DenseSession, cancel: threading.Event | None,
+        constraint: Constraint | None,
     ) -> Iterator[Chunk]:
         mx.reset_peak_memory()
         if params.seed is not None:
@@ -248,6 +252,8 @@ class SimpleEngine(EngineBase):
         def sample(logits: mx.array, history: list[int]) -> mx.array:
             logits = shaper.adjust(logits, history)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if constraint is not None:  # its matcher has seen every token before this one
+                logprobs = mask_logprobs(logprobs, allowed_tokens(self.grammars, [constraint]))
             return sampler(logprobs)
 
         history = list(prompt)  # prompt + generated, grown in place: the sampler's penalties read it
@@ -256,6 +262,8 @@ class SimpleEngine(EngineBase):
         while True:
             token = int(y.item())
             out.first_token()
+            if constraint is not None:
+                constraint.advance(token)
             chunk, finish = out.token(token)
             if chunk is None:  # EOS
                 break
@@ -272,4 +280,6 @@ class SimpleEngine(EngineBase):
                 finish = "cancelled" if cancelled and finish != "stop" else finish
                 break
             y = next_y
+        if constraint is not None:
+            stats.grammar_complete = constraint.complete
         yield out.finish(finish)

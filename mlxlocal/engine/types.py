@@ -101,6 +101,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise ValueError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
+        if self.grammar is not None and self.ignore_eos:
+            # A complete document allows only EOS: ignoring it leaves nothing to sample.
+            raise ValueError(f"ignore_eos cannot be combined with {self.grammar.param}")
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict):
@@ -127,6 +130,9 @@ class GenerationStats:
     # Why a "length" finish happened: "max_tokens" (the caller's limit), "context" (the
     # context window was full), "kv_cache" (the paged KV pool was); None otherwise.
     truncated_by: str | None = None
+    # Requests with a grammar: whether the output is a complete document of it (False after
+    # a "length" finish that cut it short); None without a grammar.
+    grammar_complete: bool | None = None
 
     def set_finish(self, reason: str, max_tokens: int, cause: str | None = None) -> None:
         """Record the finish reason; call after completion_tokens is final. Both engines

@@ -1,0 +1,86 @@
+"""Grammar-constrained decoding: one llguidance matcher per request, token masks per step.
+
+A request's grammar (llguidance's format, built and checked by mlxlocal.grammar) is
+compiled against the model's tokenizer when it is submitted. Each step the engine asks
+every constrained request in the batch for the tokens its grammar allows next (computed on
+the CPU, all rows in one call, while the device runs the step's forward), the sampler
+picks among those only, and the picked token is fed back to the matcher. When the
+grammar is complete only EOS is allowed, so the request ends there.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+
+from mlxlocal.engine.types import Grammar
+
+
+class GrammarTokenizers:
+    """The model's tokenizer as llguidance sees it, built on first use (a 150k vocabulary
+    takes a while) and shared by every matcher; plus one executor for batched masks."""
+
+    def __init__(self, tokenizer, vocab: int):
+        self._tokenizer = tokenizer  # mlx-lm's TokenizerWrapper (or a bare HF tokenizer)
+        self.vocab = vocab  # the logits' width, which may exceed the tokenizer's
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self.executor = llguidance.LLExecutor()
+
+    @property
+    def ll(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+                # The turn's own end token: a grammar's end is where the model's reply ends.
+                eos = getattr(self._tokenizer, "eos_token_id", None)
+                self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab, eos_token=eos)
+            return self._ll
+
+    def compile(self, grammar: Grammar) -> Constraint:
+        """A fresh matcher for one request; ValueError naming the request field if the
+        grammar does not compile against this tokenizer."""
+        matcher = llguidance.LLMatcher(self.ll, grammar.spec, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{grammar.param}: {matcher.get_error()}")
+        return Constraint(matcher, grammar)
+
+
+class Constraint:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, grammar: Grammar):
+        self.matcher = matcher
+        self.grammar = grammar
+
+    def advance(self, token: int) -> None:
+        """Feed a generated token; a token the grammar refuses is a bug in masking."""
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} broke the grammar of {self.grammar.param}: "
+                               f"{self.matcher.get_error()}")
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows as the only continuation (may be empty)."""
+        return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+
+    @property
+    def complete(self) -> bool:
+        """The output so far is a whole document of the grammar."""
+        return self.matcher.is_accepting() or self.matcher.is_stopped()
+
+
+def allowed_tokens(tokenizers: GrammarTokenizers, constraints: list[Constraint]) -> mx.array:
+    """[n, vocab] bool: the tokens each constraint allows next, rows in order."""
+    words = (tokenizers.vocab + 31) // 32
+    bitmask = np.empty((len(constraints), words), dtype=np.int32)
+    tokenizers.executor.unsafe_compute_mask_ptr(
+        [(c.matcher, i) for i, c in enumerate(constraints)], bitmask.ctypes.data, words * 4, len(constraints))
+    for c in constraints:
+        if c.matcher.is_error():
+            raise RuntimeError(f"the grammar of {c.grammar.param} failed: {c.matcher.get_error()}")
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : tokenizers.vocab]
+    return mx.array(bits.astype(np.bool_))
