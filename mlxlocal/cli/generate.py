@@ -70,13 +70,13 @@ def generate(
         if sys.stdin.isatty():
             fail("no prompt: pass --prompt or pipe text on stdin", 2)
         prompt = sys.stdin.read()
+    constraint = output_constraint(json_schema, regex, grammar_file)
     params = sampling_params(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, grammar=constraint,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
-    constraint = output_constraint(json_schema, regex, grammar_file)
     try:
         loaded = load(model)
         prompts = EngineBase(loaded)
