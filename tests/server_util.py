@@ -75,12 +75,12 @@ def steered_output(next_token):
             history = history + [int(pending.item())]
         return history
 
-    def steered(self, logits, history, pending=None):
-        _, logprobs = original(self, logits, history, pending)
+    def steered(self, logits, history, pending=None, allowed=None):
+        _, logprobs = original(self, logits, history, pending, allowed)
         return mx.array([next_token(known(history, pending))]), logprobs
 
-    def steered_batch(samplers, logits, histories, pendings):
-        _, logprobs = original_batch(samplers, logits, histories, pendings)
+    def steered_batch(samplers, logits, histories, pendings, allowed=None):
+        _, logprobs = original_batch(samplers, logits, histories, pendings, allowed)
         return mx.array([next_token(known(h, p)) for h, p in zip(histories, pendings)], mx.uint32), logprobs
 
     sampling.Sampler.__call__, sampling.sample_batch = steered, steered_batch
