@@ -16,6 +16,10 @@ dependentSchemas, uniqueItems, contains/minContains/maxContains, propertyNames,
 unevaluatedProperties/unevaluatedItems, unknown formats, remote $ref, and schemas that can
 match nothing (`false`, minimum > maximum, a required property that is forbidden).
 
+Departures from JSON Schema (llguidance's): object properties come in the order the schema
+lists them; a plain "number" has no bound on its digits (multipleOf, e.g. 0.25, bounds them),
+nor a string without maxLength / pattern on its length.
+
 Whitespace: compact JSON (`{"a":1,"b":[2,3]}`), no whitespace between tokens, so a model
 cannot spend its whole budget on spaces and newlines. A schema may override this (and other
 llguidance JSON options) with its own `"x-guidance": {...}` key.
