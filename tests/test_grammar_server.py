@@ -105,6 +105,22 @@ def test_completions_formats(oai, model):
     assert len(r.choices[0].text) == 10 and r.choices[0].text[:2] == "20"
 
 
+def test_a_prompt_inside_a_think_block_closes_it_then_answers(oai, model):
+    """The prompt ends with the opening think marker: the model reasons freely (at most half
+    of max_tokens), must close the block, and only then is the answer constrained."""
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+    for seed in range(3):
+        r = oai.completions.create(model=model, prompt="Think first.\n<think>\n", max_tokens=60, temperature=1.0,
+                                   seed=seed, extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                       "name": "ok", "schema": small}}})
+        reasoning, marker, answer = r.choices[0].text.partition("</think>")
+        assert marker and r.choices[0].finish_reason == "stop", r.choices[0].text
+        # Reasoning capped at 30 tokens leaves room for the marker and the document.
+        assert r.usage.completion_tokens < 60
+        valid(answer.strip(), small)
+
+
 @pytest.mark.parametrize("extra, check", [
     ({"grammar": 'root ::= "(" [a-c]{1,3} ("," [a-c]{1,3}){0,2} ")"'}, r"\([a-c]{1,3}(,[a-c]{1,3}){0,2}\)"),
     ({"grammar": 'start: "yes" | "no"'}, "yes|no"),

@@ -142,12 +142,20 @@ def anthropic(output_config: Any) -> Grammar | None:
     return _build("json", fmt["schema"], "output_config.format.schema")
 
 
-def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: list[int]) -> None:
-    """Set params.grammar for this prompt: after the model's think block when it has one."""
+def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: list[int],
+              parsed: bool = True) -> None:
+    """Set params.grammar for this prompt: after the model's think block when it has one.
+
+    `parsed`: the dialect splits reasoning from content, so the model may open a think block
+    before answering. Raw completions do not: their text must be the document itself, unless
+    the prompt ends inside a think block, which the model then has to close first."""
     if constraint is None:
         return
+    opened = starts_in_reasoning(engine, ids)
+    if not (parsed or opened):
+        params.grammar = constraint
+        return
     try:
-        params.grammar = grammar.with_reasoning(constraint, engine.tokenizer, starts_in_reasoning(engine, ids),
-                                                max(1, params.max_tokens // 2))
+        params.grammar = grammar.with_reasoning(constraint, engine.tokenizer, opened, max(1, params.max_tokens // 2))
     except grammar.GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None

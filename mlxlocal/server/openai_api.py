@@ -475,7 +475,7 @@ async def completions(req: CompletionRequest, request: Request):
     constraint = formats.openai_chat(rf, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
     ids = await _prompt_ids(req, engine)
-    formats.constrain(params, constraint, engine, ids)
+    formats.constrain(params, constraint, engine, ids, parsed=False)
     check_params(params, names, engine, ids)
     echo = engine.decode(ids) if req.echo else ""
     chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics)
