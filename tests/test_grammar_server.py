@@ -242,3 +242,23 @@ def test_generate_json_schema(tiny_model, tmp_path):
     out = CliRunner().invoke(app, ["generate", "--model", str(tiny_model), "--prompt", "x",
                                    "--json-schema", str(tmp_path / "missing.json")])
     assert out.exit_code == 2 and "missing.json" in out.output
+
+
+def test_constrain_bounds_the_think_block_by_the_budget(server, oai, model):
+    """Anthropic's thinking budget with a format: the grammar itself closes the block at the
+    budget (no second pass that would restart the grammar); otherwise half of max_tokens."""
+    from mlxlocal.engine import SamplingParams
+    from mlxlocal.grammar import json_object
+    from mlxlocal.server import formats
+
+    oai.completions.create(model=model, prompt="load", max_tokens=1)  # the model is loaded on first use
+    engine = server[1].state.registry.models[0].engine
+    ids = engine.encode_text("Hi\n<think>\n")
+    params = SamplingParams(max_tokens=100)
+    formats.constrain(params, json_object("format"), engine, ids, think_budget=7)
+    assert "max_tokens=7" in params.grammar.spec and params.grammar.param == "format"
+    formats.constrain(params, json_object("format"), engine, ids)
+    assert "max_tokens=50" in params.grammar.spec
+    plain = engine.encode_text("Hi")
+    formats.constrain(params, json_object("format"), engine, plain, parsed=False)
+    assert params.grammar == json_object("format")  # raw text, not in a think block: as is

@@ -217,11 +217,11 @@ async def messages(request: Request):
     params = sampling_params(body)
     constraint = formats.anthropic(body.get("output_config"))  # a bad schema: 400 before loading
     engine, ids, tools, thinking = await prepare(request, body, params)
-    formats.constrain(params, constraint, engine, ids)
+    formats.constrain(params, constraint, engine, ids, think_budget=thinking.budget)
     model = body["model"]
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors.
     parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
-                               think_budget=thinking.budget)
+                               think_budget=None if constraint is not None else thinking.budget)
     events = _events(engine, ids, params, thinking, parsed)
 
     if not body.get("stream", False):

@@ -143,12 +143,14 @@ def anthropic(output_config: Any) -> Grammar | None:
 
 
 def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: list[int],
-              parsed: bool = True) -> None:
+              parsed: bool = True, think_budget: int | None = None) -> None:
     """Set params.grammar for this prompt: after the model's think block when it has one.
 
     `parsed`: the dialect splits reasoning from content, so the model may open a think block
     before answering. Raw completions do not: their text must be the document itself, unless
-    the prompt ends inside a think block, which the model then has to close first."""
+    the prompt ends inside a think block, which the model then has to close first.
+    `think_budget`: the grammar bounds the block to it (instead of half of max_tokens), so a
+    constrained request needs no second pass to close the block (events._budgeted)."""
     if constraint is None:
         return
     opened = starts_in_reasoning(engine, ids)
@@ -156,6 +158,7 @@ def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: l
         params.grammar = constraint
         return
     try:
-        params.grammar = grammar.with_reasoning(constraint, engine.tokenizer, opened, max(1, params.max_tokens // 2))
+        budget = think_budget if think_budget is not None else params.max_tokens // 2
+        params.grammar = grammar.with_reasoning(constraint, engine.tokenizer, opened, max(1, budget))
     except grammar.GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None
