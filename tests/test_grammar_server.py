@@ -4,6 +4,7 @@ output valid, so every reply must parse and validate; bad schemas are 400s namin
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -255,10 +256,10 @@ def test_constrain_bounds_the_think_block_by_the_budget(server, oai, model):
     engine = server[1].state.registry.models[0].engine
     ids = engine.encode_text("Hi\n<think>\n")
     params = SamplingParams(max_tokens=100)
-    formats.constrain(params, json_object("format"), engine, ids, think_budget=7)
+    asyncio.run(formats.constrain(params, json_object("format"), engine, ids, think_budget=7))
     assert "max_tokens=7" in params.grammar.spec and params.grammar.param == "format"
-    formats.constrain(params, json_object("format"), engine, ids)
+    asyncio.run(formats.constrain(params, json_object("format"), engine, ids))
     assert "max_tokens=50" in params.grammar.spec
     plain = engine.encode_text("Hi")
-    formats.constrain(params, json_object("format"), engine, plain, parsed=False)
+    asyncio.run(formats.constrain(params, json_object("format"), engine, plain, parsed=False))
     assert params.grammar == json_object("format")  # raw text, not in a think block: as is

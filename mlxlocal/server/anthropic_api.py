@@ -215,9 +215,9 @@ def _sse(event: dict) -> str:
 async def messages(request: Request):
     body = await read_body(request)
     params = sampling_params(body)
-    constraint = formats.anthropic(body.get("output_config"))  # a bad schema: 400 before loading
+    constraint = await formats.anthropic(body.get("output_config"))  # a bad schema: 400 before loading
     engine, ids, tools, thinking = await prepare(request, body, params)
-    formats.constrain(params, constraint, engine, ids, think_budget=thinking.budget)
+    await formats.constrain(params, constraint, engine, ids, think_budget=thinking.budget)
     model = body["model"]
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors.
     parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,

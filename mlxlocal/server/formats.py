@@ -20,6 +20,7 @@ its think block (mlxlocal.grammar.with_reasoning), which may use at most half of
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from mlxlocal import grammar
@@ -34,6 +35,7 @@ _TOP_LEVEL = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": 
 
 
 def _build(kind: str, value: Any, param: str, strict: bool = False) -> Grammar:
+    """Compile a constraint (a large schema takes a while: callers run this off the event loop)."""
     try:
         if kind == "json":
             return grammar.json_schema(value, param, strict=strict)
@@ -84,7 +86,7 @@ def _typed_format(fmt: Any, param: str, schema_holder: str | None) -> Grammar | 
     return _build("json", schema, f"{where}.schema", _strict(holder.get("strict"), f"{where}.strict"))
 
 
-def extension(body: dict, base: Grammar | None = None, base_param: str | None = None) -> Grammar | None:
+def _extension(body: dict, base: Grammar | None = None, base_param: str | None = None) -> Grammar | None:
     """`structured_outputs` or a top-level grammar field; 400 when more than one constraint
     is asked for (including `base`, what the dialect's own field gave)."""
     found: list[tuple[str, str, Any]] = []  # (param, kind, value)
@@ -107,29 +109,45 @@ def extension(body: dict, base: Grammar | None = None, base_param: str | None = 
     return _build(kind, value, param)
 
 
-def openai_chat(response_format: Any, body: dict) -> Grammar | None:
-    """Chat and completions: response_format, then the extension fields."""
+def _asks(body: dict) -> bool:
+    return body.get("structured_outputs") is not None or any(body.get(k) is not None for k in _TOP_LEVEL)
+
+
+def _openai_chat(response_format: Any, body: dict) -> Grammar | None:
     base = None if response_format is None else _typed_format(response_format, "response_format", "json_schema")
-    return extension(body, base, "response_format")
+    return _extension(body, base, "response_format")
 
 
-def responses(text: Any, body: dict) -> Grammar | None:
-    fmt = text.get("format") if isinstance(text, dict) else None
+async def openai_chat(response_format: Any, body: dict) -> Grammar | None:
+    """Chat and completions: response_format, then the extension fields."""
+    if response_format is None and not _asks(body):
+        return None
+    return await asyncio.to_thread(_openai_chat, response_format, body)
+
+
+def _responses(fmt: Any, body: dict) -> Grammar | None:
     base = None if fmt is None else _typed_format(fmt, "text.format", None)
-    return extension(body, base, "text.format")
+    return _extension(body, base, "text.format")
 
 
-def ollama(fmt: Any) -> Grammar | None:
+async def responses(text: Any, body: dict) -> Grammar | None:
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None and not _asks(body):
+        return None
+    return await asyncio.to_thread(_responses, fmt, body)
+
+
+async def ollama(fmt: Any) -> Grammar | None:
     if fmt is None or fmt == "":
         return None
     if fmt == "json":
         return _build("json_object", None, "format")
     if isinstance(fmt, dict):
-        return _build("json", fmt, "format")
+        return await asyncio.to_thread(_build, "json", fmt, "format")
     raise APIError(400, f"format: must be \"json\" or a JSON schema object, got {fmt!r}", param="format")
 
 
-def anthropic(output_config: Any) -> Grammar | None:
+async def anthropic(output_config: Any) -> Grammar | None:
     fmt = output_config.get("format") if isinstance(output_config, dict) else None
     if fmt is None:
         return None
@@ -139,10 +157,10 @@ def anthropic(output_config: Any) -> Grammar | None:
                        param="output_config.format.type")
     if fmt.get("schema") is None:
         raise APIError(400, "output_config.format.schema: required", param="output_config.format.schema")
-    return _build("json", fmt["schema"], "output_config.format.schema")
+    return await asyncio.to_thread(_build, "json", fmt["schema"], "output_config.format.schema")
 
 
-def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: list[int],
+async def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: list[int],
               parsed: bool = True, think_budget: int | None = None) -> None:
     """Set params.grammar for this prompt: after the model's think block when it has one.
 
@@ -159,6 +177,7 @@ def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: l
         return
     try:
         budget = think_budget if think_budget is not None else params.max_tokens // 2
-        params.grammar = grammar.with_reasoning(constraint, engine.tokenizer, opened, max(1, budget))
+        params.grammar = await asyncio.to_thread(grammar.with_reasoning, constraint, engine.tokenizer, opened,
+                                                 max(1, budget))
     except grammar.GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None

@@ -270,7 +270,7 @@ def _flags(body: dict, *names: str):
 async def chat(request: Request):
     t_start = time.perf_counter()
     body = await read_body(request)
-    constraint = formats.ollama(body.get("format"))
+    constraint = await formats.ollama(body.get("format"))
     _flags(body)
     messages = convert_messages(body["messages"]) if body.get("messages") else []
     tools = body.get("tools") or None
@@ -285,7 +285,7 @@ async def chat(request: Request):
         params = sampling_params(body.get("options"), engine.context_length)
         sure = text_bytes(*(msg["content"] for msg in messages if msg["role"] != "assistant"))
         ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools)
-        formats.constrain(params, constraint, engine, ids)
+        await formats.constrain(params, constraint, engine, ids)
         check_params(params, {**_NAMES, "prompt": "messages"}, engine, ids)
     except BaseException:
         release(m)
@@ -307,7 +307,7 @@ def _load_reply(body: dict, m, chat: bool) -> dict:
 async def generate(request: Request):
     t_start = time.perf_counter()
     body = await read_body(request)
-    constraint = formats.ollama(body.get("format"))
+    constraint = await formats.ollama(body.get("format"))
     _flags(body, "raw")
     for unsupported in ("suffix", "images", "template"):
         if body.get(unsupported):
@@ -332,7 +332,7 @@ async def generate(request: Request):
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = await tokenize(engine, text_bytes(prompt, system), "prompt", engine.encode_chat, messages)
-        formats.constrain(params, constraint, engine, ids)
+        await formats.constrain(params, constraint, engine, ids)
         check_params(params, {**_NAMES, "prompt": "prompt"}, engine, ids)
     except BaseException:
         release(m)

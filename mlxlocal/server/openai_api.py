@@ -335,7 +335,7 @@ def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | Non
 
 async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     rf = req.response_format.model_dump() if req.response_format is not None else None
-    constraint = formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
+    constraint = await formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     messages = _template_messages(req.messages)
@@ -346,7 +346,7 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "messages")
-    formats.constrain(params, constraint, engine, ids)
+    await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     return engine, ids, params, tools
 
@@ -472,10 +472,10 @@ async def completions(req: CompletionRequest, request: Request):
     names = {"prompt": "prompt"}
     params = _sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, names)
     rf = req.response_format.model_dump() if req.response_format is not None else None
-    constraint = formats.openai_chat(rf, req.model_extra or {})
+    constraint = await formats.openai_chat(rf, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
     ids = await _prompt_ids(req, engine)
-    formats.constrain(params, constraint, engine, ids, parsed=False)
+    await formats.constrain(params, constraint, engine, ids, parsed=False)
     check_params(params, names, engine, ids)
     echo = engine.decode(ids) if req.echo else ""
     chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics)

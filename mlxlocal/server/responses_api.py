@@ -378,10 +378,10 @@ async def create_response(req: ResponsesRequest, request: Request):
                             temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p)
     check_params(params, names)
-    constraint = formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
+    constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "input")
-    formats.constrain(params, constraint, engine, ids)
+    await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
 
