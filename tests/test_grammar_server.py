@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Literal
 
 import anthropic
@@ -131,8 +132,6 @@ def test_a_prompt_inside_a_think_block_closes_it_then_answers(oai, model):
     ({"structured_outputs": {"json": {"type": "integer", "minimum": 10, "maximum": 20}}}, "1[0-9]|20"),
 ])
 def test_chat_extension_fields(oai, model, extra, check):
-    import re
-
     r = oai.chat.completions.create(model=model, messages=ASK, max_tokens=30, temperature=1.0, seed=1,
                                     extra_body=extra)
     assert re.fullmatch(check, r.choices[0].message.content), r.choices[0].message.content
@@ -263,3 +262,28 @@ def test_constrain_bounds_the_think_block_by_the_budget(server, oai, model):
     plain = engine.encode_text("Hi")
     asyncio.run(formats.constrain(params, json_object("format"), engine, plain, parsed=False))
     assert params.grammar == json_object("format")  # raw text, not in a think block: as is
+
+
+def test_generate_regex_grammar_and_conflicts(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    def run(*args):
+        return CliRunner().invoke(app, ["generate", "--model", str(tiny_model), "--prompt", "x", "--temp", "1.0",
+                                        "--seed", "1", "--max-tokens", "30", *args])
+
+    out = run("--regex", "[a-c]{3}-[0-9]{2}", "--json")
+    assert out.exit_code == 0, out.output
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", json.loads(out.stdout.strip().splitlines()[-1])["text"])
+    gbnf = tmp_path / "yes.gbnf"
+    gbnf.write_text('root ::= "yes" | "no"')
+    out = run("--grammar", str(gbnf), "--json")
+    assert out.exit_code == 0 and json.loads(out.stdout.strip().splitlines()[-1])["text"] in ("yes", "no")
+    gbnf.write_text("root ::= undefined-rule")
+    out = run("--grammar", str(gbnf))
+    assert out.exit_code == 2 and str(gbnf) in out.output and "undefined-rule" in out.output
+    out = run("--regex", "a", "--grammar", str(gbnf))
+    assert out.exit_code == 2 and "at most one" in out.output
+    out = run("--regex", "a+", "--ignore-eos")
+    assert out.exit_code == 2 and "ignore_eos" in out.output
