@@ -125,6 +125,15 @@ def test_matcher_accepts_valid_and_rejects_invalid_documents(tok):
     assert not accepts(tok, g, '{"name":"bo","age":700}')  # over maximum
     assert not accepts(tok, g, '{"name":"bo","age":7,"tags":["c"]}')  # not in enum
     assert not accepts(tok, g, '{"name": "bo","age":7}')  # compact JSON: no whitespace to ramble with
+    assert not accepts(tok, g, '{"age":7,"name":"bo"}')  # properties come in the schema's order
+
+
+def test_compiled_schemas_are_reused():
+    reordered = {"type": "object", "properties": dict(reversed(list(SCHEMA["properties"].items())))}
+    assert grammar.json_schema(SCHEMA, P) is grammar.json_schema(json.loads(json.dumps(SCHEMA)), P)
+    assert grammar.json_schema(SCHEMA, P) is not grammar.json_schema(SCHEMA, "format")  # errors name the field
+    in_order = {"type": "object", "properties": SCHEMA["properties"]}
+    assert grammar.json_schema(reordered, P).spec != grammar.json_schema(in_order, P).spec  # order is kept
 
 
 def test_strict_forbids_extra_properties(tok):

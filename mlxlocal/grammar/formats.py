@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 from llguidance import LLMatcher
@@ -86,12 +87,19 @@ def with_reasoning(grammar: Grammar, tokenizer, starts_in_reasoning: bool,
     end = getattr(tokenizer, "think_end_tokens", None)
     if not start or not end:
         return grammar
+    return _wrap(grammar, tuple(int(t) for t in start), tuple(int(t) for t in end), bool(starts_in_reasoning),
+                 int(max_think_tokens) if max_think_tokens and max_think_tokens > 0 else 0)
+
+
+@functools.lru_cache(maxsize=128)  # the same format on every turn of a conversation
+def _wrap(grammar: Grammar, start: tuple[int, ...], end: tuple[int, ...], starts_in_reasoning: bool,
+          max_think_tokens: int) -> Grammar:
     obj = _grammars(grammar.spec)
     # The wrapper must be grammar 0 (the top). The original top moves to the end under a
     # name, so references by index between the other grammars still point where they did.
     answer = dict(obj["grammars"][0])
     name = answer.setdefault("name", "mlxlocal_answer")
-    limit = f"[max_tokens={int(max_think_tokens)}]" if max_think_tokens and max_think_tokens > 0 else ""
+    limit = f"[max_tokens={max_think_tokens}]" if max_think_tokens else ""
     block = f"think {_marker(end)} GAP"
     top = (f"start: {block} @{name}\n" if starts_in_reasoning
            else f"start: ({_marker(start)} {block})? @{name}\n")

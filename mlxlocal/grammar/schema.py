@@ -28,6 +28,7 @@ llguidance JSON options) with its own `"x-guidance": {...}` key.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from typing import Any
@@ -142,6 +143,20 @@ def _clean(message: str) -> str:
 
 def json_schema(schema: Any, param: str, strict: bool = False) -> Grammar:
     """A grammar producing JSON that validates against `schema` (see the module docstring)."""
+    try:
+        key = json.dumps(schema, allow_nan=False)  # not sorted: property order is the output order
+    except (TypeError, ValueError):  # not JSON (a caller's Python object): no caching
+        return _json_schema(schema, param, strict)
+    return _cached(key, param, strict)
+
+
+# Agents send the same schemas turn after turn; checking and compiling one is the costly part.
+@functools.lru_cache(maxsize=128)
+def _cached(key: str, param: str, strict: bool) -> Grammar:
+    return _json_schema(json.loads(key), param, strict)
+
+
+def _json_schema(schema: Any, param: str, strict: bool) -> Grammar:
     check_schema(schema, param)
     if schema is False:
         raise GrammarError(f"{param}: the schema is false, which no document matches", param)
