@@ -6,7 +6,8 @@ so a front end can refuse the request before anything is generated. The engine a
 grammar token by token. See schema.py for the JSON Schema keywords supported and refused.
 """
 
+from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.formats import choice, gbnf, lark, regex, with_reasoning
-from mlxlocal.grammar.schema import GrammarError, json_object, json_schema
+from mlxlocal.grammar.schema import json_object, json_schema
 
 __all__ = ["GrammarError", "choice", "gbnf", "json_object", "json_schema", "lark", "regex", "with_reasoning"]

@@ -9,7 +9,8 @@ from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import any_to_lark
 
 from mlxlocal.engine.types import Grammar
-from mlxlocal.grammar.schema import GrammarError, compile_checked
+from mlxlocal.grammar.errors import GrammarError
+from mlxlocal.grammar.schema import compile_checked
 
 # Text between the end of a think block and the constrained answer: models put a newline
 # or two there; bounded so it cannot become a way to ramble.

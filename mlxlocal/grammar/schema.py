@@ -38,7 +38,7 @@ from jsonschema.validators import validator_for
 from llguidance import LLMatcher
 
 from mlxlocal.engine.types import Grammar
-from mlxlocal.errors import MlxLocalError
+from mlxlocal.grammar.errors import GrammarError
 
 # llguidance JSON compile options applied before the schema's own "x-guidance".
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -51,14 +51,6 @@ _SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "depen
 _SCHEMA_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
-
-
-class GrammarError(MlxLocalError):
-    """A schema or grammar that cannot be enforced; `param` is the request field it came from."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 def _subschemas(schema: dict, path: str):
