@@ -248,7 +248,7 @@ def test_constrain_bounds_the_think_block_by_the_budget(server, oai, model):
     """Anthropic's thinking budget with a format: the grammar itself closes the block at the
     budget (no second pass that would restart the grammar); otherwise half of max_tokens."""
     from mlxlocal.engine import SamplingParams
-    from mlxlocal.grammar import json_object
+    from mlxlocal.grammar import json_object, json_schema
     from mlxlocal.server import formats
 
     oai.completions.create(model=model, prompt="load", max_tokens=1)  # the model is loaded on first use
@@ -257,11 +257,15 @@ def test_constrain_bounds_the_think_block_by_the_budget(server, oai, model):
     params = SamplingParams(max_tokens=100)
     asyncio.run(formats.constrain(params, json_object("format"), engine, ids, think_budget=7))
     assert "max_tokens=7" in params.grammar.spec and params.grammar.param == "format"
+    params = SamplingParams(max_tokens=100)
     asyncio.run(formats.constrain(params, json_object("format"), engine, ids))
     assert "max_tokens=50" in params.grammar.spec
     plain = engine.encode_text("Hi")
+    params = SamplingParams(max_tokens=100)
     asyncio.run(formats.constrain(params, json_object("format"), engine, plain, parsed=False))
     assert params.grammar == json_object("format")  # raw text, not in a think block: as is
+    asyncio.run(formats.constrain(params, json_schema({"type": "integer"}, "format"), engine, plain))
+    assert params.grammar == json_object("format")  # one set before (a forced tool call) wins
 
 
 def test_generate_regex_grammar_and_conflicts(tiny_model, tmp_path):

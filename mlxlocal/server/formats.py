@@ -161,15 +161,16 @@ async def anthropic(output_config: Any) -> Grammar | None:
 
 
 async def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: list[int],
-              parsed: bool = True, think_budget: int | None = None) -> None:
+                    parsed: bool = True, think_budget: int | None = None) -> None:
     """Set params.grammar for this prompt: after the model's think block when it has one.
 
     `parsed`: the dialect splits reasoning from content, so the model may open a think block
     before answering. Raw completions do not: their text must be the document itself, unless
     the prompt ends inside a think block, which the model then has to close first.
     `think_budget`: the grammar bounds the block to it (instead of half of max_tokens), so a
-    constrained request needs no second pass to close the block (events._budgeted)."""
-    if constraint is None:
+    constrained request needs no second pass to close the block (events._budgeted).
+    A grammar already set (a forced tool call, tool_choice.py) wins: the call is the reply."""
+    if constraint is None or params.grammar is not None:
         return
     opened = starts_in_reasoning(engine, ids)
     if not (parsed or opened):
