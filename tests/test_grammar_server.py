@@ -129,6 +129,7 @@ def test_a_prompt_inside_a_think_block_closes_it_then_answers(oai, model):
     ({"regex": "[0-9]{4}"}, "[0-9]{4}"),
     ({"structured_outputs": {"choice": ["left", "right"]}}, "left|right"),
     ({"guided_choice": ["up", "down"]}, "up|down"),
+    ({"guided_json": '{"enum": ["on", "off"]}'}, '"on"|"off"'),
     ({"structured_outputs": {"json": {"type": "integer", "minimum": 10, "maximum": 20}}}, "1[0-9]|20"),
 ])
 def test_chat_extension_fields(oai, model, extra, check):
@@ -159,6 +160,7 @@ def test_responses_json_schema(oai, model):
      "response_format.json_schema.strict", ["true or false"]),
     ({"grammar": "root ::= nope"}, "grammar", ["nope"]),
     ({"regex": "(unclosed"}, "regex", ["regex"]),
+    ({"guided_json": "{nope"}, "guided_json", ["not valid JSON"]),
     ({"structured_outputs": {"regex": "a+"}, "grammar": 'start: "a"'}, "grammar", ["only one"]),
     ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex", ["only one"]),
 ])

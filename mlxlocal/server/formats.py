@@ -21,6 +21,7 @@ its think block (mlxlocal.grammar.with_reasoning), which may use at most half of
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from mlxlocal import grammar
@@ -34,22 +35,30 @@ _TOP_LEVEL = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": 
               "guided_choice": "choice", "regex": "regex", "grammar": "grammar"}
 
 
+def _json(value: Any, param: str, strict: bool) -> Grammar:
+    if isinstance(value, str):  # vLLM's guided_json may be the schema's JSON text
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise grammar.GrammarError(f"{param}: not valid JSON: {e}", param) from None
+    return grammar.json_schema(value, param, strict=strict)
+
+
+_BUILDERS = {
+    "json": _json,
+    "json_object": lambda value, param, strict: grammar.json_object(param),
+    "regex": lambda value, param, strict: grammar.regex(value, param),
+    "grammar": lambda value, param, strict: grammar.gbnf(value, param),  # detects Lark too
+    "choice": lambda value, param, strict: grammar.choice(value, param),
+}
+
+
 def _build(kind: str, value: Any, param: str, strict: bool = False) -> Grammar:
     """Compile a constraint (a large schema takes a while: callers run this off the event loop)."""
     try:
-        if kind == "json":
-            return grammar.json_schema(value, param, strict=strict)
-        if kind == "json_object":
-            return grammar.json_object(param)
-        if kind == "regex":
-            return grammar.regex(value, param)
-        if kind == "grammar":
-            return grammar.gbnf(value, param)  # detects Lark too
-        if kind == "choice":
-            return grammar.choice(value, param)
+        return _BUILDERS[kind](value, param, strict)
     except grammar.GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None
-    raise AssertionError(kind)
 
 
 def _strict(value: Any, param: str) -> bool:
