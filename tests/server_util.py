@@ -55,7 +55,9 @@ def scripted_output(tokenizer, text: str):
     Steers a tiny random model through paths that need real output (tool calls,
     reasoning): the next token is the script's continuation of what was generated.
     """
-    script = list(tokenizer.encode(text, add_special_tokens=False)) + [min(tokenizer.eos_token_ids)]
+    # The turn's own end token: the one a grammar (a forced tool call) allows at its end.
+    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(tokenizer.eos_token_ids)
+    script = list(tokenizer.encode(text, add_special_tokens=False)) + [end]
 
     def next_token(history) -> int:
         done = next((k for k in range(len(script), 0, -1) if history[-k:] == script[:k]), 0)
@@ -75,11 +77,11 @@ def steered_output(next_token):
             history = history + [int(pending.item())]
         return history
 
-    def steered(self, logits, history, pending=None):
+    def steered(self, logits, history, pending=None, allowed=None):  # the script ignores a grammar's mask
         _, logprobs = original(self, logits, history, pending)
         return mx.array([next_token(known(history, pending))]), logprobs
 
-    def steered_batch(samplers, logits, histories, pendings):
+    def steered_batch(samplers, logits, histories, pendings, allowed=None):
         _, logprobs = original_batch(samplers, logits, histories, pendings)
         return mx.array([next_token(known(h, p)) for h, p in zip(histories, pendings)], mx.uint32), logprobs
 

@@ -18,7 +18,9 @@ Notes on behaviour:
   "required" or a named function adds a system hint telling the model to call a tool
   (for a named one only that tool is offered). Nothing forces the model: if it answers
   without a tool call, its text is returned with finish_reason "stop".
-- response_format other than {"type": "text"} and n > 1 are refused (400).
+- response_format (json_object, json_schema with strict) and the extension fields
+  structured_outputs / guided_* / grammar / regex constrain the output (see formats.py);
+  an invalid or unsupported schema is a 400 naming the keyword. n > 1 is refused (400).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import Chunk, SamplingParams
-from mlxlocal.server import model_cards
+from mlxlocal.server import formats, model_cards
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
@@ -160,6 +162,7 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -331,9 +334,8 @@ def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | Non
 
 
 async def _prepare_chat(req: ChatCompletionRequest, request: Request):
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format type '{req.response_format.type}' is not supported by this "
-                            "server (only 'text')", param="response_format")
+    rf = req.response_format.model_dump() if req.response_format is not None else None
+    constraint = await formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     messages = _template_messages(req.messages)
@@ -344,6 +346,7 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "messages")
+    await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     return engine, ids, params, tools
 
@@ -468,8 +471,11 @@ async def completions(req: CompletionRequest, request: Request):
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     names = {"prompt": "prompt"}
     params = _sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, names)
+    rf = req.response_format.model_dump() if req.response_format is not None else None
+    constraint = await formats.openai_chat(rf, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
     ids = await _prompt_ids(req, engine)
+    await formats.constrain(params, constraint, engine, ids, parsed=False)
     check_params(params, names, engine, ids)
     echo = engine.decode(ids) if req.echo else ""
     chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics)
