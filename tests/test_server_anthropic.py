@@ -255,7 +255,7 @@ def test_harmless_fields_accepted_and_the_rest_refused(client, model, tokenizer)
                                      messages=[{"role": "user", "content": [
                                          {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}])
     assert msg.content[0].text == "fine"
-    for body, field in [({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    for body, field in [({"output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}}}, "'not'"),
                         ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
                         ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
                          r"context_management\.edits\.0\.type")]:

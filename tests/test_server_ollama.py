@@ -151,8 +151,8 @@ def test_errors(client, model, server):
     assert e.value.status_code == 400
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=model, messages=[{"role": "user", "content": "hi"}],
-                    format={"type": "object"})
-    assert e.value.status_code == 400
+                    format={"type": "object", "uniqueItems": True, "propertyNames": {}})
+    assert e.value.status_code == 400 and "propertyNames" in str(e.value)
     r = httpx.post(f"{server[0]}/api/chat", json={"model": model, "messages": [
         {"role": "user", "content": "word " * 600}]}, timeout=30)
     assert r.status_code == 400 and "context" in r.json()["error"]

@@ -229,8 +229,9 @@ def test_errors(client, model, server):
     assert "image_url" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=ask("hi"), max_tokens=2,
-                                       response_format={"type": "json_object"})
-    assert "json_object" in e.value.body["message"]
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "object", "not": {}}}})
+    assert "'not'" in e.value.body["message"] and e.value.body["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.BadRequestError):  # over-long prompt refused before streaming starts
         client.chat.completions.create(model=model, messages=ask("word " * 600), max_tokens=2, stream=True)
     with pytest.raises(openai.BadRequestError):

@@ -242,7 +242,7 @@ def _user(content) -> list[dict]:
     ({"tools": [{"type": "function"}]}, "tools.0.name"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"if": {}}}}}, "text.format.schema"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"temperature": 3}, "temperature"),

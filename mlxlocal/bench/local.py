@@ -169,8 +169,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen_tokens: int | None = None,
               batch: int = 1, repeats: int = 3, warmup: int = 1, compare: str | None = None,
               scenario: str | None = None, concurrency: int | None = None, bandwidth: float | None = None,
-              prefix_cache: bool = True, turns: int = 6, system_tokens: int | None = None) -> dict:
-    """Load the model and run the speed section, or one scenario; one JSON-able dict."""
+              prefix_cache: bool = True, turns: int = 6, system_tokens: int | None = None,
+              grammar=None) -> dict:
+    """Load the model and run the speed section, one scenario, or (a grammar given) the
+    structured-output comparison; one JSON-able dict."""
     import mlx.core as mx
 
     from mlxlocal.source.loader import load
@@ -190,7 +192,13 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         weight_bytes=info.weights.total_bytes, scenario=scenario, compare=compare,
     )
     t0 = time.perf_counter()
-    if scenario is None:
+    if grammar is not None:
+        from mlxlocal.bench.structured import structured_bench
+
+        res["structured"] = structured_bench(loaded, grammar, prompt_tokens=p, gen_tokens=g,
+                                             batches=(1, batch) if batch > 1 else (1, 8),
+                                             repeats=repeats, warmup=warmup)
+    elif scenario is None:
         res["speed"] = speed_bench(loaded, prompt_tokens=p, gen_tokens=g, batch=batch, repeats=repeats,
                                    warmup=warmup, compare=compare, bandwidth=bandwidth)
     elif scenario == "agent":

@@ -46,6 +46,21 @@ def print_report(res: dict, console: Console | None = None) -> None:
         print_concurrent(res["concurrent"], con)
     if "sessions" in res:
         print_sessions(res["sessions"], con)
+    if "structured" in res:
+        print_structured(res["structured"], con)
+
+
+def print_structured(s: dict, con: Console) -> None:
+    t = Table(title=f"structured output ({s['grammar']}): prompt {s['prompt_tokens']}, up to {s['gen_tokens']} "
+                    f"tokens, greedy, medians of {s['repeats']} alternating runs")
+    for col in ("batch", "free decode tok/s", "constrained tok/s", "constrained ÷ free", "tokens/doc",
+                "forced", "complete"):
+        t.add_column(col, justify="right")
+    for r in s["batches"]:
+        t.add_row(str(r["batch"]), _num(r["free_decode_tps"], "{:.1f}"), _num(r["constrained_decode_tps"], "{:.1f}"),
+                  _num(r["ratio"], "x{:.2f}"), f"{r['constrained_tokens']:.0f}", f"{r['forced_share']:.0%}",
+                  f"{r['complete_share']:.0%}")
+    con.print(t)
 
 
 def print_speed(s: dict, con: Console) -> None:

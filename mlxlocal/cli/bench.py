@@ -25,6 +25,10 @@ of -p tokens, default 2048 clipped to the context, then a second turn on the cac
 memory over the resident weights and second-turn TTFT; --compare: one mlx-lm prompt
 cache per session).
 
+Structured output (--json-schema FILE): decode tok/s with the schema's grammar ÷ without,
+greedy, runs alternating, at batch 1 and 8 (or -b); the share of forced tokens and of
+complete documents.
+
 Replay (--url URL --replay FILE.jsonl): recorded client requests (/v1/messages,
 /v1/chat/completions, /v1/responses), one per line, streamed in order; a table of per-turn
 TTFT, total time, prompt and cached tokens from the server's usage (--json: one object);
@@ -56,6 +60,8 @@ def bench(
         "sent in order; per-turn TTFT, total time, prompt and cached tokens"),
     replay_path: Optional[str] = typer.Option(None, "--replay-path",
                                               help="Route for --replay lines that are bare request bodies"),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema",
+                                              help="Constrained ÷ free decode speed with this JSON schema file"),
 ) -> None:
     err = Console(stderr=True, soft_wrap=True)
 
@@ -98,6 +104,15 @@ def bench(
         fail("--bandwidth must be > 0 (GB/s)")
     if prompt_file is not None or requests is not None:
         fail("--prompt-file and --requests apply to --url only")
+    grammar = None
+    if json_schema is not None:
+        if scenario is not None or compare is not None:
+            fail("--json-schema runs its own comparison: no --scenario or --compare")
+        from pathlib import Path
+
+        from mlxlocal.cli.generate import output_constraint
+
+        grammar = output_constraint(Path(json_schema), None, None)  # exits 2 naming the file and fault
 
     from mlxlocal.bench.local import run_local
     from mlxlocal.bench.report import PlotUnavailable, print_report, write_plot
@@ -112,7 +127,7 @@ def bench(
         res = run_local(model=model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch,
                         repeats=repeats, warmup=warmup, compare=compare, scenario=scenario,
                         concurrency=concurrency, bandwidth=bandwidth, prefix_cache=not no_prefix_cache,
-                        turns=turns)
+                        turns=turns, grammar=grammar)
     except MlxLocalError as e:
         fail(str(e), 1)
     if plot:

@@ -55,6 +55,11 @@ def generate(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the output to JSON "
+                                               "valid against the JSON schema in this file"),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regex"),
+    grammar_file: Optional[Path] = typer.Option(None, "--grammar", help="Constrain the output to the GBNF or "
+                                                "Lark grammar in this file"),
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
     from mlxlocal.engine import open_engine
@@ -65,10 +70,11 @@ def generate(
         if sys.stdin.isatty():
             fail("no prompt: pass --prompt or pipe text on stdin", 2)
         prompt = sys.stdin.read()
+    constraint = output_constraint(json_schema, regex, grammar_file)
     params = sampling_params(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, grammar=constraint,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     try:
@@ -82,6 +88,8 @@ def generate(
                 {"role": "user", "content": prompt}
             ]
             ids = prompts.encode_chat(messages)
+        if constraint is not None:
+            params.grammar = after_reasoning(constraint, prompts, ids, max_tokens)
         # One request: a pool just big enough for it, unless told otherwise.
         options.setdefault("kv_tokens", len(ids) + max_tokens)
         engine = open_engine(loaded, max_num_seqs=1, **options)
@@ -111,6 +119,47 @@ def generate(
     if synthetic:
         err.print("(random weights: the text is gibberish on purpose; the numbers above are the "
                   "real speed of this model shape)", style="dim", highlight=False, markup=False)
+
+
+def output_constraint(json_schema: Optional[Path], regex: Optional[str], grammar_file: Optional[Path]):
+    """The Grammar the options ask for (at most one), or None; a bad file or schema exits 2
+    naming the file and the fault, before the model loads."""
+    from mlxlocal import grammar
+
+    given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar_file))
+             if v is not None]
+    if len(given) > 1:
+        fail(f"{given[0]} and {given[1]}: give at most one output constraint", 2)
+    try:
+        if regex is not None:
+            return grammar.regex(regex, "--regex")
+        for path, option in ((json_schema, "--json-schema"), (grammar_file, "--grammar")):
+            if path is None:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                fail(f"{option} {path}: cannot read it: {e}", 2)
+            if option == "--grammar":
+                return grammar.gbnf(text, str(path))
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                fail(f"{option} {path}: not valid JSON: {e}", 2)
+            return grammar.json_schema(schema, str(path))
+    except grammar.GrammarError as e:
+        fail(str(e), 2)
+    return None
+
+
+def after_reasoning(constraint, prompts, ids: list[int], max_tokens: int):
+    """The constraint applied after a thinking model's think block (as the server does)."""
+    from mlxlocal.grammar import with_reasoning
+
+    tok = prompts.tokenizer
+    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
+    opened = bool(start) and prompts.decode(ids[-8:]).rstrip().endswith(start)
+    return with_reasoning(constraint, tok, opened, max(1, max_tokens // 2))
 
 
 def stats_line(stats, context_length: int) -> str:

@@ -464,6 +464,7 @@ class PagedEngine(EngineBase):
     def _force(self, seq: Sequence) -> None:
         """Append the grammar's forced tokens as if sampled; the next step feeds them."""
         for token in seq.constraint.forced():
+            seq.stats.forced_tokens += 1
             self._accept(seq, token)
             if seq.status is Status.FINISHED:
                 return

@@ -133,6 +133,7 @@ class GenerationStats:
     # Requests with a grammar: whether the output is a complete document of it (False after
     # a "length" finish that cut it short); None without a grammar.
     grammar_complete: bool | None = None
+    forced_tokens: int = 0  # of completion_tokens: the grammar's only continuation, fed without sampling
 
     def set_finish(self, reason: str, max_tokens: int, cause: str | None = None) -> None:
         """Record the finish reason; call after completion_tokens is final. Both engines

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal.engine import SamplingParams
+from mlxlocal.server import formats
 from mlxlocal.server.anthropic_request import (
     Thinking,
     check_fields,
@@ -224,11 +225,13 @@ def _sse(event: dict) -> str:
 async def messages(request: Request):
     body = await read_body(request)
     params = sampling_params(body)
+    constraint = await formats.anthropic(body.get("output_config"))  # a bad schema: 400 before loading
     engine, ids, tools, thinking = await prepare(request, body, params)
+    await formats.constrain(params, constraint, engine, ids, think_budget=thinking.budget)
     model = body["model"]
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors.
     parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
-                               think_budget=thinking.budget)
+                               think_budget=None if constraint is not None else thinking.budget)
     events = _events(engine, ids, params, thinking, parsed)
 
     if not body.get("stream", False):

@@ -15,7 +15,8 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
                                             (gpt-oss: low / medium / high; xhigh and max are
                                             high); elsewhere accepted without effect, as
                                             those models have no effort control
-  output_config.format                      -> 400 (no constrained decoding here)
+  output_config.format                      json_schema: the text is constrained to it
+                                            (server/formats.py; a bad schema -> 400)
   cache_control (top level and on blocks)   accepted: the prefix cache is automatic
   metadata, service_tier, speed,            accepted, ignored (accounting and routing)
   inference_geo, diagnostics, container
@@ -119,9 +120,6 @@ def check_fields(body: dict) -> None:
     if config is not None:
         if not isinstance(config, dict):
             raise APIError(400, "output_config: must be an object", param="output_config")
-        if config.get("format") is not None:
-            raise APIError(400, "output_config.format: structured outputs are not supported by this server",
-                           param="output_config.format")
         effort = config.get("effort")
         if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
             raise APIError(400, f"output_config.effort: must be low, medium, high, xhigh or max, got {effort!r}",

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal import __version__
 from mlxlocal.engine import SamplingParams
+from mlxlocal.server import formats
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.events import StreamEvent, open_events
 from mlxlocal.server.registry import parse_duration
@@ -89,11 +90,6 @@ def sampling_params(options: Any, context_length: int) -> SamplingParams:
     return params
 
 
-def _check_format(body: dict) -> None:
-    fmt = body.get("format")
-    if fmt:
-        raise APIError(400, "format: structured output (JSON mode / JSON schema) is not supported by this server",
-                       param="format")
 
 
 # --- the model's lifetime during a request -----------------------------------------
@@ -274,7 +270,7 @@ def _flags(body: dict, *names: str):
 async def chat(request: Request):
     t_start = time.perf_counter()
     body = await read_body(request)
-    _check_format(body)
+    constraint = await formats.ollama(body.get("format"))
     _flags(body)
     messages = convert_messages(body["messages"]) if body.get("messages") else []
     tools = body.get("tools") or None
@@ -289,6 +285,7 @@ async def chat(request: Request):
         params = sampling_params(body.get("options"), engine.context_length)
         sure = text_bytes(*(msg["content"] for msg in messages if msg["role"] != "assistant"))
         ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools)
+        await formats.constrain(params, constraint, engine, ids)
         check_params(params, {**_NAMES, "prompt": "messages"}, engine, ids)
     except BaseException:
         release(m)
@@ -310,7 +307,7 @@ def _load_reply(body: dict, m, chat: bool) -> dict:
 async def generate(request: Request):
     t_start = time.perf_counter()
     body = await read_body(request)
-    _check_format(body)
+    constraint = await formats.ollama(body.get("format"))
     _flags(body, "raw")
     for unsupported in ("suffix", "images", "template"):
         if body.get(unsupported):
@@ -335,6 +332,7 @@ async def generate(request: Request):
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = await tokenize(engine, text_bytes(prompt, system), "prompt", engine.encode_chat, messages)
+        await formats.constrain(params, constraint, engine, ids)
         check_params(params, {**_NAMES, "prompt": "prompt"}, engine, ids)
     except BaseException:
         release(m)

@@ -19,7 +19,9 @@ Notes on behaviour:
   tool-call syntax with the arguments under the tool's parameters schema (strict tools
   exactly), see tool_choice.py; a named one offers only that tool. With "auto" the model
   may answer in text. A forced call wins over a response_format in the same request.
-- response_format other than {"type": "text"} and n > 1 are refused (400).
+- response_format (json_object, json_schema with strict) and the extension fields
+  structured_outputs / guided_* / grammar / regex constrain the output (see formats.py);
+  an invalid or unsupported schema is a 400 naming the keyword. n > 1 is refused (400).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import Chunk, SamplingParams
-from mlxlocal.server import model_cards
+from mlxlocal.server import formats, model_cards
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
@@ -162,6 +164,7 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -334,9 +337,8 @@ def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | Non
 
 
 async def _prepare_chat(req: ChatCompletionRequest, request: Request):
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format type '{req.response_format.type}' is not supported by this "
-                            "server (only 'text')", param="response_format")
+    rf = req.response_format.model_dump() if req.response_format is not None else None
+    constraint = await formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     messages = _template_messages(req.messages)
@@ -351,6 +353,7 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         params.grammar = await forced_call_grammar(engine, tools, named, ids, req.parallel_tool_calls is not False)
+    await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     return engine, ids, params, tools
 
@@ -475,8 +478,11 @@ async def completions(req: CompletionRequest, request: Request):
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     names = {"prompt": "prompt"}
     params = _sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, names)
+    rf = req.response_format.model_dump() if req.response_format is not None else None
+    constraint = await formats.openai_chat(rf, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
     ids = await _prompt_ids(req, engine)
+    await formats.constrain(params, constraint, engine, ids, parsed=False)
     check_params(params, names, engine, ids)
     echo = engine.decode(ids) if req.echo else ""
     chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics)

@@ -22,7 +22,7 @@ Notes on behaviour:
   every Codex turn fail).
 - Refused with a 400 naming the field, because they change the output and are not honoured:
   other tool types (custom grammars, unknown types), image /
-  file / audio content, text.format other than text, text.verbosity other than medium,
+  file / audio content, text.verbosity other than medium,
   reasoning.effort other than medium, max_tool_calls, top_logprobs, background, prompt,
   conversation, include "message.output_text.logprobs".
 - Accepted and ignored, as they do not change what is generated: reasoning.summary, metadata, user, safety_identifier, prompt_cache_key, prompt_cache_retention,
@@ -30,6 +30,8 @@ Notes on behaviour:
   conversation over the context is a 400, never silently cut). strict on a function
   tool: its arguments are held to the schema exactly when a call is forced (tool_choice);
   without strict they are held to it as far as the grammar engine implements it.
+- text.format json_object / json_schema (and the extension fields structured_outputs,
+  grammar, regex) constrain the output message: see formats.py.
 - parallel_tool_calls=false keeps only the model's first function call (and a forced call
   is one call).
 - instructions and the system / developer messages before the first other item are one
@@ -55,6 +57,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import SamplingParams
+from mlxlocal.server import formats
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import Finish, StreamEvent, open_events
 from mlxlocal.server.parse import Event
@@ -171,9 +174,6 @@ def _refuse(req: ResponsesRequest) -> None:
         no("conversation", "conversations are not supported; use previous_response_id")
     if req.include and "message.output_text.logprobs" in req.include:
         no("include", "message.output_text.logprobs is not supported")
-    fmt = (req.text.format or {}).get("type") if req.text else None
-    if fmt not in (None, "text"):
-        no("text.format", f"format type {fmt!r} is not supported by this server (only 'text')")
     if req.text and req.text.verbosity not in (None, "medium"):
         no("text.verbosity", f"{req.text.verbosity!r} cannot be honoured by a local model (leave it unset)")
     if req.reasoning and req.reasoning.effort not in (None, "medium"):
@@ -353,7 +353,7 @@ def _response_object(req: ResponsesRequest, tools: list | None) -> dict:
         "store": req.store is not False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (req.text.format if req.text and req.text.format else {"type": "text"})},
         "tool_choice": req.tool_choice or "auto",
         "tools": tools or [],
         "truncation": req.truncation or "disabled",
@@ -383,10 +383,12 @@ async def create_response(req: ResponsesRequest, request: Request):
                             temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p)
     check_params(params, names)
+    constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "input")
     if tools and (choice == "required" or named is not None):
         params.grammar = await forced_call_grammar(engine, tools, named, ids, req.parallel_tool_calls is not False)
+    await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
 
