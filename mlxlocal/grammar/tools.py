@@ -29,10 +29,9 @@ Other families (minimax_m2, minicpm5 and muse_spark XML, whose parsers need the 
 escaped or CDATA; pythonic, gemma4, function_gemma) raise GrammarError naming the family:
 the request is refused rather than answered without the constraint.
 
-Generation that starts inside a think block (the prompt opened it) must close it before
-the calls; otherwise the calls come first, with no think block. (A hybrid thinker such as
-Qwen 3 answers a forced call as in its non-thinking mode: an unconstrained think block could
-spend the whole budget before the call.)
+A thinking model may reason first, as for every other constraint (grammar.with_reasoning):
+a think block the prompt opened must be closed before the calls; otherwise one may come
+first. `max_think_tokens` bounds it, so the calls always get room.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from llguidance import LLMatcher, regex_to_lark
 
 from mlxlocal.engine.types import Grammar
 from mlxlocal.grammar.errors import GrammarError
+from mlxlocal.grammar.formats import with_reasoning
 
 # JSON whitespace inside arguments: at most 8 characters wherever JSON allows some. llguidance's
 # default ([ \t\n\r]+ at each spot) lets a model that is unsure, and a random-weight model
@@ -325,21 +325,6 @@ def _xml_arguments(i: int, tool: dict, fam: str, param: str) -> list[str]:
     return [*rules, f"args_{i}: {' '.join(seq)}" if seq else f'args_{i}: ""']
 
 
-def _reasoning_rules(tokenizer: Any, max_think_tokens: int | None) -> list[str]:
-    """Rules for `think`: free text up to the think-end marker, then at most two newlines
-    (templates put "\\n\\n" after the block). With `max_think_tokens`, after that many
-    tokens of it only the marker is allowed (a thinking budget inside the grammar)."""
-    marker = _marker(tokenizer, tokenizer.think_end)
-    if marker.startswith("<["):  # a token: text cannot contain it, so the text ends there
-        head = f"think_text[max_tokens={int(max_think_tokens)}]" if max_think_tokens else "think_text"
-        return [f"think: think_text {marker} GAP?", f"{head}: /(?s:.*)/", "GAP: /\\n{1,2}/"]
-    # A marker in plain text: the think text ends at its first occurrence (a lazy lexeme with
-    # the marker as suffix). llguidance's max_tokens would end such a lexeme without its
-    # suffix, so a budget here bounds characters instead (about 4 per token).
-    text = f"/(?s:.{{0,{4 * int(max_think_tokens)}}})/" if max_think_tokens else "/(?s:.*)/"
-    return ["think: think_text GAP?", f"think_text[suffix={marker}]: {text}", "GAP: /\\n{1,2}/"]
-
-
 def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
                starts_in_reasoning: bool = False, parallel: bool = True,
                max_think_tokens: int | None = None) -> Grammar:
@@ -348,7 +333,8 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
     more (families without markers: always one). `tools` are chat-completions shaped
     ({"type": "function", "function": {name, parameters, strict?}}; a top-level `strict`
     counts too). `param` is the request field named in errors (GrammarError).
-    `max_think_tokens` bounds the think block the prompt opened (Anthropic budget_tokens)."""
+    For a thinking tokenizer the calls may follow a think block (must, when the prompt opened
+    one: `starts_in_reasoning`) of at most `max_think_tokens`."""
     fam = family(tokenizer)
     if fam not in ("", *_JSON_PARSERS, *_XML):
         raise GrammarError(f"{param}: tool calls of this model's family ({fam}) cannot be enforced "
@@ -367,13 +353,9 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
     for i, t in enumerate(offered):
         rules += (_xml_arguments(i, t, fam, param) if fam in _XML else
                   [f"args_{i}: %json {json.dumps(arguments_schema(t, param), ensure_ascii=False)}"])
-    top = "start: calls"
-    if starts_in_reasoning and getattr(tokenizer, "has_thinking", False) and getattr(tokenizer, "think_end", None):
-        top = "start: think calls"
-        rules += _reasoning_rules(tokenizer, max_think_tokens)
-    lark = "\n".join([top, *rules]) + "\n"
+    lark = "\n".join(["start: calls", *rules]) + "\n"
     spec = LLMatcher.grammar_from_lark(lark)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(spec)
     if is_error:  # a tool name or schema that breaks the grammar text
         raise GrammarError(f"{param}: cannot build the tool-call grammar: {messages[0].splitlines()[0]}", param)
-    return Grammar(spec, param)
+    return with_reasoning(Grammar(spec, param), tokenizer, starts_in_reasoning, max_think_tokens)

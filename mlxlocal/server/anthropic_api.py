@@ -96,8 +96,8 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
     if params is not None and forced is not None:
         # The thinking budget goes into the grammar: the engine's own budget (events.py) would
         # restart the constrained reply after a think-end marker the grammar has not seen.
-        params.grammar = await forced_call_grammar(engine, tools, forced[0], ids, forced[1],
-                                                   max_think_tokens=thinking.budget)
+        params.grammar = await forced_call_grammar(engine, tools, forced[0], ids, params.max_tokens, forced[1],
+                                                   think_budget=thinking.budget)
         thinking = replace(thinking, budget=None)
     if params is not None:
         check_params(params, _NAMES, engine, ids)

@@ -352,7 +352,8 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     choice = req.tool_choice
     if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        params.grammar = await forced_call_grammar(engine, tools, named, ids, req.parallel_tool_calls is not False)
+        params.grammar = await forced_call_grammar(engine, tools, named, ids, params.max_tokens,
+                                                   req.parallel_tool_calls is not False)
     await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     return engine, ids, params, tools

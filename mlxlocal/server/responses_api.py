@@ -387,7 +387,8 @@ async def create_response(req: ResponsesRequest, request: Request):
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "input")
     if tools and (choice == "required" or named is not None):
-        params.grammar = await forced_call_grammar(engine, tools, named, ids, req.parallel_tool_calls is not False)
+        params.grammar = await forced_call_grammar(engine, tools, named, ids, params.max_tokens,
+                                                   req.parallel_tool_calls is not False)
     await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)

@@ -3,7 +3,7 @@
 Decoding is constrained to the model family's own tool-call syntax (grammar/tools.py): the
 reply is one call (or, when parallel calls are allowed, several) of an offered tool (only
 the named one for a named choice), with arguments under the tool's parameters schema, and
-nothing else. A system hint also tells the model which call is wanted, so a real model
+nothing else (after a think block, for a thinking model). A system hint also tells the model which call is wanted, so a real model
 fills the arguments in knowingly rather than only because it must. A family whose calls
 the grammar cannot express is a 400 naming the field, never a silently unforced reply.
 
@@ -32,15 +32,17 @@ def require_call(messages: list[dict], name: str | None = None) -> None:
         messages.insert(0, {"role": "system", "content": hint})
 
 
-async def forced_call_grammar(engine, tools: list[dict], name: str | None, ids: list[int],
-                              parallel: bool = True, param: str = "tool_choice",
-                              max_think_tokens: int | None = None) -> Grammar:
+async def forced_call_grammar(engine, tools: list[dict], name: str | None, ids: list[int], max_tokens: int,
+                              parallel: bool = True, think_budget: int | None = None,
+                              param: str = "tool_choice") -> Grammar:
     """The grammar for a required call of `tools` (chat-completions shaped, as rendered) or of
-    the one named, for the prompt `ids` (whether it opens a think block, which may then
-    run for at most `max_think_tokens`). Built on a worker thread: compiling many tools'
-    schemas takes a while. GrammarError -> a 400 on `param`."""
+    the one named, for the prompt `ids`. A thinking model may think first, for at most
+    `think_budget` tokens or else half of max_tokens (as formats.constrain allows before a
+    response format), so the calls always get room. Built on a worker thread: compiling
+    many tools' schemas takes a while. GrammarError -> a 400 on `param`."""
+    budget = think_budget if think_budget is not None else max(1, max_tokens // 2)
     try:
         return await asyncio.to_thread(tool_calls, engine.tokenizer, tools, name, param,
-                                       starts_in_reasoning(engine, ids), parallel, max_think_tokens)
+                                       starts_in_reasoning(engine, ids), parallel, budget)
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None
