@@ -202,3 +202,19 @@ def test_a_schema_that_cannot_be_enforced_is_a_400(oai, claude, served):
     # Not forced: the same tool is only offered, and the model may answer in text.
     r = oai.chat.completions.create(model=model, messages=ASK, tools=[odd], max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_forced_call_wins_over_a_response_format(oai, claude, served):
+    model = served[1]["qwen3"]
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 5}},
+              "required": ["answer"], "additionalProperties": False}
+    r = oai.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS, temperature=0.7,
+        seed=3, parallel_tool_calls=False,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+    valid(calls, set(SCHEMAS), 1)
+    msg = claude.messages.create(model=model, max_tokens=MAX_TOKENS, messages=ASK, tools=_anthropic_tools(),
+                                 tool_choice={"type": "tool", "name": "set_alarm", "disable_parallel_tool_use": True},
+                                 extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    valid([(b.name, json.dumps(b.input)) for b in msg.content if b.type == "tool_use"], {"set_alarm"}, 1)
