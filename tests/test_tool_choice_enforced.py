@@ -218,3 +218,28 @@ def test_a_forced_call_wins_over_a_response_format(oai, claude, served):
                                  tool_choice={"type": "tool", "name": "set_alarm", "disable_parallel_tool_use": True},
                                  extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
     valid([(b.name, json.dumps(b.input)) for b in msg.content if b.type == "tool_use"], {"set_alarm"}, 1)
+
+
+def test_forced_and_free_requests_in_one_batch(served):
+    """Concurrent requests share the engine's batch: each forced one still gets valid calls,
+    and the free ones run alongside (only their own limits end them)."""
+    import asyncio
+
+    model = served[1]["qwen3"]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as client:
+            forced = [client.chat.completions.create(
+                model=model, messages=ASK, tools=TOOLS, tool_choice=_choice((None, "search", "set_alarm")[k % 3]),
+                max_tokens=MAX_TOKENS, temperature=1.0, seed=10 + k, parallel_tool_calls=False) for k in range(4)]
+            free = [client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=40,
+                                                   temperature=1.0, seed=20 + k) for k in range(2)]
+            return await asyncio.gather(*forced, *free)
+
+    results = asyncio.run(run())
+    for k, r in enumerate(results[:4]):
+        name = (None, "search", "set_alarm")[k % 3]
+        valid([(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls],
+              {name} if name else set(SCHEMAS), 1)
+    assert all(r.choices[0].finish_reason in ("stop", "length", "tool_calls") for r in results[4:])
