@@ -246,6 +246,23 @@ def test_generate_json_schema(tiny_model, tmp_path):
     assert out.exit_code == 2 and "missing.json" in out.output
 
 
+def test_generate_says_when_the_document_was_cut_short(tiny_model, tmp_path):
+    """max_tokens too small for the schema: finish "length", and both outputs say the text
+    is not a whole document."""
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 40}))
+    args = ["generate", "--model", str(tiny_model), "--prompt", "x", "--max-tokens", "6", "--json-schema", str(path)]
+    out = CliRunner().invoke(app, args + ["--json"])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["finish_reason"] == "length" and result["grammar_complete"] is False
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0 and "output incomplete: the constraint was not finished" in out.stderr
+
+
 def test_constrain_bounds_the_think_block_by_the_budget(server, oai, model):
     """Anthropic's thinking budget with a format: the grammar itself closes the block at the
     budget (no second pass that would restart the grammar); otherwise half of max_tokens."""
