@@ -96,6 +96,14 @@ def test_parse_with_pydantic(oai, model):
     assert isinstance(person, Person) and 0 <= person.age <= 99
 
 
+def test_parse_cut_short_raises_in_the_client(oai, model):
+    """A document max_tokens cuts short is a "length" finish: the client's parse says so
+    (LengthFinishReasonError) instead of handing back broken JSON."""
+    with pytest.raises(openai.LengthFinishReasonError):
+        oai.chat.completions.parse(model=model, messages=ASK, max_tokens=3, temperature=1.0, seed=5,
+                                   response_format=Person)
+
+
 def test_completions_formats(oai, model):
     r = oai.completions.create(model=model, prompt="JSON:", max_tokens=MAX, temperature=1.0, seed=2,
                                extra_body={"response_format": {"type": "json_schema", "json_schema": {
