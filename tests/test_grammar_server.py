@@ -96,6 +96,14 @@ def test_parse_with_pydantic(oai, model):
     assert isinstance(person, Person) and 0 <= person.age <= 99
 
 
+def test_parse_cut_short_raises_in_the_client(oai, model):
+    """A document max_tokens cuts short is a "length" finish: the client's parse says so
+    (LengthFinishReasonError) instead of handing back broken JSON."""
+    with pytest.raises(openai.LengthFinishReasonError):
+        oai.chat.completions.parse(model=model, messages=ASK, max_tokens=3, temperature=1.0, seed=5,
+                                   response_format=Person)
+
+
 def test_completions_formats(oai, model):
     r = oai.completions.create(model=model, prompt="JSON:", max_tokens=MAX, temperature=1.0, seed=2,
                                extra_body={"response_format": {"type": "json_schema", "json_schema": {
@@ -244,6 +252,23 @@ def test_generate_json_schema(tiny_model, tmp_path):
     out = CliRunner().invoke(app, ["generate", "--model", str(tiny_model), "--prompt", "x",
                                    "--json-schema", str(tmp_path / "missing.json")])
     assert out.exit_code == 2 and "missing.json" in out.output
+
+
+def test_generate_says_when_the_document_was_cut_short(tiny_model, tmp_path):
+    """max_tokens too small for the schema: finish "length", and both outputs say the text
+    is not a whole document."""
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 40}))
+    args = ["generate", "--model", str(tiny_model), "--prompt", "x", "--max-tokens", "6", "--json-schema", str(path)]
+    out = CliRunner().invoke(app, args + ["--json"])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["finish_reason"] == "length" and result["grammar_complete"] is False
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0 and "output incomplete: the constraint was not finished" in out.stderr
 
 
 def test_constrain_bounds_the_think_block_by_the_budget(server, oai, model):

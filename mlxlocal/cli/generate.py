@@ -169,6 +169,8 @@ def stats_line(stats, context_length: int) -> str:
            "kv_cache": "KV cache full: raise --kv-cache-memory"}.get(stats.truncated_by)
     if why:
         finish += f" ({why})"
+    if stats.grammar_complete is False:  # cut short: what was printed does not parse
+        finish += ", output incomplete: the constraint was not finished"
     return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), {stats.prefill_tps:.1f} tok/s"
             f" · reply {stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s"
             f" · TTFT {stats.ttft_s * 1000:.0f} ms · peak memory {human_bytes(stats.peak_memory_bytes)}"
