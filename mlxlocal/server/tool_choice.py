@@ -3,9 +3,10 @@
 Decoding is constrained to the model family's own tool-call syntax (grammar/tools.py): the
 reply is one call (or, when parallel calls are allowed, several) of an offered tool (only
 the named one for a named choice), with arguments under the tool's parameters schema, and
-nothing else (after a think block, for a thinking model). A system hint also tells the model which call is wanted, so a real model
-fills the arguments in knowingly rather than only because it must. A family whose calls
-the grammar cannot express is a 400 naming the field, never a silently unforced reply.
+nothing else (after a think block, for a thinking model). A system hint also tells the
+model which call is wanted, so a real model fills the arguments in knowingly rather than
+only because it must. A family whose calls the grammar cannot express is a 400 naming the
+field, never a silently unforced reply.
 
 A forced call and a response format in one request: the call wins (its grammar replaces the
 format's), as a reply cannot be both a tool call and a document.
