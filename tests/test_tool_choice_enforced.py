@@ -67,6 +67,15 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_choice")
     paths = {f: str(build_tiny(root / f, dict(FAMILY_CONFIGS[f], max_position_embeddings=8192),
                                template=TEMPLATES[f])) for f in FAMILIES}
+    # A thinker whose template opens the think block (as DeepSeek-R1 / QwQ templates do): the
+    # grammar must let it close the block before the call.
+    thinker = build_tiny(root / "thinker", dict(FAMILY_CONFIGS["qwen3"], max_position_embeddings=8192))
+    config = json.loads((thinker / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace(
+        "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    assert "assistant\\n<think>" in config["chat_template"]
+    (thinker / "tokenizer_config.json").write_text(json.dumps(config))
+    paths["thinker"] = str(thinker)
     with running_server(ServerConfig(models=list(paths.values()))) as (url, _):
         yield url, paths
 
@@ -243,3 +252,19 @@ def test_forced_and_free_requests_in_one_batch(served):
         valid([(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls],
               {name} if name else set(SCHEMAS), 1)
     assert all(r.choices[0].finish_reason in ("stop", "length", "tool_calls") for r in results[4:])
+
+
+def test_a_think_block_the_prompt_opened_closes_before_the_call(oai, claude, served):
+    model = served[1]["thinker"]
+    # The budget (half of max_tokens here) ends the think block if the model does not.
+    r = oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                    max_tokens=600, temperature=1.0, seed=5, parallel_tool_calls=False)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and not (message.content or "").strip()
+    assert getattr(message, "reasoning_content", None) is not None
+    valid([(c.function.name, c.function.arguments) for c in message.tool_calls], set(SCHEMAS), 1)
+    msg = claude.messages.create(model=model, max_tokens=1600, messages=ASK, tools=_anthropic_tools(),
+                                 tool_choice={"type": "tool", "name": "search", "disable_parallel_tool_use": True},
+                                 extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert [b.type for b in msg.content] == ["thinking", "tool_use"], msg.content
+    valid([(b.name, json.dumps(b.input)) for b in msg.content if b.type == "tool_use"], {"search"}, 1)
