@@ -268,3 +268,18 @@ def test_a_think_block_the_prompt_opened_closes_before_the_call(oai, claude, ser
                                  extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}})
     assert [b.type for b in msg.content] == ["thinking", "tool_use"], msg.content
     valid([(b.name, json.dumps(b.input)) for b in msg.content if b.type == "tool_use"], {"search"}, 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_many_seeds_always_call(oai, served, family):
+    """The acceptance bar on a random model: every forced request, whatever the seed and
+    temperature, is a call whose arguments validate."""
+    model = served[1][family]
+    for seed in range(10):
+        name = (None, "get_weather", "search", "set_alarm")[seed % 4]
+        r = oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=_choice(name),
+                                        max_tokens=MAX_TOKENS, temperature=(0.3, 0.8, 1.5)[seed % 3], seed=100 + seed,
+                                        parallel_tool_calls=False)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        valid([(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls],
+              {name} if name else set(SCHEMAS), 1)
