@@ -9,5 +9,7 @@ grammar token by token. See schema.py for the JSON Schema keywords supported and
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.formats import choice, gbnf, lark, regex, with_reasoning
 from mlxlocal.grammar.schema import json_object, json_schema
+from mlxlocal.grammar.tools import tool_calls
 
-__all__ = ["GrammarError", "choice", "gbnf", "json_object", "json_schema", "lark", "regex", "with_reasoning"]
+__all__ = ["GrammarError", "choice", "gbnf", "json_object", "json_schema", "lark", "regex", "tool_calls",
+           "with_reasoning"]
