@@ -18,8 +18,8 @@ import pytest
 from llguidance import LLMatcher
 
 from mlxlocal.grammar.errors import GrammarError
+from mlxlocal.grammar.parse import OutputParser
 from mlxlocal.grammar.tools import MAX_CALLS, family, tool_calls
-from mlxlocal.server.parse import OutputParser
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather", "strict": True,

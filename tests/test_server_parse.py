@@ -7,7 +7,7 @@ import json
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlxlocal.server.parse import OutputParser
+from mlxlocal.grammar.parse import OutputParser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal.engine import SamplingParams
+from mlxlocal.grammar.parse import Event
 from mlxlocal.server import formats
 from mlxlocal.server.anthropic_request import (
     Thinking,
@@ -35,7 +36,6 @@ from mlxlocal.server.anthropic_request import (
 )
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.events import Finish, StreamEvent, open_events
-from mlxlocal.server.parse import Event
 from mlxlocal.server.tool_choice import forced_call_grammar
 from mlxlocal.server.validation import (
     boolean,

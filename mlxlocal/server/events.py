@@ -19,10 +19,10 @@ from fastapi import Request
 
 from mlxlocal.engine import Chunk, SamplingParams
 from mlxlocal.engine.types import GenerationStats
+from mlxlocal.grammar.parse import Event, OutputParser
 from mlxlocal.server import generation
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.metrics import Metrics
-from mlxlocal.server.parse import Event, OutputParser
 
 
 @dataclass

@@ -57,10 +57,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import SamplingParams
+from mlxlocal.grammar.parse import Event
 from mlxlocal.server import formats
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import Finish, StreamEvent, open_events
-from mlxlocal.server.parse import Event
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages
 from mlxlocal.server.responses_items import (
     chat_tools,
