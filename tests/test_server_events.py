@@ -8,8 +8,9 @@ import pytest
 
 from mlxlocal.engine import Chunk, EngineDeadError, SamplingParams
 from mlxlocal.errors import ContextLengthError
+from mlxlocal.grammar.parse import starts_in_reasoning
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import open_events, starts_in_reasoning
+from mlxlocal.server.events import open_events
 from mlxlocal.server.metrics import Metrics
 
 

@@ -26,6 +26,16 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+def starts_in_reasoning(engine, ids: list[int]) -> bool:
+    """Whether generation begins inside a think block: the prompt ends with the opening
+    marker (templates such as DeepSeek-R1 / QwQ put it after the assistant header).
+    Only the very end counts: an unclosed marker earlier in the tail is message text (a
+    user asking about `<think>`), and treating it as open would file the answer as reasoning."""
+    tok = engine.tokenizer
+    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
+    return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
+
+
 def _tool_event(parsed: Any) -> list[Event]:
     calls = parsed if isinstance(parsed, list) else [parsed]
     events = []

@@ -19,7 +19,7 @@ from fastapi import Request
 
 from mlxlocal.engine import Chunk, SamplingParams
 from mlxlocal.engine.types import GenerationStats
-from mlxlocal.grammar.parse import Event, OutputParser
+from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
 from mlxlocal.server import generation
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.metrics import Metrics
@@ -41,16 +41,6 @@ class Finish:
 
 
 StreamEvent = Token | Event | Finish
-
-
-def starts_in_reasoning(engine, ids: list[int]) -> bool:
-    """Whether generation begins inside a think block: the prompt ends with the opening
-    marker (templates such as DeepSeek-R1 / QwQ put it after the assistant header).
-    Only the very end counts: an unclosed marker earlier in the tail is message text (a
-    user asking about `<think>`), and treating it as open would file the answer as reasoning."""
-    tok = engine.tokenizer
-    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
-    return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
 
 
 async def open_chunks(request: Request, engine, ids: list[int], params: SamplingParams,

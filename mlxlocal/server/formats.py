@@ -27,8 +27,8 @@ from typing import Any
 from mlxlocal import grammar
 from mlxlocal.engine import SamplingParams
 from mlxlocal.engine.types import Grammar
+from mlxlocal.grammar.parse import starts_in_reasoning
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import starts_in_reasoning
 
 # Extension fields: top-level name -> structured_outputs key it means.
 _TOP_LEVEL = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",

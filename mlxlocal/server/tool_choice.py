@@ -18,9 +18,9 @@ import asyncio
 
 from mlxlocal.engine.types import Grammar
 from mlxlocal.grammar.errors import GrammarError
+from mlxlocal.grammar.parse import starts_in_reasoning
 from mlxlocal.grammar.tools import tool_calls
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import starts_in_reasoning
 
 
 def require_call(messages: list[dict], name: str | None = None) -> None:
