@@ -1,0 +1,380 @@
+"""The tool loop: the local model calls MCP tools until it answers.
+
+One `ToolLoop` is one agent conversation on one engine session. A turn (`run(text)`):
+render the conversation with the MCP tools as the chat template's `tools=`, generate, split
+the output into reasoning / content / tool calls with the family's parser
+(grammar/parse.py), put every call through the Rule-of-Two policy (allow: call it; ask: the
+`approve` callback decides; block: the policy's own result), send the results back as
+`role: "tool"` messages, and generate again, until a reply has no tool call or `max_steps`
+generations have run.
+
+The loop keeps the token ids the model saw and produced; a step's prompt is those ids plus
+the template's continuation (`encode_continuation`: the end of the reply, the tool
+messages, the next assistant header), so the session's KV cache is a prefix of it and only
+the new tokens are prefilled (`StepStats.cached_tokens`).
+
+Everything that happens goes out as `AgentEvent`s through one callback, so the chat REPL,
+`mlxlocal run` and its `--json` transcript all render the same events. Engine contract only:
+no MLX arrays here, and nothing from the front ends (cli, chat, server).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
+from mlxlocal.engine import SamplingParams
+from mlxlocal.engine.contract import Engine
+from mlxlocal.errors import MlxLocalError
+from mlxlocal.grammar.parse import OutputParser, new_call_id, starts_in_reasoning
+
+# Templates want a plain identifier as a function name; MCP tool ids are "server.name".
+# Flattened as Responses namespaces are (server/responses_items.py): "server__name".
+NAME_SEP = "__"
+SHORT_RESULT = 200  # characters of a tool result shown in an event line
+
+
+class Hub(Protocol):
+    """What the loop needs of the MCP client (agents/client.py McpHub)."""
+
+    @property
+    def tools(self) -> list[ToolInfo]: ...
+
+    def call(self, tool_id: str, arguments: dict[str, Any], timeout: float = 60,
+             cancel: threading.Event | None = None) -> ToolResult: ...
+
+
+class Policy(Protocol):
+    """What the loop needs of the Rule-of-Two policy (agents/policy.py RuleOfTwo)."""
+
+    def check(self, call: ToolCall) -> Decision: ...
+
+    def record(self, call: ToolCall, result: ToolResult) -> None: ...
+
+    def approve(self, call: ToolCall) -> Any: ...
+
+    def note_user_input(self, untrusted: bool, what: str = ...) -> None: ...
+
+    def stopped_result(self, decision: Decision) -> ToolResult: ...
+
+
+Approve = Callable[[ToolCall, Decision], bool]
+
+
+def function_name(tool_id: str) -> str:
+    server, _, name = tool_id.partition(".")
+    return f"{server}{NAME_SEP}{name}"
+
+
+def tool_schemas(tools: Sequence[ToolInfo]) -> list[dict[str, Any]]:
+    """MCP tools as the OpenAI function schemas chat templates render."""
+    return [{"type": "function", "function": {
+        "name": function_name(t.id), "description": t.description or t.annotations.get("title", ""),
+        "parameters": t.input_schema or {"type": "object"}}} for t in tools]
+
+
+def short(text: str, limit: int = SHORT_RESULT) -> str:
+    one_line = " ".join(text.split())
+    return one_line if len(one_line) <= limit else one_line[: limit - 1] + "…"
+
+
+@dataclass
+class StepStats:
+    """One generation: `new_tokens` were prefilled, `cached_tokens` came from the KV cache."""
+
+    step: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "new_tokens": self.new_tokens, "completion_tokens": self.completion_tokens,
+                "finish_reason": self.finish_reason}
+
+
+@dataclass
+class CallRecord:
+    """One tool call of a step: what the model asked, what the policy said, what came back."""
+
+    id: str
+    function: str  # the name the model called ("server__name")
+    tool: str  # the MCP tool id ("server.name"); "" when the name is no known tool
+    arguments: Any  # a dict, or the text when it was not JSON
+    decision: Decision | None = None
+    approved: bool | None = None  # for an "ask": the human's (or --yes's) answer
+    result: ToolResult | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        r = self.result
+        return {"id": self.id, "function": self.function, "tool": self.tool, "arguments": self.arguments,
+                "decision": self.decision.as_dict() if self.decision else None, "approved": self.approved,
+                "result": None if r is None else {"text": r.text, "error": r.error, "truncated": r.truncated,
+                                                  "stopped_by_policy": r.stopped_by_policy}}
+
+
+@dataclass
+class AgentEvent:
+    """kind: "step" (a generation starts), "reasoning" / "content" (text as it streams),
+    "tool_call" (call: CallRecord with its arguments), "decision" (the policy's verdict on
+    it; "ask" comes before the approve callback runs), "tool_result" (call.result),
+    "step_end" (stats), "finish" (reason, note, the turn's steps)."""
+
+    kind: str
+    step: int
+    text: str = ""
+    call: CallRecord | None = None
+    stats: StepStats | None = None
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "step": self.step}
+        if self.text:
+            out["text"] = self.text
+        if self.call is not None:
+            out["call"] = self.call.as_dict()
+        if self.stats is not None:
+            out["stats"] = self.stats.as_dict()
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass
+class Step:
+    stats: StepStats
+    reasoning: str = ""
+    content: str = ""
+    calls: list[CallRecord] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.stats.as_dict(), "reasoning": self.reasoning, "content": self.content,
+                "calls": [c.as_dict() for c in self.calls]}
+
+
+@dataclass
+class TurnResult:
+    """finish: "answer" (a reply without tool calls), "length" (that reply was cut by
+    max_tokens or the context), "max_steps", "cancelled" (Ctrl-C), "error" (the engine
+    refused the prompt, e.g. the context is full); `note` says what happened in words."""
+
+    answer: str
+    finish: str
+    note: str
+    steps: list[Step]
+
+
+class ToolLoop:
+    def __init__(self, engine: Engine, hub: Hub, policy: Policy, *, system: str | None = None,
+                 params: SamplingParams | None = None, max_steps: int = 8,
+                 approve: Approve | None = None, on_event: Callable[[AgentEvent], None] | None = None,
+                 call_timeout: float = 60.0):
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+        self.engine = engine
+        self.hub = hub
+        self.policy = policy
+        self.system = system
+        self.params = params or SamplingParams(max_tokens=1024)
+        self.max_steps = max_steps
+        # No callback: nobody can say yes, so "ask" stops the call (what `run` does without --yes).
+        self.approve = approve or (lambda call, decision: False)
+        self.on_event = on_event or (lambda event: None)
+        self.call_timeout = call_timeout
+        self.tools = {function_name(t.id): t for t in hub.tools}
+        self.schemas = tool_schemas(hub.tools) or None
+        self.messages: list[dict[str, Any]] = []
+        # ids: every token the model saw and produced so far (the last prompt + its reply);
+        # fed: how many of `messages` those ids cover (they end with an assistant reply).
+        self.ids: list[int] = []
+        self.fed = 0
+        self.session = engine.new_session()
+        self.steps: list[Step] = []  # every step of every turn, for the transcript
+        self._step_no = 0
+
+    def reset(self) -> None:
+        self.messages, self.ids, self.fed, self.steps, self._step_no = [], [], 0, [], 0
+        self.session = self.engine.new_session()
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        self.on_event(AgentEvent(kind, self._step_no, **fields))
+
+    # prompts -----------------------------------------------------------------------------
+    def _prompt(self) -> list[int]:
+        """The kept ids plus the template's continuation after the last reply they hold;
+        the whole conversation encoded when there is none yet or the template cannot
+        continue (then the session still reuses the longest common prefix)."""
+        conv = self.conversation()
+        offset = len(conv) - len(self.messages)  # the system message
+        if self.ids and self.fed:
+            reply_at = offset + self.fed - 1
+            continuation = self.engine.encode_continuation(conv[:reply_at], conv[reply_at + 1:], tools=self.schemas)
+            if continuation is not None:
+                return self.ids + continuation
+        return self.engine.encode_chat(conv, tools=self.schemas)
+
+    # a turn ------------------------------------------------------------------------------
+    def run(self, text: str, cancel: threading.Event | None = None) -> TurnResult:
+        """One user message, then steps until the model answers without calling a tool.
+        `cancel` (Ctrl-C) stops the generation or the tool call under way; the conversation
+        keeps what happened up to there, so the next `run` continues it."""
+        cancel = cancel or threading.Event()
+        self.messages.append({"role": "user", "content": text})
+        self.policy.note_user_input(False)  # the user typed it: trusted (the policy counts it as a step)
+        steps: list[Step] = []
+        while True:
+            if len(steps) == self.max_steps:
+                note = (f"stopped after {self.max_steps} steps: the model still wanted to call tools "
+                        "(raise --max-steps)")
+                return self._finish("max_steps", note, steps)
+            self._step_no += 1
+            try:
+                step = self._generate(cancel)
+            except (MlxLocalError, ValueError) as e:  # context full, engine refused: the session stays
+                return self._finish("error", str(e), steps)
+            if step is None:
+                return self._finish("cancelled", "cancelled before the first token", steps)
+            steps.append(step)
+            self.steps.append(step)
+            if cancel.is_set():
+                self._close_calls(step, "not run: the reply was cancelled")
+                return self._finish("cancelled", "generation cancelled", steps, step.content)
+            if not step.calls:
+                if step.stats.finish_reason == "length":
+                    return self._finish("length", "the reply was cut at the token limit", steps, step.content)
+                return self._finish("answer", "", steps, step.content)
+            if len(steps) == self.max_steps:
+                # Nobody would read these results: do not run the calls (they may act on the world).
+                self._close_calls(step, f"not run: the step limit ({self.max_steps}) was reached")
+                continue
+            for call in step.calls:
+                self._run_call(call, cancel)
+                if cancel.is_set():
+                    self._close_calls(step, "not run: cancelled by the user")
+                    return self._finish("cancelled", "tool call cancelled", steps, step.content)
+
+    def _finish(self, finish: str, note: str, steps: list[Step], answer: str = "") -> TurnResult:
+        self._emit("finish", reason=finish, text=note)
+        return TurnResult(answer, finish, note, steps)
+
+    def _generate(self, cancel: threading.Event) -> Step | None:
+        """One step: generate a reply, parse it, append the assistant message. None when it
+        was cancelled before any token (nothing is kept, as in the chat REPL)."""
+        prompt = self._prompt()
+        self._emit("step")
+        parser = OutputParser(self.engine.tokenizer, self.schemas, starts_in_reasoning(self.engine, prompt))
+        step = Step(StepStats(self._step_no))
+        generated: list[int] = []
+        calls = []
+        stats = None
+        for chunk in self.engine.generate(prompt, self.params, session=self.session, cancel=cancel):
+            if chunk.token is not None:
+                generated.append(chunk.token)
+            events = parser.feed(chunk.text) if chunk.text else []
+            if chunk.stats is not None:
+                stats = chunk.stats
+                events += parser.finish()
+            for ev in events:
+                if ev.kind == "tool_call":
+                    calls.append(ev)
+                elif ev.kind == "reasoning":
+                    step.reasoning += ev.text
+                    self._emit("reasoning", text=ev.text)
+                else:
+                    step.content += ev.text
+                    self._emit("content", text=ev.text)
+        if stats is not None:
+            step.stats.prompt_tokens, step.stats.cached_tokens = stats.prompt_tokens, stats.cached_tokens
+            step.stats.completion_tokens, step.stats.finish_reason = stats.completion_tokens, stats.finish_reason
+        if not generated and cancel.is_set():
+            return None
+        step.calls = [self._call_record(ev) for ev in calls]
+        message: dict[str, Any] = {"role": "assistant", "content": step.content}
+        if step.reasoning:
+            message["reasoning_content"] = step.reasoning
+        if step.calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function, "arguments": c.arguments}}
+                for c in step.calls]
+        self.messages.append(message)
+        self.ids, self.fed = prompt + generated, len(self.messages)
+        self._emit("step_end", stats=step.stats)
+        for c in step.calls:
+            self._emit("tool_call", call=c)
+        return step
+
+    def _call_record(self, event: Any) -> CallRecord:
+        info = self.tools.get(event.name)
+        try:
+            arguments = json.loads(event.arguments) if event.arguments.strip() else {}
+        except ValueError:
+            arguments = event.arguments  # kept as text: the call is refused with the reason
+        return CallRecord(event.id or new_call_id(), event.name, info.id if info else "", arguments)
+
+    # tool calls --------------------------------------------------------------------------
+    def _run_call(self, record: CallRecord, cancel: threading.Event) -> None:
+        if not record.tool:
+            names = ", ".join(sorted(self.tools)) or "none"
+            result = ToolResult(f"error: there is no tool named {record.function!r}; the tools are: {names}",
+                                error=True)
+        elif not isinstance(record.arguments, dict):
+            result = ToolResult("error: the arguments must be a JSON object, got "
+                                f"{short(str(record.arguments), 80)!r}", error=True)
+        else:
+            result = self._checked_call(record, ToolCall(record.tool, record.arguments), cancel)
+        self._add_result(record, result)
+
+    def _checked_call(self, record: CallRecord, call: ToolCall, cancel: threading.Event) -> ToolResult:
+        decision = self.policy.check(call)
+        record.decision = decision
+        self._emit("decision", call=record)
+        if decision.decision == "ask":
+            record.approved = bool(self.approve(call, decision))
+            if record.approved:
+                self.policy.approve(call)
+        if decision.decision == "block" or (decision.decision == "ask" and not record.approved):
+            result = self.policy.stopped_result(decision)
+        else:
+            result = self.hub.call(call.tool, call.arguments, timeout=self.call_timeout, cancel=cancel)
+        # Every outcome is recorded: a stopped call still tells the policy what was attempted,
+        # and an untrusted result sets flag [A] even when it is an error text.
+        self.policy.record(call, result)
+        return result
+
+    def _add_result(self, record: CallRecord, result: ToolResult) -> None:
+        record.result = result
+        self.messages.append({"role": "tool", "tool_call_id": record.id, "name": record.function,
+                              "content": result.text})
+        self._emit("tool_result", call=record)
+
+    def _close_calls(self, step: Step, why: str) -> None:
+        """Calls that will not run still get a tool message, so the conversation stays well
+        formed (every call answered) for the template and the next turn."""
+        for record in step.calls:
+            if record.result is None:
+                self._add_result(record, ToolResult(why, error=True))
+
+    # the transcript ----------------------------------------------------------------------
+    def transcript(self) -> dict[str, Any]:
+        """The whole conversation: messages, every step's calls, results, decisions and
+        token counts (what `mlxlocal run --json` prints)."""
+        return {
+            "model": self.engine.info.name,
+            "tools": [{"id": t.id, "function": name, "annotations": t.annotations} for name, t in self.tools.items()],
+            "messages": self.conversation(),
+            "steps": [s.as_dict() for s in self.steps],
+            "prefill_tokens_per_step": [s.stats.new_tokens for s in self.steps],
+        }
