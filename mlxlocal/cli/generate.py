@@ -194,6 +194,9 @@ def chat(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    mcp: list[Path] = typer.Option([], "--mcp", help="MCP config file (mcpServers, as Claude Desktop / Cursor "
+                                   "write it): the model may call its servers' tools; repeatable"),
+    max_steps: int = typer.Option(8, "--max-steps", help="With --mcp: generations per turn at most"),
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.chat import run_chat
@@ -203,6 +206,13 @@ def chat(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    if mcp:
+        from mlxlocal.agent_chat import run_agent_chat
+
+        if max_steps < 1:
+            fail("--max-steps must be at least 1", 2)
+        raise typer.Exit(run_agent_chat(model, mcp, system=system, params=params, history_file=history_file,
+                                        engine_options=options, max_steps=max_steps))
     raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
                               engine_options=options))
 

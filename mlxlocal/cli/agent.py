@@ -1,0 +1,54 @@
+"""`mlxlocal run --mcp FILE "task"`: one task through the agent tool loop (mlxlocal.agent_chat),
+non-interactive. `mlxlocal chat --mcp FILE` is the interactive one (cli/generate.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, fail
+from mlxlocal.cli.generate import sampling_params
+
+
+def run(
+    task: Optional[str] = typer.Argument(None, help="The task; '-' or omitted reads stdin"),
+    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    mcp: list[Path] = typer.Option(..., "--mcp", help="MCP config file (mcpServers); repeatable"),
+    max_steps: int = typer.Option(8, "--max-steps", help="Generations at most; then the run stops with a note"),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole transcript as one JSON object: messages, "
+                                 "calls, results, policy decisions, token counts per step"),
+    yes: bool = typer.Option(False, "--yes", help="Approve the calls the Rule-of-Two policy would ask a human "
+                             "about (without it they are stopped); blocked calls stay blocked"),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Maximum tokens per generation"),
+    temp: float = typer.Option(0.0, "--temp"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+) -> None:
+    """Run one task with MCP tools: the model calls tools until it answers (Rule-of-Two policy
+    before every call). Exit 0 answered, 1 stopped short, 2 unusable config."""
+    from mlxlocal.agent_chat import run_task
+
+    if task is None or task == "-":
+        if sys.stdin.isatty():
+            fail("no task: pass it as an argument or pipe it on stdin", 2)
+        task = sys.stdin.read()
+    if not task.strip():
+        fail("the task is empty", 2)
+    if max_steps < 1:
+        fail("--max-steps must be at least 1", 2)
+    params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
+    raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
+                              max_steps=max_steps, as_json=as_json, yes=yes))
+
+
+def register(app: typer.Typer) -> None:
+    """Add `run` to the main Typer app."""
+    app.command()(run)
