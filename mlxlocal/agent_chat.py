@@ -63,9 +63,10 @@ class EventPrinter:
     its arguments, the policy's verdict when it is not a plain allow, a short result, and a
     token line per step."""
 
-    def __init__(self, console: Console, show_steps: bool = True):
+    def __init__(self, console: Console, show_steps: bool = True, unapproved_hint: str = ""):
         self.console = console
         self.show_steps = show_steps
+        self.unapproved_hint = unapproved_hint  # said when an "ask" was not approved
         self.open_text = False  # a streamed text line not ended yet
 
     def line(self, text: str, style: str | None = None) -> None:
@@ -96,6 +97,8 @@ class EventPrinter:
                 self.line(f"  policy: {d.decision} — {d.reasons[-1]}", "yellow" if d.decision == "ask" else "red")
         elif event.kind == "tool_result" and call is not None and call.result is not None:
             r = call.result
+            if call.approved is False:
+                self.line(f"  not approved{self.unapproved_hint}: the model is told the call was stopped", "yellow")
             mark = " (truncated)" if r.truncated else ""
             self.line(f"← {short(r.text)}{mark}", "red" if r.error else "green")
         elif event.kind == "step_end" and event.stats is not None and self.show_steps:
@@ -263,7 +266,7 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
             err.print(f"error: {e}", style="bold red", markup=False, highlight=False)
             return 1
         try:
-            printer = None if as_json else EventPrinter(out)
+            printer = None if as_json else EventPrinter(out, unapproved_hint=" (run asks nobody: --yes approves)")
             loop = ToolLoop(engine, hub, new_policy(servers, hub), system=system, params=params,
                             max_steps=max_steps, approve=(lambda call, decision: yes),
                             on_event=printer)
