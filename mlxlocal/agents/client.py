@@ -45,12 +45,11 @@ CLOSE_TIMEOUT = 10.0  # the SDK's stdio shutdown is bounded at ~6 s (stdin close
 _MAX_TOOL_PAGES = 100  # a paginating server that never stops must not hang start()
 _STDERR_TAIL = 600  # characters of a failed stdio server's stderr quoted in its reason
 
-# The SDK logs transport failures with tracebacks (logger.exception). Without handlers
-# Python's last-resort handler would print them into the chat; the hub reports every
-# failure itself (hub.failed, error results), so stay quiet unless the app set up logging.
-if not logging.getLogger("mcp").handlers:
-    logging.getLogger("mcp").addHandler(logging.NullHandler())
-    logging.getLogger("mcp").propagate = False
+# The SDK logs transport failures with tracebacks (logger.exception). With no handler
+# anywhere, Python's last-resort handler would print them into the chat although the hub
+# reports every failure itself (hub.failed, error results). A NullHandler stops only that
+# fallback: records still propagate to whatever logging the application configures.
+logging.getLogger("mcp").addHandler(logging.NullHandler())
 
 
 class _CallControl:
@@ -184,7 +183,8 @@ class McpHub:
 
         Arguments are checked against the tool's inputSchema first (no call when invalid).
         `timeout` bounds the call (it is then cancelled on the server, the session stays
-        usable); setting `cancel`, or Ctrl-C in the calling thread, cancels it too."""
+        usable); setting `cancel`, or Ctrl-C in the calling thread (which then also sets
+        `cancel`), cancels it too: the result says "cancelled by the user"."""
         try:
             tool = self.tool(tool_id)
         except KeyError as exc:
@@ -211,7 +211,10 @@ class McpHub:
                     if cancel is not None and cancel.is_set():
                         break
         except KeyboardInterrupt:
-            pass
+            # Ctrl-C cancels the call, not the program; the caller's event is set too so a
+            # tool loop can tell the user wants to stop (the result alone reads like any error).
+            if cancel is not None:
+                cancel.set()
         self._loop.call_soon_threadsafe(control.cancel, "user")
         try:
             return future.result(timeout=5)
