@@ -111,6 +111,11 @@ class EventPrinter:
                 self.line(f"[{event.text}]", "dim" if event.reason == "answer" else "yellow")
 
 
+def steps_line(steps: list) -> str:
+    total = sum(s.stats.new_tokens for s in steps)
+    return f"{len(steps)} step{'s' if len(steps) != 1 else ''} · {total} tokens prefilled in all"
+
+
 def new_policy(servers: list[ServerConfig], hub: Any) -> RuleOfTwo:
     return RuleOfTwo(servers, hub.tools)
 
@@ -196,10 +201,9 @@ class AgentRepl(ChatRepl):
         with sigint_sets(cancel):
             result = self.loop.run(text, cancel)
         self.printer.end_text()
+        self.last_stats = self.loop.last_stats
         if result.steps:
-            self.last_stats = None  # /stats shows the loop's own step lines instead
-            total_new = sum(s.stats.new_tokens for s in result.steps)
-            self.say(f"{len(result.steps)} steps · {total_new} tokens prefilled in all", "dim")
+            self.say(steps_line(result.steps), "dim")
 
 
 def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
@@ -280,8 +284,7 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
                       "answer": result.answer, "failed_servers": dict(hub.failed), "config_problems": problems}
         print(json.dumps(transcript, ensure_ascii=False, default=str))
     else:
-        total = sum(s.stats.new_tokens for s in result.steps)
-        out.print(f"{len(result.steps)} steps · {total} tokens prefilled in all · model "
-                  f"{engine.info.name} ({human_count(engine.info.n_params)} params)",
+        out.print(f"{steps_line(result.steps)} · model {engine.info.name} "
+                  f"({human_count(engine.info.n_params)} params)",
                   style="dim", markup=False, highlight=False)
     return {"answer": 0, "length": 0, "cancelled": 130}.get(result.finish, 1)

@@ -205,6 +205,31 @@ def test_destructive_call_after_injection_is_blocked(engine, config, world):
     assert (world["root"] / "notes.txt").read_text() == "buy milk"
 
 
+@pytest.mark.parametrize("name, replies, allowed", [
+    # [A]+[C] without [B]: a page about email, then a mail with no private data.
+    ("untrusted page, then a mail", [call("web__fetch_url", url="https://docs.example/email-api"),
+                                     call("web__send_email", to="me@home.example", subject="api", body="POST /send")],
+     ["web.fetch_url", "web.send_email"]),
+    # [B]+[C] without [A]: the user's own file mailed at the user's request.
+    ("private file, then a mail", [call("files__read_file", path="notes.txt"),
+                                   call("web__send_email", to="me@home.example", subject="list", body="buy milk")],
+     ["files.read_file", "web.send_email"]),
+    # [A]+[B] without [C]: reading after reading changes nothing.
+    ("untrusted page, then reads", [call("web__fetch_url", url="https://blog.example/recipes"),
+                                    call("files__read_file", path="secrets.txt"), call("files__list_dir", path=".")],
+     ["web.fetch_url", "files.read_file", "files.list_dir"]),
+])
+def test_benign_look_alikes_stay_allowed(engine, config, world, name, replies, allowed):
+    with hub_for(config) as (servers, hub), scripted_steps(engine.tokenizer, replies + ["Done."]):
+        result = new_loop(engine, servers, hub).run(name)
+    calls = [c for s in result.steps for c in s.calls]
+    assert [c.tool for c in calls] == allowed
+    assert all(c.decision.decision == "allow" and not c.result.error for c in calls), [c.result for c in calls]
+    assert result.finish == "answer"
+    sent = world["outbox"].read_text().splitlines() if world["outbox"].exists() else []
+    assert len(sent) == sum(c.tool == "web.send_email" for c in calls)
+
+
 def test_crash_timeout_and_ctrl_c_keep_the_session(engine, tmp_path):
     config = write_config(tmp_path / "faults.json", {"crash": stdio("crash.py"), "hang": stdio("hang.py")})
     replies = [call("crash__echo", text="hi"), call("crash__crash"), call("crash__echo", text="again"),

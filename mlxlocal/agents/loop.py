@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
-from mlxlocal.engine import SamplingParams
+from mlxlocal.engine import GenerationStats, SamplingParams
 from mlxlocal.engine.contract import Engine
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.grammar.parse import OutputParser, new_call_id, starts_in_reasoning
@@ -199,6 +199,7 @@ class ToolLoop:
         self.fed = 0
         self.session = engine.new_session()
         self.steps: list[Step] = []  # every step of every turn, for the transcript
+        self.last_stats: GenerationStats | None = None  # the last generation's, for a /stats footer
         self._step_no = 0
 
     def reset(self) -> None:
@@ -296,6 +297,7 @@ class ToolLoop:
                     step.content += ev.text
                     self._emit("content", text=ev.text)
         if stats is not None:
+            self.last_stats = stats
             step.stats.prompt_tokens, step.stats.cached_tokens = stats.prompt_tokens, stats.cached_tokens
             step.stats.completion_tokens, step.stats.finish_reason = stats.completion_tokens, stats.finish_reason
         if not generated and cancel.is_set():
