@@ -325,16 +325,28 @@ def _xml_arguments(i: int, tool: dict, fam: str, param: str) -> list[str]:
     return [*rules, f"args_{i}: {' '.join(seq)}" if seq else f'args_{i}: ""']
 
 
+def _free_text(tokenizer: Any, fam: str) -> str:
+    """A Lark token for a reply in plain text that the server's parser will not read as a
+    call: it never contains the family's call marker (spelled in ordinary tokens either), and
+    for families without markers it does not start like the bare JSON object of a call."""
+    if fam == "":
+        return r"TEXT: /(?s:.*)/ & ~/[ \t\r\n]*\{(?s:.*)/"
+    marker = re.escape(getattr(tokenizer, "tool_call_start", None) or "").replace("/", "\\/")
+    return f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"
+
+
 def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
                starts_in_reasoning: bool = False, parallel: bool = True,
-               max_think_tokens: int | None = None) -> Grammar:
+               max_think_tokens: int | None = None, optional: bool = False) -> Grammar:
     """A grammar that admits only calls of `tools` (only `name` when given) in the format the
     tokenizer's family writes and its server parser reads: one call, or when `parallel` one or
     more (families without markers: always one). `tools` are chat-completions shaped
     ({"type": "function", "function": {name, parameters, strict?}}; a top-level `strict`
     counts too). `param` is the request field named in errors (GrammarError).
     For a thinking tokenizer the calls may follow a think block (must, when the prompt opened
-    one: `starts_in_reasoning`) of at most `max_think_tokens`."""
+    one: `starts_in_reasoning`) of at most `max_think_tokens`.
+    `optional` (tool_choice auto with strict tools): the reply may be text instead, or text
+    and then calls (families with markers); only the calls are constrained."""
     fam = family(tokenizer)
     if fam not in ("", *_JSON_PARSERS, *_XML):
         raise GrammarError(f"{param}: tool calls of this model's family ({fam}) cannot be enforced "
@@ -353,7 +365,15 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
     for i, t in enumerate(offered):
         rules += (_xml_arguments(i, t, fam, param) if fam in _XML else
                   [f"args_{i}: %json {json.dumps(arguments_schema(t, param), ensure_ascii=False)}"])
-    lark = "\n".join(["start: calls", *rules]) + "\n"
+    top = ["start: calls"]
+    if optional:
+        # Text then calls only where the marker is an added token: text ends where it starts.
+        # A marker of ordinary tokens would have to be split from the text before it by a
+        # greedy lexer that cannot look back (and without markers a reply is one or the other).
+        start = getattr(tokenizer, "tool_call_start", None)
+        split = fam != "" and "<[" in _marker(tokenizer, start or "")
+        top = ["start: TEXT? calls?" if split else "start: calls | TEXT", _free_text(tokenizer, fam)]
+    lark = "\n".join([*top, *rules]) + "\n"
     spec = LLMatcher.grammar_from_lark(lark)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(spec)
     if is_error:  # a tool name or schema that breaks the grammar text
