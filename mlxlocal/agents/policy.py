@@ -159,14 +159,15 @@ class RuleOfTwo:
         b = self.sensitive or facts.sensitive
         c = facts.state_change
         reasons = [
-            self._why.get("A", "[A] untrusted input: none so far"),
+            self._why.get("A", "[A] untrusted input: no, nothing untrusted ingested so far"),
             self._why.get("B") or (f"[B] sensitive: the attempted call {call.tool} touches {facts.sensitive_why}"
-                                   if facts.sensitive else "[B] sensitive: nothing sensitive touched so far"),
-            f"[C] state change: {call.tool} {'may change state' if c else 'does not change state'}: {facts.state_why}",
+                                   if facts.sensitive else "[B] sensitive: no, nothing sensitive touched so far"),
+            f"[C] state change: {call.tool} {'may change state' if c else 'no, it does not change state'}: {facts.state_why}",
         ]
         flags = {"untrusted_input": a, "sensitive": b, "state_change": c}
         if not (a and b and c):
-            reasons.append("allow: at most two of [A], [B], [C] hold")
+            held = "+".join(k for k, v in (("[A]", a), ("[B]", b), ("[C]", c)) if v) or "none"
+            reasons.append(f"allow: {call.tool} holds {held}, at most two of the three")
             return Decision("allow", flags, reasons)
         if facts.destructive:
             reasons.append(f"block: {call.tool} would complete [A]+[B]+[C] and is destructive ({facts.destructive_why})")
