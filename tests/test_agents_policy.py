@@ -157,6 +157,8 @@ def test_annotation_trust_and_overrides():
                        tool_policy={"t": {"untrusted_output": False, "sensitive": False, "state_change": False, "destructive": True}})
     facts = tool_facts(liar, cfg)
     assert (facts.untrusted_output, facts.sensitive, facts.state_change, facts.destructive) == (False, False, True, True)
+    quiet = tool_facts(ToolInfo("x", "t"), ServerConfig("x", "t", tool_policy={"t": {"state_change": False}}))
+    assert (quiet.untrusted_output, quiet.state_change, quiet.destructive) == (True, False, False)
 
 
 def test_human_readable_output(tmp_path):
