@@ -2,7 +2,7 @@
 
 One module per command group, each adding its commands with `register(app)`:
 generate.py (generate, chat), models.py (show, pull, list, rm), serve.py, launch.py, bench.py,
-convert.py, quant.py (quantize, perplexity); common.py holds what they share.
+convert.py, quant.py (quantize, perplexity), tools.py (the `tools` group: check); common.py holds what they share.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import typer
 
 from mlxlocal import __version__
-from mlxlocal.cli import bench, convert, generate, launch, models, quant, serve
+from mlxlocal.cli import bench, convert, generate, launch, models, quant, serve, tools
 
 # Re-exported: `mlxlocal.cli.fail` etc. stay importable from the package as before the split.
 from mlxlocal.cli.common import (  # noqa: F401
@@ -55,6 +55,7 @@ app.command()(version)
 bench.register(app)
 convert.register(app)
 quant.register(app)
+tools.register(app)
 
 
 def main() -> None:
