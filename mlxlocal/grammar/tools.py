@@ -45,6 +45,7 @@ from llguidance import LLMatcher, regex_to_lark
 from mlxlocal.engine.types import Grammar
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.formats import with_reasoning
+from mlxlocal.grammar.schema import strict_schema
 
 # JSON whitespace inside arguments: at most 8 characters wherever JSON allows some. llguidance's
 # default ([ \t\n\r]+ at each spot) lets a model that is unsure, and a random-weight model
@@ -70,12 +71,6 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # String keywords a raw XML value can be held to; others are refused for strict tools.
 _XML_STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "pattern", "description", "title",
                     "default", "examples"}
-# Keywords whose value is a subschema, a map of subschemas, or a list of them.
-_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else",
-              "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
-_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
-
 
 def family(tokenizer: Any) -> str:
     """The tool-call format's name: mlx-lm's tool parser module ("json_tools", "mistral",
@@ -114,27 +109,6 @@ def _marker(tokenizer: Any, text: str) -> str:
     return " ".join(parts)
 
 
-def _strict(schema: Any) -> Any:
-    """OpenAI strict mode: an object allows no properties beyond those it lists unless it says
-    otherwise (OpenAI requires additionalProperties: false on every object; we default to it)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out \
-            and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = _strict(out[key])
-    for key in _SCHEMA_MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: _strict(v) for k, v in out[key].items()}
-    for key in _SCHEMA_LIST:
-        if isinstance(out.get(key), list):
-            out[key] = [_strict(v) for v in out[key]]
-    return out
-
-
 def _compile_error(schema: dict) -> str | None:
     """llguidance's refusal of a JSON schema (one line), or None when it compiles."""
     try:
@@ -169,7 +143,7 @@ def arguments_schema(tool: dict, param: str) -> dict:
     schema.setdefault("type", "object")
     guidance = {"whitespace_pattern": WHITESPACE}
     if strict:
-        exact = {**_strict(schema), "x-guidance": guidance}
+        exact = {**strict_schema(schema), "x-guidance": guidance}
         error = _compile_error(exact)
         if error:
             raise GrammarError(f"{param}: tool '{name}': its parameters schema cannot be enforced: {error}", param)
