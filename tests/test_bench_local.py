@@ -242,3 +242,24 @@ def test_roofline_arithmetic():
     assert r.bytes_per_token == 1.1e9
     assert r.bound_tps == pytest.approx(100e9 / 1.1e9)
     assert r.fraction == pytest.approx(50.0 / r.bound_tps)
+
+
+def test_structured_output_bench(tiny_model, tmp_path):
+    """--json-schema: free and constrained runs at batch 1 and the given batch, with the
+    ratio, tokens per document and the shares of forced tokens and complete documents."""
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"k": {"enum": ["a", "bb"]}, "n": {
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3}},
+        "required": ["k", "n"], "additionalProperties": False}))
+    res = bench("--model", str(tiny_model), "-p", "16", "-g", "40", "-n", "2", "--warmup", "0", "-b", "3",
+                "--json-schema", str(schema), "--json")["structured"]
+    assert [r["batch"] for r in res["batches"]] == [1, 3]
+    for row in res["batches"]:
+        assert row["free_decode_tps"] > 0 and row["constrained_decode_tps"] > 0
+        assert row["ratio"] == pytest.approx(row["constrained_decode_tps"] / row["free_decode_tps"])
+        assert row["complete_share"] == 1.0  # the schema is short: every document finishes
+        assert 0 < row["constrained_tokens"] < 40 and 0 <= row["forced_share"] < 1
+        assert len(row["runs"]["free"]) == len(row["runs"]["constrained"]) == 2
+    assert res["batches"][0]["forced_share"] > 0  # alone: the keys are forced, fed in one forward
+    bad = CliRunner().invoke(app, ["bench", "--json-schema", str(tmp_path / "missing.json")])
+    assert bad.exit_code == 2 and "missing.json" in bad.output

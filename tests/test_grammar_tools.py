@@ -387,3 +387,22 @@ def test_names_outside_json_must_be_identifiers(toks, fmt):
     else:
         with pytest.raises(GrammarError, match="say"):
             tool_calls(toks[fmt], odd, None, "tool_choice")
+
+
+# --- tool_choice auto with strict tools: text or calls, only the calls constrained -------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_optional_calls_allow_text_or_valid_calls(toks, fmt):
+    tok = toks[fmt]
+    grammar = tool_calls(tok, TOOLS, None, "tools", optional=True)
+    good = call_text(fmt, GOOD[:1])
+    bad = call_text(fmt, [("get_weather", {"city": "Oslo", "unit": "kelvin"})])
+    assert accepts(tok, grammar, "Sure, it is sunny today.")
+    assert accepts(tok, grammar, good)
+    assert not accepts(tok, grammar, bad)  # a strict tool's call still holds to its schema
+    if fmt == "llama3":  # no markers: a reply starting like a call's JSON object must be one
+        assert not accepts(tok, grammar, '{"weather": "sunny"}')
+    else:  # text first, then the call (markers that are added tokens); never the marker in text
+        if fmt not in ("longcat", "kimi_k2"):  # their markers are ordinary text in this tokenizer
+            assert accepts(tok, grammar, "Let me check.\n" + good)
+        marker = tok.tool_call_start
+        assert not accepts(tok, grammar, f"Here is how I call tools: {marker} done.")

@@ -14,6 +14,7 @@ MAX_CALLS.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import jsonschema
@@ -208,8 +209,13 @@ def test_a_schema_that_cannot_be_enforced_is_a_400(oai, claude, served):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=model, max_tokens=8, messages=ASK, tool_choice={"type": "any"},
                                tools=[{"name": "odd", "strict": True, "input_schema": odd["function"]["parameters"]}])
-    # Not forced: the same tool is only offered, and the model may answer in text.
-    r = oai.chat.completions.create(model=model, messages=ASK, tools=[odd], max_tokens=4, temperature=0)
+    # Not forced, but strict: a call it makes must hold to the schema, which cannot be enforced.
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=model, messages=ASK, tools=[odd], max_tokens=4, temperature=0)
+    assert "odd" in err.value.message and err.value.body["param"] == "tools"
+    # Neither forced nor strict: the tool is only offered, and the model may answer in text.
+    loose = {"type": "function", "function": {k: v for k, v in odd["function"].items() if k != "strict"}}
+    r = oai.chat.completions.create(model=model, messages=ASK, tools=[loose], max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
@@ -283,3 +289,30 @@ def test_many_seeds_always_call(oai, served, family):
         assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
         valid([(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls],
               {name} if name else set(SCHEMAS), 1)
+
+
+def test_auto_with_strict_tools_constrains_the_calls_it_makes(oai, served):
+    """tool_choice auto with strict tools: the reply may be text, and a call it makes holds
+    to its schema. logit_bias pushes the random model to open a call, which it then can only
+    complete validly; the same push without the grammar (no strict tool) gives no valid call."""
+    from mlxlocal.source.loader import load_from_dir
+
+    model = served[1]["qwen3"]
+    tok = load_from_dir(Path(model)).tokenizer
+    marker = tok.encode(tok.tool_call_start, add_special_tokens=False)
+    assert len(marker) == 1
+    push = {str(marker[0]): 100}
+    for seed in range(3):
+        r = oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=MAX_TOKENS,
+                                        temperature=1.0, seed=seed, logit_bias=push)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        valid([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], set(SCHEMAS))
+    loose = [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}}
+             for t in TOOLS]
+    r = oai.chat.completions.create(model=model, messages=ASK, tools=loose, max_tokens=60, temperature=1.0,
+                                    seed=0, logit_bias=push)
+    assert r.choices[0].finish_reason != "tool_calls"  # unconstrained: the push alone makes no call
+    # Without the push the random model answers in text, which may not contain a call marker.
+    r = oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=40, temperature=1.0, seed=1)
+    assert tok.tool_call_start not in (r.choices[0].message.content or "")

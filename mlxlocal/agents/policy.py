@@ -96,7 +96,11 @@ def tool_facts(tool: ToolInfo, server: ServerConfig) -> ToolFacts:
     # Destructive only matters for tools that write at all (MCP: destructiveHint is meaningful
     # only when readOnlyHint is false).
     if (d := from_config("destructive")) is None:
-        d = (False, f"read-only ({ro_why})") if read_only else (destructive_hint, d_why)
+        if override.get("state_change") is False:
+            # The user said it changes nothing; a default destructiveHint must not undo that.
+            d = False, f"config policy {server.name}.{tool.name}.state_change = false"
+        else:
+            d = (False, f"read-only ({ro_why})") if read_only else (destructive_hint, d_why)
 
     if (c := from_config("state_change")) is None:
         if not read_only:
@@ -105,7 +109,8 @@ def tool_facts(tool: ToolInfo, server: ServerConfig) -> ToolFacts:
             c = True, f"talks to the outside ({ow_why})"
         else:
             c = False, f"read-only and closed world ({ro_why}, {ow_why})"
-    # A destructive tool changes state whatever else was said: the stronger statement wins.
+    # A destructive tool changes state: when the config says both destructive and no state
+    # change, the stronger statement wins.
     if d[0] and not c[0]:
         c = True, f"destructive ({d[1]})"
     return ToolFacts(a[0], a[1], b[0], b[1], c[0], c[1], d[0], d[1])
@@ -159,14 +164,15 @@ class RuleOfTwo:
         b = self.sensitive or facts.sensitive
         c = facts.state_change
         reasons = [
-            self._why.get("A", "[A] untrusted input: none so far"),
+            self._why.get("A", "[A] untrusted input: no, nothing untrusted ingested so far"),
             self._why.get("B") or (f"[B] sensitive: the attempted call {call.tool} touches {facts.sensitive_why}"
-                                   if facts.sensitive else "[B] sensitive: nothing sensitive touched so far"),
-            f"[C] state change: {call.tool} {'may change state' if c else 'does not change state'}: {facts.state_why}",
+                                   if facts.sensitive else "[B] sensitive: no, nothing sensitive touched so far"),
+            f"[C] state change: {call.tool} {'may change state' if c else 'no, it does not change state'}: {facts.state_why}",
         ]
         flags = {"untrusted_input": a, "sensitive": b, "state_change": c}
         if not (a and b and c):
-            reasons.append("allow: at most two of [A], [B], [C] hold")
+            held = "+".join(k for k, v in (("[A]", a), ("[B]", b), ("[C]", c)) if v) or "none"
+            reasons.append(f"allow: {call.tool} holds {held}, at most two of the three")
             return Decision("allow", flags, reasons)
         if facts.destructive:
             reasons.append(f"block: {call.tool} would complete [A]+[B]+[C] and is destructive ({facts.destructive_why})")

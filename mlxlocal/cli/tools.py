@@ -43,7 +43,10 @@ def check(
     console = Console(highlight=False, soft_wrap=True)  # per call: CliRunner captures stdout
     style = {"allow": "green", "ask": "yellow", "block": "bold red"}[decision.decision]
     call = parsed.attempted
-    console.print(f"[{style}]{decision.decision}[/] {escape(call.tool)} {escape(json.dumps(call.arguments))}")
+    arguments = json.dumps(call.arguments)
+    if len(arguments) > 200:  # the verdict is the point; the trace file has the whole call
+        arguments = arguments[:200] + "…"
+    console.print(f"[{style}]{decision.decision}[/] {escape(call.tool)} {escape(arguments)}")
     flags = decision.flags
     console.print(escape("flags: " + "  ".join(
         f"[{k}] {name} {'yes' if flags[name] else 'no'}"

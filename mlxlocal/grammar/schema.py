@@ -80,7 +80,7 @@ def find_keyword(schema: Any, keyword: str, path: str = "#") -> str | None:
     return None
 
 
-def _strict(schema: Any) -> Any:
+def strict_schema(schema: Any) -> Any:
     """OpenAI's strict mode: objects allow no properties beyond those listed unless they say
     otherwise (the client is responsible for listing every property in `required`)."""
     if not isinstance(schema, dict):
@@ -91,13 +91,13 @@ def _strict(schema: Any) -> Any:
         out["additionalProperties"] = False
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), dict):
-            out[key] = _strict(out[key])
+            out[key] = strict_schema(out[key])
     for key in _SCHEMA_MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {k: _strict(v) for k, v in out[key].items()}
+            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
     for key in _SCHEMA_LIST:
         if isinstance(out.get(key), list):
-            out[key] = [_strict(v) for v in out[key]]
+            out[key] = [strict_schema(v) for v in out[key]]
     return out
 
 
@@ -155,7 +155,7 @@ def _json_schema(schema: Any, param: str, strict: bool) -> Grammar:
     if schema is True:
         schema = {}  # any JSON value; llguidance's options need an object to sit in
     if strict:
-        schema = _strict(schema)
+        schema = strict_schema(schema)
     try:
         spec = LLMatcher.grammar_from_json_schema(copy.deepcopy(schema), defaults=dict(JSON_OPTIONS))
     except (ValueError, TypeError) as e:  # x-guidance options of the wrong shape

@@ -45,6 +45,7 @@ from llguidance import LLMatcher, regex_to_lark
 from mlxlocal.engine.types import Grammar
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.formats import with_reasoning
+from mlxlocal.grammar.schema import strict_schema
 
 # JSON whitespace inside arguments: at most 8 characters wherever JSON allows some. llguidance's
 # default ([ \t\n\r]+ at each spot) lets a model that is unsure, and a random-weight model
@@ -70,12 +71,6 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # String keywords a raw XML value can be held to; others are refused for strict tools.
 _XML_STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "pattern", "description", "title",
                     "default", "examples"}
-# Keywords whose value is a subschema, a map of subschemas, or a list of them.
-_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else",
-              "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
-_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
-
 
 def family(tokenizer: Any) -> str:
     """The tool-call format's name: mlx-lm's tool parser module ("json_tools", "mistral",
@@ -114,27 +109,6 @@ def _marker(tokenizer: Any, text: str) -> str:
     return " ".join(parts)
 
 
-def _strict(schema: Any) -> Any:
-    """OpenAI strict mode: an object allows no properties beyond those it lists unless it says
-    otherwise (OpenAI requires additionalProperties: false on every object; we default to it)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out \
-            and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = _strict(out[key])
-    for key in _SCHEMA_MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: _strict(v) for k, v in out[key].items()}
-    for key in _SCHEMA_LIST:
-        if isinstance(out.get(key), list):
-            out[key] = [_strict(v) for v in out[key]]
-    return out
-
-
 def _compile_error(schema: dict) -> str | None:
     """llguidance's refusal of a JSON schema (one line), or None when it compiles."""
     try:
@@ -169,7 +143,7 @@ def arguments_schema(tool: dict, param: str) -> dict:
     schema.setdefault("type", "object")
     guidance = {"whitespace_pattern": WHITESPACE}
     if strict:
-        exact = {**_strict(schema), "x-guidance": guidance}
+        exact = {**strict_schema(schema), "x-guidance": guidance}
         error = _compile_error(exact)
         if error:
             raise GrammarError(f"{param}: tool '{name}': its parameters schema cannot be enforced: {error}", param)
@@ -325,16 +299,28 @@ def _xml_arguments(i: int, tool: dict, fam: str, param: str) -> list[str]:
     return [*rules, f"args_{i}: {' '.join(seq)}" if seq else f'args_{i}: ""']
 
 
+def _free_text(tokenizer: Any, fam: str) -> str:
+    """A Lark token for a reply in plain text that the server's parser will not read as a
+    call: it never contains the family's call marker (spelled in ordinary tokens either), and
+    for families without markers it does not start like the bare JSON object of a call."""
+    if fam == "":
+        return r"TEXT: /(?s:.*)/ & ~/[ \t\r\n]*\{(?s:.*)/"
+    marker = re.escape(getattr(tokenizer, "tool_call_start", None) or "").replace("/", "\\/")
+    return f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"
+
+
 def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
                starts_in_reasoning: bool = False, parallel: bool = True,
-               max_think_tokens: int | None = None) -> Grammar:
+               max_think_tokens: int | None = None, optional: bool = False) -> Grammar:
     """A grammar that admits only calls of `tools` (only `name` when given) in the format the
     tokenizer's family writes and its server parser reads: one call, or when `parallel` one or
     more (families without markers: always one). `tools` are chat-completions shaped
     ({"type": "function", "function": {name, parameters, strict?}}; a top-level `strict`
     counts too). `param` is the request field named in errors (GrammarError).
     For a thinking tokenizer the calls may follow a think block (must, when the prompt opened
-    one: `starts_in_reasoning`) of at most `max_think_tokens`."""
+    one: `starts_in_reasoning`) of at most `max_think_tokens`.
+    `optional` (tool_choice auto with strict tools): the reply may be text instead, or text
+    and then calls (families with markers); only the calls are constrained."""
     fam = family(tokenizer)
     if fam not in ("", *_JSON_PARSERS, *_XML):
         raise GrammarError(f"{param}: tool calls of this model's family ({fam}) cannot be enforced "
@@ -353,7 +339,15 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
     for i, t in enumerate(offered):
         rules += (_xml_arguments(i, t, fam, param) if fam in _XML else
                   [f"args_{i}: %json {json.dumps(arguments_schema(t, param), ensure_ascii=False)}"])
-    lark = "\n".join(["start: calls", *rules]) + "\n"
+    top = ["start: calls"]
+    if optional:
+        # Text then calls only where the marker is an added token: text ends where it starts.
+        # A marker of ordinary tokens would have to be split from the text before it by a
+        # greedy lexer that cannot look back (and without markers a reply is one or the other).
+        start = getattr(tokenizer, "tool_call_start", None)
+        split = fam != "" and "<[" in _marker(tokenizer, start or "")
+        top = ["start: TEXT? calls?" if split else "start: calls | TEXT", _free_text(tokenizer, fam)]
+    lark = "\n".join([*top, *rules]) + "\n"
     spec = LLMatcher.grammar_from_lark(lark)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(spec)
     if is_error:  # a tool name or schema that breaks the grammar text

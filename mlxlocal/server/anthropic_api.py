@@ -36,7 +36,7 @@ from mlxlocal.server.anthropic_request import (
 )
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.events import Finish, StreamEvent, open_events
-from mlxlocal.server.tool_choice import forced_call_grammar
+from mlxlocal.server.tool_choice import tool_grammar
 from mlxlocal.server.validation import (
     boolean,
     check_params,
@@ -92,13 +92,17 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
     kwargs = thinking.template_kwargs(getattr(engine.tokenizer, "chat_template", None))
     ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools,
                          template_kwargs=kwargs, check_length=params is not None)
-    forced = forced_call(body) if tools else None
-    if params is not None and forced is not None:
-        # The thinking budget goes into the grammar: the engine's own budget (events.py) would
-        # restart the constrained reply after a think-end marker the grammar has not seen.
-        params.grammar = await forced_call_grammar(engine, tools, forced[0], ids, params.max_tokens, forced[1],
-                                                   think_budget=thinking.budget)
-        thinking = replace(thinking, budget=None)
+    if params is not None:
+        forced = forced_call(body)
+        choice = body.get("tool_choice")
+        parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
+        params.grammar = await tool_grammar(engine, tools, forced is not None and forced[0] is None,
+                                            forced[0] if forced else None, ids, params.max_tokens, parallel,
+                                            think_budget=thinking.budget)
+        if params.grammar is not None:
+            # The thinking budget goes into the grammar: the engine's own budget (events.py)
+            # would restart the constrained reply after a think-end marker the grammar has not seen.
+            thinking = replace(thinking, budget=None)
     if params is not None:
         check_params(params, _NAMES, engine, ids)
     return engine, ids, tools, thinking

@@ -41,7 +41,7 @@ from mlxlocal.server import formats, model_cards
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
-from mlxlocal.server.tool_choice import forced_call_grammar
+from mlxlocal.server.tool_choice import tool_grammar
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
@@ -350,10 +350,9 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "messages")
     choice = req.tool_choice
-    if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
-        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        params.grammar = await forced_call_grammar(engine, tools, named, ids, params.max_tokens,
-                                                   req.parallel_tool_calls is not False)
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
+                                        req.parallel_tool_calls is not False)
     await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     return engine, ids, params, tools

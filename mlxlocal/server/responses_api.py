@@ -69,7 +69,7 @@ from mlxlocal.server.responses_items import (
     split_qualified,
     tool_choice,
 )
-from mlxlocal.server.tool_choice import forced_call_grammar
+from mlxlocal.server.tool_choice import tool_grammar
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -386,9 +386,8 @@ async def create_response(req: ResponsesRequest, request: Request):
     constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
     ids = await encode_messages(engine, messages, tools, "input")
-    if tools and (choice == "required" or named is not None):
-        params.grammar = await forced_call_grammar(engine, tools, named, ids, params.max_tokens,
-                                                   req.parallel_tool_calls is not False)
+    params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
+                                        req.parallel_tool_calls is not False)
     await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)

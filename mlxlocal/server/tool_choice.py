@@ -10,6 +10,10 @@ field, never a silently unforced reply.
 
 A forced call and a response format in one request: the call wins (its grammar replaces the
 format's), as a reply cannot be both a tool call and a document.
+
+tool_choice auto with a `strict: true` tool (OpenAI function.strict, Responses and Anthropic
+`strict`): the reply may be text or calls, and a call holds to its tool's schema (the
+grammar's optional form); without strict tools auto is left unconstrained.
 """
 
 from __future__ import annotations
@@ -33,9 +37,27 @@ def require_call(messages: list[dict], name: str | None = None) -> None:
         messages.insert(0, {"role": "system", "content": hint})
 
 
+def _strict(tool: dict) -> bool:
+    return tool.get("strict") is True or (tool.get("function") or {}).get("strict") is True
+
+
+async def tool_grammar(engine, tools: list[dict] | None, required: bool, name: str | None, ids: list[int],
+                       max_tokens: int, parallel: bool = True, think_budget: int | None = None) -> Grammar | None:
+    """The grammar a request's tools ask for (None for none): a forced call (`required`, or
+    `name`d), or under auto optional calls when a tool is strict. Every dialect decides here."""
+    if not tools:
+        return None
+    if required or name is not None:
+        return await forced_call_grammar(engine, tools, name, ids, max_tokens, parallel, think_budget)
+    if any(_strict(t) for t in tools):
+        return await forced_call_grammar(engine, tools, None, ids, max_tokens, parallel, think_budget,
+                                         param="tools", optional=True)
+    return None
+
+
 async def forced_call_grammar(engine, tools: list[dict], name: str | None, ids: list[int], max_tokens: int,
                               parallel: bool = True, think_budget: int | None = None,
-                              param: str = "tool_choice") -> Grammar:
+                              param: str = "tool_choice", optional: bool = False) -> Grammar:
     """The grammar for a required call of `tools` (chat-completions shaped, as rendered) or of
     the one named, for the prompt `ids`. A thinking model may think first, for at most
     `think_budget` tokens or else half of max_tokens (as formats.constrain allows before a
@@ -44,6 +66,6 @@ async def forced_call_grammar(engine, tools: list[dict], name: str | None, ids: 
     budget = think_budget if think_budget is not None else max(1, max_tokens // 2)
     try:
         return await asyncio.to_thread(tool_calls, engine.tokenizer, tools, name, param,
-                                       starts_in_reasoning(engine, ids), parallel, budget)
+                                       starts_in_reasoning(engine, ids), parallel, budget, optional)
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None
