@@ -134,6 +134,7 @@ def test_config_duplicates_across_and_within_files(tmp_path):
     servers, problems = load_configs([one, two])
     assert [(s.name, s.source) for s in servers] == [("files", str(one)), ("web", str(one)), ("git", str(two))]
     assert servers[0].command == "a"
+    assert load_configs([one, one]) == load_configs([one])  # one file given twice
     assert len(problems) == 1 and str(one) in problems[0] and str(two) in problems[0] and "'files'" in problems[0]
     same = write(tmp_path, "same.json", '{"mcpServers": {"x": {"command": "a"}, "x": {"command": "b"}}}')
     servers, problems = load_configs([same])
@@ -340,9 +341,15 @@ def test_close_kills_a_child_that_ignores_shutdown(tmp_path):
     hub = McpHub.start([stdio_server("stubborn", "hang", "--stubborn", "--pidfile", str(pidfile))])
     assert hub.call("stubborn.ping", {}).text == "pong"
     pid = int(pidfile.read_text())
+    pending = []
+    caller = threading.Thread(target=lambda: pending.append(hub.call("stubborn.wait_forever", {}, timeout=60)))
+    caller.start()
+    time.sleep(0.3)
     start = time.monotonic()
     hub.close()
     assert time.monotonic() - start < 12
+    caller.join(timeout=5)
+    assert pending[0].error and "closed during the call" in pending[0].text  # not left hanging
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     result = hub.call("stubborn.ping", {})
