@@ -363,8 +363,9 @@ def test_close_kills_a_child_that_ignores_shutdown(tmp_path):
 def test_streamable_http_list_call_timeout_and_crash(tmp_path):
     outbox = tmp_path / "outbox.jsonl"
     with http_server("web", "--outbox", str(outbox)) as web_url, http_server("hang") as hang_url, \
-            http_server("crash") as crash_url:
+            http_server("crash") as crash_url, http_server("dynamic") as dynamic_url:
         servers = [ServerConfig(name="web", source="t", url=web_url, headers={"X-Client": "test"}),
+                   ServerConfig(name="dynamic", source="t", url=dynamic_url),
                    ServerConfig(name="hang", source="t", url=hang_url, headers={"X-Api-Key": "k1"}),
                    ServerConfig(name="crash", source="t", url=crash_url)]
         with McpHub.start(servers) as hub:
@@ -381,6 +382,11 @@ def test_streamable_http_list_call_timeout_and_crash(tmp_path):
             timed = hub.call("hang.wait_forever", {}, timeout=1)
             assert timed.error and "no answer within 1 s" in timed.text
             assert hub.call("hang.ping", {}).text == "pong"
+            assert hub.call("dynamic.add_tool", {"name": "late"}).text == "added late"
+            deadline = time.monotonic() + 10
+            while "dynamic.late" not in [t.id for t in hub.tools] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert hub.call("dynamic.late", {}).text == "I am late"
             crashed = hub.call("crash.crash", {}, timeout=20)
             assert crashed.error and "'crash'" in crashed.text and "crash" in hub.failed
             assert hub.call("crash.echo", {"text": "x"}).error
