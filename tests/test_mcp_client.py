@@ -134,6 +134,7 @@ def test_config_duplicates_across_and_within_files(tmp_path):
     servers, problems = load_configs([one, two])
     assert [(s.name, s.source) for s in servers] == [("files", str(one)), ("web", str(one)), ("git", str(two))]
     assert servers[0].command == "a"
+    assert load_configs([one, one]) == load_configs([one])  # one file given twice
     assert len(problems) == 1 and str(one) in problems[0] and str(two) in problems[0] and "'files'" in problems[0]
     same = write(tmp_path, "same.json", '{"mcpServers": {"x": {"command": "a"}, "x": {"command": "b"}}}')
     servers, problems = load_configs([same])
@@ -340,9 +341,15 @@ def test_close_kills_a_child_that_ignores_shutdown(tmp_path):
     hub = McpHub.start([stdio_server("stubborn", "hang", "--stubborn", "--pidfile", str(pidfile))])
     assert hub.call("stubborn.ping", {}).text == "pong"
     pid = int(pidfile.read_text())
+    pending = []
+    caller = threading.Thread(target=lambda: pending.append(hub.call("stubborn.wait_forever", {}, timeout=60)))
+    caller.start()
+    time.sleep(0.3)
     start = time.monotonic()
     hub.close()
     assert time.monotonic() - start < 12
+    caller.join(timeout=5)
+    assert pending[0].error and "closed during the call" in pending[0].text  # not left hanging
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     result = hub.call("stubborn.ping", {})
@@ -356,8 +363,9 @@ def test_close_kills_a_child_that_ignores_shutdown(tmp_path):
 def test_streamable_http_list_call_timeout_and_crash(tmp_path):
     outbox = tmp_path / "outbox.jsonl"
     with http_server("web", "--outbox", str(outbox)) as web_url, http_server("hang") as hang_url, \
-            http_server("crash") as crash_url:
+            http_server("crash") as crash_url, http_server("dynamic") as dynamic_url:
         servers = [ServerConfig(name="web", source="t", url=web_url, headers={"X-Client": "test"}),
+                   ServerConfig(name="dynamic", source="t", url=dynamic_url),
                    ServerConfig(name="hang", source="t", url=hang_url, headers={"X-Api-Key": "k1"}),
                    ServerConfig(name="crash", source="t", url=crash_url)]
         with McpHub.start(servers) as hub:
@@ -374,6 +382,11 @@ def test_streamable_http_list_call_timeout_and_crash(tmp_path):
             timed = hub.call("hang.wait_forever", {}, timeout=1)
             assert timed.error and "no answer within 1 s" in timed.text
             assert hub.call("hang.ping", {}).text == "pong"
+            assert hub.call("dynamic.add_tool", {"name": "late"}).text == "added late"
+            deadline = time.monotonic() + 10
+            while "dynamic.late" not in [t.id for t in hub.tools] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert hub.call("dynamic.late", {}).text == "I am late"
             crashed = hub.call("crash.crash", {}, timeout=20)
             assert crashed.error and "'crash'" in crashed.text and "crash" in hub.failed
             assert hub.call("crash.echo", {"text": "x"}).error

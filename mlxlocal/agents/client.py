@@ -57,7 +57,7 @@ class _CallControl:
 
     def __init__(self) -> None:
         self.scope: anyio.CancelScope | None = None
-        self.why: str | None = None  # "user" or "dead: <reason>"
+        self.why: str | None = None  # "user", "closed" or "dead: <reason>"
 
     def cancel(self, why: str) -> None:
         if self.why is None:
@@ -208,17 +208,18 @@ class McpHub:
                 try:
                     return future.result(timeout=0.05)  # short waits: Ctrl-C and `cancel` get seen
                 except concurrent.futures.TimeoutError:
-                    if cancel is not None and cancel.is_set():
+                    if (cancel is not None and cancel.is_set()) or not self._thread.is_alive():
                         break
         except KeyboardInterrupt:
             # Ctrl-C cancels the call, not the program; the caller's event is set too so a
             # tool loop can tell the user wants to stop (the result alone reads like any error).
             if cancel is not None:
                 cancel.set()
-        self._loop.call_soon_threadsafe(control.cancel, "user")
         try:
+            self._loop.call_soon_threadsafe(control.cancel, "user")
             return future.result(timeout=5)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, KeyboardInterrupt):
+        except (RuntimeError, concurrent.futures.TimeoutError, concurrent.futures.CancelledError,
+                KeyboardInterrupt):  # RuntimeError: the hub was closed under the call
             future.cancel()
             return ToolResult(f"{tool_id}: cancelled by the user", error=True)
 
@@ -264,6 +265,8 @@ class McpHub:
         if control.scope.cancelled_caught:
             if control.why == "user":
                 return ToolResult(f"{tool.id}: cancelled by the user", error=True)
+            if control.why == "closed":
+                return ToolResult(f"{tool.id}: the MCP connections were closed during the call", error=True)
             if control.why is not None and control.why.startswith("dead: "):
                 return ToolResult(f"{tool.id}: server {server.config.name!r} died during the call: "
                                   f"{control.why[6:]}; its tools are no longer available", error=True)
@@ -337,7 +340,8 @@ class McpHub:
         if config.command is not None:
             # stderr to a file of ours: a server's log lines would otherwise land in the chat,
             # and its last lines are the best explanation when it fails to start.
-            server.errlog = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+            # Append mode: the child shares this file's offset, and our reads seek it.
+            server.errlog = tempfile.TemporaryFile("a+", encoding="utf-8", errors="replace")
             params = StdioServerParameters(command=config.command, args=list(config.args), env=config.env,
                                            cwd=config.cwd)
             return stdio_client(params, errlog=server.errlog)
@@ -424,7 +428,7 @@ class McpHub:
         tasks = []
         for server in list(self._servers.values()):
             for control in list(server.calls):
-                control.cancel("user")
+                control.cancel("closed")
             server.stop.set()
             if server.task is not None and not server.task.done():
                 tasks.append(server.task)

@@ -59,7 +59,11 @@ def load_configs(paths: list[Path], environ: dict[str, str] | None = None) -> tu
     servers: list[ServerConfig] = []
     problems: list[str] = []
     seen: dict[str, str] = {}  # server name -> the file that defined it first
+    read: set[Path] = set()
     for path in paths:
+        if Path(path).resolve() in read:  # the same file twice is one config, not duplicates
+            continue
+        read.add(Path(path).resolve())
         for name, entry in _read_file(Path(path), problems):
             source = str(path)
             if name in seen:
