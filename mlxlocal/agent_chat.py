@@ -178,6 +178,8 @@ class AgentRepl(ChatRepl):
             self.say("no MCP tools")
         for name, reason in self.hub.failed.items():
             self.say(f"  {name:<12} failed: {reason}", "red")
+        if self.loop.grammar_note:
+            self.say(self.loop.grammar_note, "dim")
 
     def ask(self, call: ToolCall, decision: Decision) -> bool:
         """An "ask" verdict: show the call and why, and let the user decide (default no)."""

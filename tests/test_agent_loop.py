@@ -132,6 +132,8 @@ def test_multi_step_tool_use_hits_the_prefix_cache(engine, config):
         loop = new_loop(engine, servers, hub, events)
         result = loop.run("What is on my list?")
     assert result.finish == "answer" and result.answer == "You need milk."
+    # The calls were generated under the optional call grammar (valid by construction).
+    assert loop._grammars[False] is not None and loop.grammar_note == ""
     assert [m["role"] for m in loop.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
     first, second = loop.messages[2], loop.messages[4]
     assert first["content"] == "buy milk" and first["name"] == "files__read_file"
@@ -270,9 +272,11 @@ def test_max_steps_stops_with_a_note(engine, config):
 
 
 def test_unknown_tool_and_bad_arguments_are_errors_for_the_model(engine, config):
+    """Without the call grammar (a family it cannot express, or turned off) a model may name
+    a tool that does not exist or break its schema: the model gets an error result."""
     replies = [call("files__format_disk"), call("files__read_file", path=3), "Sorry."]
     with hub_for(config) as (servers, hub), scripted_steps(engine.tokenizer, replies):
-        result = new_loop(engine, servers, hub).run("Try things.")
+        result = new_loop(engine, servers, hub, constrain_calls=False).run("Try things.")
     unknown, bad = result.steps[0].calls[0], result.steps[1].calls[0]
     assert unknown.tool == "" and unknown.result.error and "files__read_file" in unknown.result.text
     assert bad.result.error and not bad.result.stopped_by_policy  # the hub's inputSchema check

@@ -23,14 +23,16 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
-from mlxlocal.engine import GenerationStats, SamplingParams
+from mlxlocal.engine import GenerationStats, Grammar, SamplingParams
 from mlxlocal.engine.contract import Engine
 from mlxlocal.errors import MlxLocalError
+from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.parse import OutputParser, new_call_id, starts_in_reasoning
+from mlxlocal.grammar.tools import tool_calls
 
 # Templates want a plain identifier as a function name; MCP tool ids are "server.name".
 # Flattened as Responses namespaces are (server/responses_items.py): "server__name".
@@ -177,7 +179,7 @@ class ToolLoop:
     def __init__(self, engine: Engine, hub: Hub, policy: Policy, *, system: str | None = None,
                  params: SamplingParams | None = None, max_steps: int = 8,
                  approve: Approve | None = None, on_event: Callable[[AgentEvent], None] | None = None,
-                 call_timeout: float = 60.0):
+                 call_timeout: float = 60.0, constrain_calls: bool = True):
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         self.engine = engine
@@ -190,6 +192,12 @@ class ToolLoop:
         self.approve = approve or (lambda call, decision: False)
         self.on_event = on_event or (lambda event: None)
         self.call_timeout = call_timeout
+        # Calls constrained to the offered tools and their inputSchemas where the family's
+        # syntax allows it (the reply may still be text): arguments valid by construction.
+        # Keyed by whether the prompt opened a think block; None: not enforceable (`grammar_note`).
+        self.constrain_calls = constrain_calls
+        self._grammars: dict[bool, Grammar | None] = {}
+        self.grammar_note = ""
         self.tools = {function_name(t.id): t for t in hub.tools}
         self.schemas = tool_schemas(hub.tools) or None
         self.messages: list[dict[str, Any]] = []
@@ -275,12 +283,15 @@ class ToolLoop:
         was cancelled before any token (nothing is kept, as in the chat REPL)."""
         prompt = self._prompt()
         self._emit("step")
-        parser = OutputParser(self.engine.tokenizer, self.schemas, starts_in_reasoning(self.engine, prompt))
+        opened = starts_in_reasoning(self.engine, prompt)
+        parser = OutputParser(self.engine.tokenizer, self.schemas, opened)
+        grammar = self._call_grammar(opened)
+        params = replace(self.params, grammar=grammar) if grammar and self.params.grammar is None else self.params
         step = Step(StepStats(self._step_no))
         generated: list[int] = []
         calls = []
         stats = None
-        for chunk in self.engine.generate(prompt, self.params, session=self.session, cancel=cancel):
+        for chunk in self.engine.generate(prompt, params, session=self.session, cancel=cancel):
             if chunk.token is not None:
                 generated.append(chunk.token)
             events = parser.feed(chunk.text) if chunk.text else []
@@ -317,6 +328,19 @@ class ToolLoop:
         for c in step.calls:
             self._emit("tool_call", call=c)
         return step
+
+    def _call_grammar(self, opened: bool) -> Grammar | None:
+        if not self.constrain_calls or not self.schemas:
+            return None
+        if opened not in self._grammars:
+            try:
+                # Thinking gets at most half the reply, as the server allows before a forced call.
+                self._grammars[opened] = tool_calls(self.engine.tokenizer, self.schemas, None, "tools", opened,
+                                                    True, max(1, self.params.max_tokens // 2), optional=True)
+            except GrammarError as e:  # a family or schema the grammar cannot express: the hub still validates
+                self._grammars[opened] = None
+                self.grammar_note = f"tool calls are checked after generation only: {e}"
+        return self._grammars[opened]
 
     def _call_record(self, event: Any) -> CallRecord:
         info = self.tools.get(event.name)
@@ -379,4 +403,6 @@ class ToolLoop:
             "messages": self.conversation(),
             "steps": [s.as_dict() for s in self.steps],
             "prefill_tokens_per_step": [s.stats.new_tokens for s in self.steps],
+            "calls_constrained": bool(self._grammars) and all(g is not None for g in self._grammars.values()),
+            "grammar_note": self.grammar_note,
         }
