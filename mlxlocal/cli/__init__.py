@@ -1,7 +1,7 @@
 """The `mlxlocal` command line (Typer). Front end only: it talks to the loader and the engine.
 
 One module per command group, each adding its commands with `register(app)`:
-generate.py (generate, chat), models.py (show, pull, list, rm), serve.py, launch.py, bench.py,
+generate.py (generate, chat), models.py (show, pull, list, rm), serve.py, mcp_serve.py (mcp serve), launch.py, bench.py,
 convert.py, quant.py (quantize, perplexity); common.py holds what they share.
 """
 
@@ -13,7 +13,7 @@ import sys
 import typer
 
 from mlxlocal import __version__
-from mlxlocal.cli import bench, convert, generate, launch, models, quant, serve
+from mlxlocal.cli import bench, convert, generate, launch, mcp_serve, models, quant, serve
 
 # Re-exported: `mlxlocal.cli.fail` etc. stay importable from the package as before the split.
 from mlxlocal.cli.common import (  # noqa: F401
@@ -50,6 +50,7 @@ def version() -> None:
 generate.register(app)
 models.register(app)
 serve.register(app)
+mcp_serve.register(app)
 launch.register(app)
 app.command()(version)
 bench.register(app)
