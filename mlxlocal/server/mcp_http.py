@@ -45,6 +45,7 @@ def standalone_app(config: ServerConfig, registry: ModelRegistry) -> Guard:
     every path strict. Its lifespan loads the first model (a bad --model fails the start)."""
     inner = streamable_http(build_mcp(registry, own_registry=True), config)
     inner.add_middleware(CORSMiddleware, **cors_options(config))
+    # The Guard counts requests into Metrics; this server has no /metrics, so nobody reads them.
     return Guard(inner, config, Metrics(), routes=inner, strict_paths=("/",))
 
 
