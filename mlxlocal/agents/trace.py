@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxlocal.agents.policy import POLICY_KEYS, RuleOfTwo
+from mlxlocal.agents.config import McpConfigError, load_configs
+from mlxlocal.agents.policy import RuleOfTwo
 from mlxlocal.agents.types import Decision, ServerConfig, ToolCall, ToolInfo, ToolResult
 from mlxlocal.errors import MlxLocalError
 
@@ -129,52 +130,20 @@ def load_trace_file(path: Path, tool_ids: set[str]) -> Trace:
     return Trace(steps, _call(f, f.get(data, "attempted_call", "", dict), "attempted_call", tool_ids))
 
 
-def _servers_from_configs(paths: list[Path]) -> list[ServerConfig]:
-    """The policy's keys of each server in the MCP configs (trust, sensitive, tools, policy).
-
-    A stand-in for mlxlocal.agents.config.load_configs, which was not on its branch yet when
-    this was written; switch to it at merge (it also validates command/url and expands ${VAR},
-    which the offline check does not need)."""
-    servers: dict[str, ServerConfig] = {}
-    for path in paths:
-        data = _load_json(path, "MCP config")
-        f = _Fields(path, "MCP config")
-        if not isinstance(data, dict):
-            raise f.fail("(top level)", "expected an object with mcpServers")
-        for name, entry in f.get(data, "mcpServers", "", dict).items():
-            where = f"mcpServers.{name}"
-            if not isinstance(entry, dict):
-                raise f.fail(where, "expected an object")
-            trust = f.get(entry, "trust", where, str, "trusted")
-            if trust not in ("trusted", "untrusted"):
-                raise f.fail(f"{where}.trust", f"expected \"trusted\" or \"untrusted\", got {trust!r}")
-            tools = f.get(entry, "tools", where, dict, {})
-            allow = f.get(tools, "allow", f"{where}.tools", list, None)
-            deny = f.get(tools, "deny", f"{where}.tools", list, [])
-            for key, names in (("allow", allow or []), ("deny", deny)):
-                if not all(isinstance(n, str) for n in names):
-                    raise f.fail(f"{where}.tools.{key}", "expected a list of tool names")
-            policy: dict[str, dict[str, bool]] = {}
-            for tool, keys in f.get(entry, "policy", where, dict, {}).items():
-                if not isinstance(keys, dict):
-                    raise f.fail(f"{where}.policy.{tool}", "expected an object")
-                for key, value in keys.items():
-                    if key not in POLICY_KEYS:
-                        raise f.fail(f"{where}.policy.{tool}.{key}", f"unknown key (expected one of {', '.join(POLICY_KEYS)})")
-                    if not isinstance(value, bool):
-                        raise f.fail(f"{where}.policy.{tool}.{key}", "expected true/false")
-                policy[tool] = dict(keys)
-            if name in servers:
-                raise f.fail(where, f"server {name!r} is also defined in {servers[name].source}")
-            servers[name] = ServerConfig(
-                name=name, source=str(path), command=entry.get("command"), url=entry.get("url"),
-                trust=trust, sensitive=f.get(entry, "sensitive", where, bool, False),
-                allow=tuple(allow) if allow is not None else None, deny=tuple(deny), tool_policy=policy)
-    return list(servers.values())
+def servers_from_configs(paths: list[Path]) -> list[ServerConfig]:
+    """The servers of the MCP config files, as the agent loop reads them (config.load_configs);
+    for an offline check any problem in them is an error, not a server left out."""
+    try:
+        servers, problems = load_configs(paths)
+    except McpConfigError as e:
+        raise PolicyInputError(str(e)) from None
+    if problems:
+        raise PolicyInputError("; ".join(problems))
+    return servers
 
 
 def load_check_inputs(mcp: list[Path], tools_path: Path, trace_path: Path) -> tuple[RuleOfTwo, Trace]:
-    servers = _servers_from_configs(mcp)
+    servers = servers_from_configs(mcp)
     tools = load_tools_file(tools_path)
     known = {s.name for s in servers}
     for i, tool in enumerate(tools):

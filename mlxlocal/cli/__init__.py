@@ -1,8 +1,9 @@
 """The `mlxlocal` command line (Typer). Front end only: it talks to the loader and the engine.
 
 One module per command group, each adding its commands with `register(app)`:
-generate.py (generate, chat), agent.py (run), models.py (show, pull, list, rm), serve.py, launch.py, bench.py,
-convert.py, quant.py (quantize, perplexity), tools.py (the `tools` group: check); common.py holds what they share.
+generate.py (generate, chat), agent.py (run), models.py (show, pull, list, rm), serve.py,
+mcp_serve.py (mcp serve), launch.py, bench.py, convert.py, quant.py (quantize, perplexity), tools.py
+(the `tools` group: check); common.py holds what they share.
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ import sys
 import typer
 
 from mlxlocal import __version__
-from mlxlocal.cli import agent, bench, convert, generate, launch, models, quant, serve, tools
+from mlxlocal.cli import (
+    agent,
+    bench,
+    convert,
+    generate,
+    launch,
+    mcp_serve,
+    models,
+    quant,
+    serve,
+    tools,
+)
 
 # Re-exported: `mlxlocal.cli.fail` etc. stay importable from the package as before the split.
 from mlxlocal.cli.common import (  # noqa: F401
@@ -51,6 +63,7 @@ generate.register(app)
 agent.register(app)
 models.register(app)
 serve.register(app)
+mcp_serve.register(app)
 launch.register(app)
 app.command()(version)
 bench.register(app)

@@ -32,6 +32,8 @@ def serve(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    mcp_endpoint: bool = typer.Option(True, "--mcp-endpoint/--no-mcp-endpoint", help="The models as MCP tools "
+                                      "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks"),
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
     from mlxlocal.server import ServerConfig
@@ -55,7 +57,7 @@ def serve(
     config = ServerConfig(models=list(model), host=host, port=port, api_key=api_key,
                           allowed_origins=list(allow_origin), max_body_bytes=parse_size(max_body),
                           keep_alive=keep, engine_options=options, served_model_names=list(served_model_name),
-                          allowed_hosts=list(allow_host))
+                          allowed_hosts=list(allow_host), mcp_endpoint=mcp_endpoint)
     if not run_server(config, err):
         raise typer.Exit(1)
 

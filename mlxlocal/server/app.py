@@ -39,6 +39,7 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds for a request's headers to arrive (else closed)
     keep_alive_timeout: int = 5  # idle seconds between requests on one connection
     max_connections: int | None = None  # None: half the open-file limit, at most 4096
+    mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
 
 
 def is_loopback_origin(origin: str) -> bool:
@@ -74,31 +75,52 @@ def is_loopback_host(name: str) -> bool:
     return False
 
 
+def is_ip_literal(name: str) -> bool:
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(name)
+        return True
+    return False
+
+
 class Guard:
     """Pure ASGI guard: Host, Origin, API key, body size and read time, request metrics.
 
     Pure ASGI rather than @app.middleware("http") (BaseHTTPMiddleware), which hides the
     client's disconnect from request.is_disconnected() so abandoned requests ran to the end.
+
+    `strict_paths`: path prefixes whose Host is checked whatever the bind (the MCP endpoint:
+    the MCP spec asks servers to validate it against DNS rebinding on every request).
     """
 
-    def __init__(self, app, config: ServerConfig, metrics: Metrics, routes=None):
+    def __init__(self, app, config: ServerConfig, metrics: Metrics, routes=None, strict_paths: tuple[str, ...] = ()):
         self.app, self.config, self.metrics, self.routes = app, config, metrics, routes
+        self.strict_paths = strict_paths
         self._paths: set[str] | None = None
         self.allowed_hosts = {h.lower() for h in config.allowed_hosts}
+        self.bound = _host_name(config.host)
         # Loopback bind: only loopback names reach us legitimately; anything else is a page on
         # another site that re-pointed its DNS at 127.0.0.1 (DNS rebinding).
-        self.check_host = bool(self.allowed_hosts) or is_loopback_host(_host_name(config.host))
+        self.check_host = bool(self.allowed_hosts) or is_loopback_host(self.bound)
 
-    def host_allowed(self, host: str | None) -> bool:
-        if not self.check_host or host is None or "*" in self.allowed_hosts:
+    def strict(self, path: str) -> bool:
+        return any(path == p or path.startswith(p.rstrip("/") + "/") for p in self.strict_paths)
+
+    def host_allowed(self, host: str | None, strict: bool = False) -> bool:
+        if not (self.check_host or strict) or host is None or "*" in self.allowed_hosts:
             return True  # no Host header: not a browser (browsers always send one)
         name = _host_name(host)
-        return is_loopback_host(name) or name in self.allowed_hosts or host.lower() in self.allowed_hosts
+        if is_loopback_host(name) or name in self.allowed_hosts or host.lower() in self.allowed_hosts:
+            return True
+        # Strict on a non-loopback bind: the bound address itself, or any IP literal on a
+        # wildcard bind (the machine's addresses are many). An IP is never a rebinding vector:
+        # only a DNS name can be re-pointed; names need --allow-host.
+        wildcard = self.bound in ("0.0.0.0", "::", "")
+        return strict and (name == self.bound or (wildcard and is_ip_literal(name)))
 
     def refusal(self, scope) -> tuple[int, str, dict | None] | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
         path, cfg = scope["path"], self.config
-        if path != "/health" and not self.host_allowed(headers.get("host")):
+        if path != "/health" and not self.host_allowed(headers.get("host"), self.strict(path)):
             return 421, f"host {headers.get('host')!r} is not served here (see --allow-host)", None
         origin = headers.get("origin")
         allowed = cfg.allowed_origins
@@ -187,10 +209,25 @@ def _body_error_in(e: BaseException) -> _BodyError | None:
     return None
 
 
+def cors_options(config: ServerConfig) -> dict:
+    """CORSMiddleware's settings: loopback origins and --allow-origin ones (Guard refuses the rest)."""
+    return dict(
+        allow_origins=[o for o in config.allowed_origins if o != "*"] or [],
+        allow_origin_regex=".*" if "*" in config.allowed_origins
+        else r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?",
+        allow_methods=["*"],
+        allow_headers=["*"],
+        # A browser MCP client must read the session id to send it back.
+        expose_headers=["Mcp-Session-Id"],
+    )
+
+
 def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> FastAPI:
     registry = registry or ModelRegistry(config.models, config.engine_options, config.keep_alive,
                                          config.served_model_names)
     metrics = Metrics()
+
+    mcp_sessions = None  # the MCP endpoint's session manager, run by the lifespan
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -203,7 +240,8 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
 
         task = asyncio.create_task(unloader())
         try:
-            yield
+            async with mcp_sessions() if mcp_sessions else contextlib.nullcontext():
+                yield
         finally:
             task.cancel()
             registry.shutdown()
@@ -211,16 +249,14 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app = FastAPI(title="mlxlocal", version=__version__, lifespan=lifespan)
     app.state.registry, app.state.metrics, app.state.config = registry, metrics, config
 
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=[o for o in config.allowed_origins if o != "*"] or [],
-        allow_origin_regex=".*" if "*" in config.allowed_origins
-        else r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?",
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
-    # Outermost, so a foreign preflight gets a JSON 403 before CORSMiddleware answers it.
-    app.add_middleware(Guard, config=config, metrics=metrics, routes=app)
+    app.add_middleware(CORSMiddleware, **cors_options(config))
+    # Outermost, so a foreign preflight gets a JSON 403 before CORSMiddleware answers it. The
+    # MCP endpoint's Host is checked whatever the bind (see Guard).
+    app.add_middleware(Guard, config=config, metrics=metrics, routes=app, strict_paths=("/mcp",))
+    if config.mcp_endpoint:
+        from mlxlocal.server import mcp_http
+
+        mcp_sessions = mcp_http.mount(app, config, registry)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from collections.abc import Callable
 
 import uvicorn
 from rich.console import Console
@@ -44,6 +45,8 @@ def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None 
         lines.append(f"  model    {m.name}" + (f"  (also: {', '.join(others)})" if others else ""))
         lines.append(f"           {kv_pool(m.engine)}")
     lines.append(f"  APIs     {DIALECTS}")
+    if config.mcp_endpoint:
+        lines.append(f"  MCP      {url_of(config.host, port or config.port)}/mcp (Streamable HTTP)")
     lines.append(f"  API key  {'on' if config.api_key else 'off'}")
     return "\n".join(lines)
 
@@ -52,9 +55,10 @@ class BannerServer(uvicorn.Server):
     """uvicorn's server; prints the banner once the lifespan loaded the model and the socket listens."""
 
     def __init__(self, config: uvicorn.Config, server_config: ServerConfig, registry: ModelRegistry,
-                 console: Console):
+                 console: Console, text: Callable[[ServerConfig, ModelRegistry, int], str] = banner_text):
         super().__init__(config)
         self.server_config, self.registry, self.console = server_config, registry, console
+        self.text = text  # `mlxlocal mcp serve` has a banner of its own
         self.banner_shown = False
 
     async def startup(self, sockets=None) -> None:
@@ -63,7 +67,7 @@ class BannerServer(uvicorn.Server):
             return
         self.banner_shown = True
         port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port  # --port 0
-        text = Text(banner_text(self.server_config, self.registry, port))
+        text = Text(self.text(self.server_config, self.registry, port))
         text.stylize("bold green", 0, text.plain.index("\n"))
         self.console.print(Text("\n") + text + Text("\n"), highlight=False)
 
@@ -180,13 +184,17 @@ def install_log_filter(names=("asyncio", "uvicorn", "uvicorn.error", "mlxlocal")
     return flt
 
 
-def run_server(config: ServerConfig, console: Console | None = None) -> bool:
-    """Serve until interrupted (uvicorn's logs, access log included); False if it never started."""
-    app = create_app(config)
+def run_server(config: ServerConfig, console: Console | None = None, app=None, registry: ModelRegistry | None = None,
+               text: Callable[[ServerConfig, ModelRegistry, int], str] = banner_text) -> bool:
+    """Serve until interrupted (uvicorn's logs, access log included); False if it never started.
+    `app` and `registry` (both or neither): another ASGI app on the same settings (`mcp serve`)."""
+    if app is None:
+        app = create_app(config)
+        registry = app.state.registry
     files = raise_open_file_limit()
     uv = uvicorn_config(app, config, files, log_level="info")
     install_log_filter()  # after uvicorn.Config, which (re)configures uvicorn's loggers
-    server = BannerServer(uv, config, app.state.registry, console or Console(stderr=True, soft_wrap=True))
+    server = BannerServer(uv, config, registry, console or Console(stderr=True, soft_wrap=True), text)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it handled, once shut down

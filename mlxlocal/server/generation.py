@@ -56,7 +56,11 @@ async def _dead_is_503(stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
 async def run(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
               metrics: Metrics) -> AsyncIterator[Chunk]:
     """Stream a request's chunks; a client that goes away cancels it (blocks freed next step)."""
-    stream, cancel = start(engine, prompt, params, asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    if params.grammar is None:
+        stream, cancel = start(engine, prompt, params, loop)
+    else:  # submit compiles the grammar (the first one also indexes the vocabulary): off the loop
+        stream, cancel = await asyncio.to_thread(start, engine, prompt, params, loop)
     watcher = asyncio.create_task(_watch(request, cancel))
     t0, last, generated, finished = time.perf_counter(), None, 0, False
     try:
