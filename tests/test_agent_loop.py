@@ -40,9 +40,10 @@ def call(function: str, **arguments) -> str:
 
 
 @contextmanager
-def scripted_steps(tokenizer, replies: list[str]):
+def scripted_steps(tokenizer, replies: list[str], interrupt: tuple[int, threading.Event] | None = None):
     """Step k of the conversation (counted by the assistant headers in the prompt) says
-    replies[k] then the end of turn; past the list, the last reply again."""
+    replies[k] then the end of turn; past the list, the last reply again. `interrupt`
+    (k, event): Ctrl-C (the event set) after step k has generated a few tokens."""
     end = tokenizer.eos_token_id
     scripts = [list(tokenizer.encode(r, add_special_tokens=False)) + [end] for r in replies]
     header = list(tokenizer.encode("<|im_start|>assistant", add_special_tokens=False))
@@ -52,6 +53,8 @@ def scripted_steps(tokenizer, replies: list[str]):
         starts = [i for i in range(len(history) - n + 1) if history[i:i + n] == header]
         script = scripts[min(len(starts) - 1, len(scripts) - 1)]
         tail = history[starts[-1] + n:]
+        if interrupt is not None and len(starts) - 1 == interrupt[0] and len(tail) > 4:
+            interrupt[1].set()
         done = next((k for k in range(len(script), 0, -1) if tail[-k:] == script[:k]), 0)
         return script[min(done, len(script) - 1)]
 
@@ -258,6 +261,23 @@ def test_crash_timeout_and_ctrl_c_keep_the_session(engine, tmp_path):
         timer.cancel()
     assert after.finish == "answer" and after.answer == "Fine."
     assert_cached_every_step(result.steps + stopped.steps + after.steps)
+
+
+def test_ctrl_c_during_generation_keeps_the_session(engine, config):
+    cancel = threading.Event()
+    long_text = "Let me think about this for a long while. " * 10
+    replies = [call("files__list_dir", path="."), long_text, "Short answer."]
+    with hub_for(config) as (servers, hub):
+        loop = new_loop(engine, servers, hub)
+        with scripted_steps(engine.tokenizer, replies, interrupt=(1, cancel)):
+            stopped = loop.run("List and explain.", cancel)
+        assert stopped.finish == "cancelled" and len(stopped.steps) == 2
+        assert stopped.steps[1].stats.finish_reason == "cancelled"
+        assert 0 < len(stopped.answer) < len(long_text)  # the partial reply is kept, as the chat REPL does
+        with scripted_steps(engine.tokenizer, replies):
+            after = loop.run("Briefly, please.")
+    assert after.finish == "answer" and after.answer == "Short answer."
+    assert_cached_every_step(stopped.steps + after.steps)
 
 
 def test_max_steps_stops_with_a_note(engine, config):
