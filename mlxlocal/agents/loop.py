@@ -252,8 +252,10 @@ class ToolLoop:
             try:
                 step = self._generate(cancel)
             except (MlxLocalError, ValueError) as e:  # context full, engine refused: the session stays
+                self._forget_unanswered(steps)
                 return self._finish("error", str(e), steps)
             if step is None:
+                self._forget_unanswered(steps)
                 return self._finish("cancelled", "cancelled before the first token", steps)
             steps.append(step)
             self.steps.append(step)
@@ -273,6 +275,12 @@ class ToolLoop:
                 if cancel.is_set():
                     self._close_calls(step, "not run: cancelled by the user")
                     return self._finish("cancelled", "tool call cancelled", steps, step.content)
+
+    def _forget_unanswered(self, steps: list[Step]) -> None:
+        """A turn that produced nothing at all is forgotten, as the chat REPL forgets it: the
+        next message follows the last answered one (the policy still counted the input)."""
+        if not steps and self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
 
     def _finish(self, finish: str, note: str, steps: list[Step], answer: str = "") -> TurnResult:
         self._emit("finish", reason=finish, text=note)
@@ -374,7 +382,11 @@ class ToolLoop:
         if decision.decision == "block" or (decision.decision == "ask" and not record.approved):
             result = self.policy.stopped_result(decision)
         else:
-            result = self.hub.call(call.tool, call.arguments, timeout=self.call_timeout, cancel=cancel)
+            try:
+                result = self.hub.call(call.tool, call.arguments, timeout=self.call_timeout, cancel=cancel)
+            except Exception as e:  # the hub turns failures into results; anything else must not
+                # leave a call unanswered (the conversation would no longer render) or end the session
+                result = ToolResult(f"error: {call.tool} failed: {type(e).__name__}: {e}", error=True)
         # Every outcome is recorded: a stopped call still tells the policy what was attempted,
         # and an untrusted result sets flag [A] even when it is an error text.
         self.policy.record(call, result)
