@@ -15,12 +15,11 @@ import io
 import json
 import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from agent_util import call, hub_for, scripted_steps
 from rich.console import Console
-from server_util import steered_output
 from typer.testing import CliRunner
 
 from mlxlocal.agents.loop import AgentEvent, ToolLoop, function_name, tool_schemas
@@ -32,34 +31,6 @@ from mlxlocal.source.loader import load
 MCP_SERVERS = Path(__file__).parent / "mcp_servers"
 SECRET = "the launch code is 0000"
 PARAMS = SamplingParams(max_tokens=80)
-
-
-def call(function: str, **arguments) -> str:
-    """A reply that is one tool call, in the qwen3 (Hermes) syntax the tiny model's template uses."""
-    return f'<tool_call>\n{{"name": "{function}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
-
-
-@contextmanager
-def scripted_steps(tokenizer, replies: list[str], interrupt: tuple[int, threading.Event] | None = None):
-    """Step k of the conversation (counted by the assistant headers in the prompt) says
-    replies[k] then the end of turn; past the list, the last reply again. `interrupt`
-    (k, event): Ctrl-C (the event set) after step k has generated a few tokens."""
-    end = tokenizer.eos_token_id
-    scripts = [list(tokenizer.encode(r, add_special_tokens=False)) + [end] for r in replies]
-    header = list(tokenizer.encode("<|im_start|>assistant", add_special_tokens=False))
-    n = len(header)
-
-    def next_token(history: list[int]) -> int:
-        starts = [i for i in range(len(history) - n + 1) if history[i:i + n] == header]
-        script = scripts[min(len(starts) - 1, len(scripts) - 1)]
-        tail = history[starts[-1] + n:]
-        if interrupt is not None and len(starts) - 1 == interrupt[0] and len(tail) > 4:
-            interrupt[1].set()
-        done = next((k for k in range(len(script), 0, -1) if tail[-k:] == script[:k]), 0)
-        return script[min(done, len(script) - 1)]
-
-    with steered_output(next_token):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -95,17 +66,6 @@ def config(world, tmp_path) -> Path:
         # send_email writes but is not destructive (after [A]+[B] it is an "ask").
         "web": stdio("web.py", "--outbox", str(world["outbox"])),
     })
-
-
-@contextmanager
-def hub_for(*configs: Path):
-    from mlxlocal.agents.client import McpHub
-    from mlxlocal.agents.config import load_configs
-
-    servers, problems = load_configs(list(configs))
-    assert not problems, problems
-    with McpHub.start(servers, connect_timeout=30) as hub:
-        yield servers, hub
 
 
 def new_loop(engine, servers, hub, events: list[AgentEvent] | None = None, **kw) -> ToolLoop:

@@ -235,13 +235,16 @@ class ToolLoop:
         return self.engine.encode_chat(conv, tools=self.schemas)
 
     # a turn ------------------------------------------------------------------------------
-    def run(self, text: str, cancel: threading.Event | None = None) -> TurnResult:
+    def run(self, text: str, cancel: threading.Event | None = None, *, untrusted: bool = False) -> TurnResult:
         """One user message, then steps until the model answers without calling a tool.
         `cancel` (Ctrl-C) stops the generation or the tool call under way; the conversation
-        keeps what happened up to there, so the next `run` continues it."""
+        keeps what happened up to there, so the next `run` continues it. `untrusted`: the
+        message carries text the user did not write (a pasted email or page); the policy
+        counts it as untrusted input [A], as it would the same text returned by a tool."""
         cancel = cancel or threading.Event()
         self.messages.append({"role": "user", "content": text})
-        self.policy.note_user_input(False)  # the user typed it: trusted (the policy counts it as a step)
+        # The policy counts every user message as a step; one the user typed is trusted.
+        self.policy.note_user_input(untrusted, "the user's message")
         steps: list[Step] = []
         while True:
             if len(steps) == self.max_steps:
