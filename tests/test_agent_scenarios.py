@@ -141,7 +141,9 @@ def test_scenario_through_the_live_loop(engine, path, tmp_path):
         return True
 
     with hub_for(live_config(path, scenario, outbox, tmp_path / "mcp.json")) as (servers, hub):
-        # The servers list the scenario's tools as written: the live policy judges the same tools.
+        # The servers list the scenario's tools as written: the live policy judges the same tools
+        # `tools check` does. (A scenario whose config hid tools with "tools": allow/deny would
+        # differ here on purpose: the hub drops them, TOOLS.json does not.)
         listed = {t.id: (t.description, t.input_schema, t.annotations) for t in hub.tools}
         assert listed == {f"{t['server']}.{t['name']}": (t["description"], t["inputSchema"], t["annotations"])
                           for t in scenario["tools"]}
