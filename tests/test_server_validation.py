@@ -262,7 +262,9 @@ def test_tokenizing_runs_off_the_event_loop(server, model):
     worst, r = _health_while(url, lambda: httpx.post(f"{url}/v1/messages/count_tokens", json=body, timeout=120))
     took = time.perf_counter() - t
     assert r.status_code == 200 and r.json()["input_tokens"] > 500_000
-    assert worst < max(0.5, took / 3), (worst, took)  # on the loop, /health waited the whole time
+    # On the loop, /health would wait the whole time; off it, at most a share of it (more on
+    # a loaded 2-core machine, where the tokenizer's threads compete with the loop's).
+    assert worst < max(0.5, took * 0.6), (worst, took)
 
 
 def test_prompt_under_the_byte_bound_gets_the_exact_token_count(server, model):
