@@ -114,6 +114,25 @@ def is_encoder_dir(path: Path) -> bool:
         return False
 
 
+def is_embedding_spec(spec: str) -> bool:
+    """Whether a --model value names an embedding model, known without loading anything: an
+    alias of MiniLM, or a local directory / already-cached Hub repo holding a BERT encoder."""
+    if spec.strip().lower() in MINILM_ALIASES:
+        return True
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return is_encoder_dir(local)
+    from mlxlocal.source import hub
+
+    repo, _, revision = spec.partition("@")
+    if not hub.looks_like_repo_id(repo):
+        return False
+    try:  # the cache only: deciding what a spec is must not download it
+        return is_encoder_dir(hub.download(repo, revision or None, local_files_only=True))
+    except (ModelNotFoundError, ModelLoadError):
+        return False
+
+
 def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
