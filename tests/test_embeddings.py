@@ -301,3 +301,14 @@ def test_mcp_embed_tool(embed_server, tiny_embedder):
     out = anyio.run(run)
     assert out["tokens"] == [4, 24] and out["truncated"] == [1]
     np.testing.assert_allclose(out["embeddings"][0], tiny_embedder.embed(["hello world"])[0], atol=1e-6)
+
+
+def test_server_with_only_an_embedding_model(tiny_bert):
+    """`serve --embed-model M` alone: no chat model to load at startup, embeddings still served."""
+    with running_server(ServerConfig(models=[], embed_models=[str(tiny_bert)])) as (url, _):
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        r = httpx.post(url + "/api/embed", json={"model": "tiny-bert", "input": "hello"}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["embeddings"][0]) == 32
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": "tiny-bert", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"]
