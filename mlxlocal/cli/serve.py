@@ -40,12 +40,11 @@ def serve(
                                       "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks"),
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
+    from mlxlocal.engine.embedding import is_embedding_spec
     from mlxlocal.server import ServerConfig
     from mlxlocal.server.banner import run_server
     from mlxlocal.server.errors import APIError
     from mlxlocal.server.registry import assign_names, parse_duration
-
-    from mlxlocal.engine.embedding import is_embedding_spec
 
     if not model and not embed_model:
         fail("give at least one --model or --embed-model", 2)
