@@ -86,7 +86,8 @@ def test_bm25_finds_lexical_matches(catalog):
     assert top[0] == "kubernetes.port_forward"
     assert index.rank_detail("jql query", 1).results[0][0] == "jira.jira_search"
     assert index.rank_detail("jql query", 1).stages == ["bm25"]  # no embedder: stage 1 is BM25
-    assert index.rank("zzzz qqqq", 2) and all(s == 0 for _, s in index.rank("zzzz qqqq", 2))
+    nothing = index.rank_detail("zzzz qqqq", 2)
+    assert all(s == 0 for _, s in nothing.results) and "no word of the query" in nothing.note
 
 
 def test_fusion_combines_both_rankings(catalog):

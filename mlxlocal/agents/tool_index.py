@@ -236,9 +236,11 @@ class ToolIndex:
         order = np.argsort(-scores, kind="stable")
         cand = order[: self.recall_depth]
         candidates = [self.ids[i] for i in cand]
+        # BM25 alone with no query word in any tool: the order is the catalog's, not a ranking.
+        note = ("no word of the query matches any tool; an embedder (--embed-model) finds tools by meaning"
+                if stages == ["bm25"] and not scores.any() else "")
         if stage1_only or method is not None:
-            return Ranking([(self.ids[i], float(scores[i])) for i in order[:k]], stages, candidates)
-        note = ""
+            return Ranking([(self.ids[i], float(scores[i])) for i in order[:k]], stages, candidates, note)
         if q is not None:
             s2 = self.stage2_fields(query, q, cand, scores)
             inner = np.argsort(-s2, kind="stable")
