@@ -191,10 +191,12 @@ def test_run_max_tools_json(engine, agent_model, config):
 
 
 def test_serve_max_tools_drops_tools_from_the_prompt(engine, agent_model):
+    import httpx
     import openai
     from server_util import running_server
 
     from mlxlocal.server import ServerConfig
+    from mlxlocal.server.tool_pruning import select
 
     sys.path.insert(0, str(MCP_SERVERS))
     from toolbox import TOOLS
@@ -217,11 +219,25 @@ def test_serve_max_tools_drops_tools_from_the_prompt(engine, agent_model):
         few = client.chat.completions.with_raw_response.create(model=str(agent_model), messages=messages,
                                                                tools=tools[:4], max_tokens=1)
         assert "x-mlxlocal-tools-dropped" not in few.headers
+        # The other dialects go through the same helper.
+        question = "Book the flight from Paris to Rome"
+        anthropic = httpx.post(url + "/v1/messages", timeout=120, json={
+            "model": str(agent_model), "max_tokens": 1, "messages": [{"role": "user", "content": question}],
+            "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
+                       "input_schema": t["function"]["parameters"]} for t in tools]})
+        responses = httpx.post(url + "/v1/responses", timeout=120, json={
+            "model": str(agent_model), "max_output_tokens": 16, "input": question,
+            "tools": [{"type": "function", **t["function"]} for t in tools]})
+    for res in (anthropic, responses):
+        assert res.status_code == 200, res.text
+        assert int(res.headers["x-mlxlocal-tools-dropped"]) >= 26
+    # (Anthropic's rendering adds its thinking switch to the template: compared with the full list.)
+    usage = anthropic.json()["usage"]
+    everything = engine.encode_chat([{"role": "user", "content": question}], tools=tools)
+    assert usage["input_tokens"] + usage.get("cache_read_input_tokens", 0) < len(everything) // 2
     # The prompt held the kept tools only: top 4 for the latest user message + the called one.
     template = [dict(m, tool_calls=[{**c, "function": {**c["function"], "arguments": {"city": "Rome"}}}
                                     for c in m["tool_calls"]]) if "tool_calls" in m else m for m in messages]
-    from mlxlocal.server.tool_pruning import select
-
     kept, dropped = select(tools, template, 4)
     assert dropped_header == str(len(dropped)) and len(dropped) >= 25 and {t["function"]["name"] for t in kept} >= {"book_flight", "get_weather"}
     assert reply.usage.prompt_tokens == len(engine.encode_chat(template, tools=kept))
