@@ -39,3 +39,12 @@ class ContextLengthError(MlxLocalError):
 
 class EndpointBenchError(MlxLocalError):
     """A bench setup problem the user can fix (bad prompt file, missing matplotlib, bad URL)."""
+
+
+class InputTooLongError(MlxLocalError):
+    """An embedding input longer than the encoder's maximum length, with truncation off."""
+
+    def __init__(self, index: int, tokens: int, max_length: int):
+        self.index, self.tokens, self.max_length = index, tokens, max_length
+        super().__init__(f"input {index} is {tokens} tokens but the embedding model takes at most "
+                         f"{max_length}; shorten it or allow truncation")

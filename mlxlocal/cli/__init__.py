@@ -2,7 +2,7 @@
 
 One module per command group, each adding its commands with `register(app)`:
 generate.py (generate, chat), agent.py (run), models.py (show, pull, list, rm), serve.py,
-mcp_serve.py (mcp serve), launch.py, bench.py, convert.py, quant.py (quantize, perplexity), tools.py
+mcp_serve.py (mcp serve), embed.py, launch.py, bench.py, convert.py, quant.py (quantize, perplexity), tools.py
 (the `tools` group: check); common.py holds what they share.
 """
 
@@ -18,6 +18,7 @@ from mlxlocal.cli import (
     agent,
     bench,
     convert,
+    embed,
     generate,
     launch,
     mcp_serve,
@@ -61,6 +62,7 @@ def version() -> None:
 # Registration order is the order `mlxlocal --help` lists the commands in.
 generate.register(app)
 agent.register(app)
+embed.register(app)
 models.register(app)
 serve.register(app)
 mcp_serve.register(app)

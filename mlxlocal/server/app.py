@@ -43,6 +43,7 @@ class ServerConfig:
     max_connections: int | None = None  # None: half the open-file limit, at most 4096
     mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
     max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
+    embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
 
 
 def is_loopback_origin(origin: str) -> bool:
@@ -231,14 +232,17 @@ def cors_options(config: ServerConfig) -> dict:
 
 def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> FastAPI:
     registry = registry or ModelRegistry(config.models, config.engine_options, config.keep_alive,
-                                         config.served_model_names)
+                                         config.served_model_names, config.embed_models)
     metrics = Metrics()
 
     mcp_sessions = None  # the MCP endpoint's session manager, run by the lifespan
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await registry.engine(registry.models[0].name)  # fail fast on a bad --model
+        if registry.models:
+            await registry.engine(registry.models[0].name)  # fail fast on a bad --model
+        for e in registry.embedders:  # small; loaded now so their own names are known
+            await registry.embedder(e.name)
 
         async def unloader():
             while True:
@@ -307,12 +311,13 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         await asyncio.to_thread(metrics.refresh, [m.engine for m in registry.loaded()])
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    from mlxlocal.server import anthropic_api, ollama_api, openai_api, responses_api
+    from mlxlocal.server import anthropic_api, embeddings_api, ollama_api, openai_api, responses_api
 
     app.state.responses = responses_api.ResponseStore()  # per server: previous_response_id, GET
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(ollama_api.router)
+    app.include_router(embeddings_api.router)
     return app
 

@@ -44,6 +44,10 @@ def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None 
         others = m.names[1:]
         lines.append(f"  model    {m.name}" + (f"  (also: {', '.join(others)})" if others else ""))
         lines.append(f"           {kv_pool(m.engine)}")
+    for e in registry.embedders:
+        info = e.engine.info if e.engine is not None else None
+        detail = f"  ({info.name}: dim {info.dim}, max {info.max_length} tokens)" if info else ""
+        lines.append(f"  embed    {e.name}{detail} · /v1/embeddings /api/embed")
     lines.append(f"  APIs     {DIALECTS}")
     if config.mcp_endpoint:
         lines.append(f"  MCP      {url_of(config.host, port or config.port)}/mcp (Streamable HTTP)")

@@ -87,6 +87,13 @@ class ChatResult(BaseModel):
     usage: Usage
 
 
+class EmbedResult(BaseModel):
+    model: str
+    embeddings: list[list[float]] = Field(description="One unit-length vector per text, in order")
+    tokens: list[int] = Field(description="Tokens the model read per text")
+    truncated: list[int] = Field(description="Indices of texts cut to the model's maximum length")
+
+
 class TokenCount(BaseModel):
     count: int
     context_length: int
@@ -137,7 +144,10 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False) -> MCPServer:
 
     @contextlib.asynccontextmanager
     async def lifespan(_server: MCPServer) -> AsyncIterator[dict]:
-        await registry.engine(registry.models[0].name)
+        if registry.models:
+            await registry.engine(registry.models[0].name)
+        for e in registry.embedders:
+            await registry.embedder(e.name)
         try:
             yield {}
         finally:
@@ -242,6 +252,25 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False) -> MCPServer:
         except APIError as e:
             raise _tool_error(e) from None
         return TokenCount(count=len(ids), context_length=engine.context_length)
+
+    if registry.embedders:
+        @mcp.tool(annotations=ANNOTATIONS.model_copy(update={"idempotent_hint": True}))
+        async def embed(
+            texts: Annotated[list[Annotated[str, Field(max_length=MAX_TEXT_CHARS)]],
+                             Field(min_length=1, max_length=2048, description="Texts to embed")],
+            model: Annotated[str | None, Field(description="Served embedding model (default: the first)",
+                                               max_length=1024)] = None,
+        ) -> EmbedResult:
+            """Sentence embeddings of texts (unit vectors: cosine similarity is their dot product).
+            Texts longer than the model's maximum length are truncated and listed in `truncated`."""
+            name = model or registry.embedders[0].name
+            try:
+                engine = await registry.embedder(name)
+            except APIError as e:
+                raise _tool_error(APIError(e.status, e.message, param="model")) from None
+            result = await engine.aembed_detailed(list(texts))
+            return EmbedResult(model=name, embeddings=result.embeddings.tolist(), tokens=result.tokens,
+                               truncated=result.truncated)
 
     @mcp.resource(MODELS_URI, name="models", mime_type="application/json",
                   description="The served models: names, context window, engine, whether loaded")

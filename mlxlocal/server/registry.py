@@ -100,10 +100,31 @@ class ServedModel:
         return self.engine.dead_reason if self.engine is not None else None
 
 
+@dataclass
+class ServedEmbedder:
+    """An embedding model (engine/embedding.py): served by /v1/embeddings, /api/embed and the
+    MCP `embed` tool, never by the chat routes. Small, so it stays loaded (no keep_alive)."""
+
+    name: str
+    spec: str
+    found_names: set[str] = field(default_factory=set)
+    engine: Any = None  # EmbeddingEngine once loaded
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([self.name, *sorted(self.found_names)]))
+
+
 class ModelRegistry:
     def __init__(self, specs: list[str], engine_options: dict, keep_alive: float,
-                 names: list[str] | None = None):
+                 names: list[str] | None = None, embed_specs: list[str] | None = None):
         self.engine_options = engine_options
+        self.embedders = [ServedEmbedder(spec, spec) for spec in dict.fromkeys(embed_specs or [])]
+        clash = {e.name for e in self.embedders} & {n for spec, g in zip(specs, assign_names(specs, names or []))
+                                                    for n in [*g, spec]}
+        if clash:
+            raise ValueError(f"{sorted(clash)[0]!r} is given both as a chat model and an embedding model")
         self.default_keep_alive = keep_alive
         self.models: list[ServedModel] = [
             ServedModel(group[0], spec, [n for n in dict.fromkeys([*group[1:], spec]) if n != group[0]],
@@ -122,6 +143,9 @@ class ModelRegistry:
         for m in self.models:
             if name in m.found_names:
                 return m
+        if self._find_embedder(name) is not None:
+            raise APIError(400, f"model '{name}' is an embedding model: it serves /v1/embeddings and "
+                           "/api/embed, not text generation", param="model", code="model_not_supported")
         served = ", ".join(m.name for m in self.models)
         raise APIError(404, f"model '{name}' is not served here (served: {served})", param="model",
                        code="model_not_found")
@@ -147,6 +171,40 @@ class ModelRegistry:
                 m.keep_alive = keep_alive
             m.expires_at = time.monotonic() + m.keep_alive
             return m.engine
+
+    # --- embedding models ----------------------------------------------------------------
+    def _find_embedder(self, name: str) -> ServedEmbedder | None:
+        for e in self.embedders:
+            if name in e.names:
+                return e
+        return None
+
+    def find_embedder(self, name: str | None) -> ServedEmbedder:
+        if not name:
+            raise APIError(400, "'model' is required", param="model")
+        found = self._find_embedder(name)
+        if found is not None:
+            return found
+        served = ", ".join(e.name for e in self.embedders) or "none; start the server with --embed-model"
+        if any(name == m.name or name in m.aliases or name in m.found_names for m in self.models):
+            raise APIError(400, f"model '{name}' is a text-generation model and cannot compute embeddings "
+                           f"(embedding models served: {served})", param="model", code="model_not_supported")
+        raise APIError(404, f"embedding model '{name}' is not served here (embedding models served: {served})",
+                       param="model", code="model_not_found")
+
+    async def embedder(self, name: str | None):
+        """The embedding model's EmbeddingEngine, loading it first if needed."""
+        e = self.find_embedder(name)
+        async with e.lock:
+            if e.engine is None:
+                from mlxlocal.engine.embedding import open_embedder
+
+                try:
+                    e.engine = await asyncio.to_thread(in_own_thread, open_embedder, e.spec)
+                except MlxLocalError as err:
+                    raise APIError(500, f"cannot load embedding model '{e.name}': {err}") from None
+                e.found_names |= {e.engine.info.name, e.engine.info.path.name}
+            return e.engine
 
     def _load(self, spec: str):
         from mlxlocal.source.loader import load
@@ -189,6 +247,10 @@ class ModelRegistry:
         return 503, {**body, "status": "error", "reason": reasons}
 
     def shutdown(self) -> None:
+        for e in self.embedders:
+            if e.engine is not None:
+                e.engine.shutdown()
+            e.engine = None
         for m in self.models:
             if m.engine is not None:
                 m.engine.shutdown()
