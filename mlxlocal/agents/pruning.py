@@ -119,11 +119,14 @@ class ToolSelection:
         ids = tuple(t.id for t in tools)
         self.tools = {t.id: t for t in tools}
         if ids != self._catalog:
-            # The index is per catalog (a list_changed or a dead server changes it).
-            if self._catalog is not None or self._given_index is None:
-                self._index = None
-            else:
+            # The index is per catalog (a server's list_changed changes it). ToolIndex.update
+            # re-indexes and embeds only the tools it has not seen (its cache is per tool).
+            if self._catalog is None and self._given_index is not None:
                 self._index = self._given_index
+            elif self._index is not None and hasattr(self._index, "update"):
+                self._index.update(list(tools))
+            else:
+                self._index = None
             self._catalog = ids
         if not self.pruning:
             self.prompt, self.found = list(ids), []
@@ -149,7 +152,10 @@ class ToolSelection:
         ranked = self.index().rank(self.query, self.max_tools)
         top = [tool_id for tool_id, _ in ranked if tool_id in self.tools][: self.max_tools]
         keep = set(self.prompt) | set(self.found)
-        if self.prompt and set(top) <= keep:
+        # Tools that merely fill the K slots (a BM25 score of 0: no word in common) do not
+        # justify a rebuild; the ones the query matched do.
+        wanted = {i for i, score in ranked if i in top and score > 0} or set(top)
+        if self.prompt and wanted <= keep:
             # Everything the query wants is offered already (found tools are callable through
             # the schemas in their search result): the prompt stays, and with it the cache.
             return False
