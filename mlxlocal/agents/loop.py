@@ -207,7 +207,8 @@ class ToolLoop:
         self.call_timeout = call_timeout
         # Calls constrained to the offered tools and their inputSchemas where the family's
         # syntax allows it (the reply may still be text): arguments valid by construction.
-        # Keyed by whether the prompt opened a think block; None: not enforceable (`grammar_note`).
+        # Keyed by (the prompt opened a think block, the callable names); None: not enforceable
+        # (`grammar_note`).
         self.constrain_calls = constrain_calls
         self._grammars: dict[tuple[bool, tuple[str, ...]], Grammar | None] = {}
         self.grammar_note = ""
