@@ -24,7 +24,7 @@ from server_util import scripted_output
 from typer.testing import CliRunner
 
 from mlxlocal.agents.rerank import ChatReranker, answer_pattern, parse_answer
-from mlxlocal.agents.tool_index import ToolIndex, split_identifier, tool_fields, tokenize
+from mlxlocal.agents.tool_index import ToolIndex, split_identifier, tokenize, tool_fields
 from mlxlocal.agents.types import ToolInfo
 from mlxlocal.cli import app
 
