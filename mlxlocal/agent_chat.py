@@ -20,13 +20,14 @@ from rich.console import Console
 
 from mlxlocal.agents.loop import AgentEvent, ToolLoop, short
 from mlxlocal.agents.policy import RuleOfTwo
+from mlxlocal.agents.pruning import DEFAULT_MAX_TOOLS
 from mlxlocal.agents.types import Decision, ServerConfig, ToolCall
 from mlxlocal.chat import ChatRepl, _history, default_history_file, human_count, sigint_sets
 from mlxlocal.engine import Engine, SamplingParams, open_engine
 from mlxlocal.errors import MlxLocalError
 
 CONNECT_TIMEOUT_S = 30.0
-AGENT_COMMANDS = {"/tools": "the MCP tools (server, name, annotations) and the servers that failed"}
+AGENT_COMMANDS = {"/tools": "the MCP tools: the ones offered to the model and why, the others, failed servers"}
 
 
 class ToolsUnavailable(MlxLocalError):
@@ -51,6 +52,17 @@ def open_tools(paths: list[Path], say: Callable[[str], None]) -> tuple[list[Serv
         source = next((s.source for s in servers if s.name == name), "?")
         say(f"error: MCP server {name!r} ({source}) failed to start: {reason}")
     return servers, hub
+
+
+def open_index(hub: Any, embedder: str | None) -> Any:
+    """The tool index with a dense stage (--tool-embedder: an embedding model spec such as
+    minilm), or None: the loop then builds a BM25-only index when it needs one."""
+    if not embedder:
+        return None
+    from mlxlocal.agents.tool_index import ToolIndex
+    from mlxlocal.engine.embedding import open_embedder
+
+    return ToolIndex(hub.tools, open_embedder(embedder))
 
 
 def annotation_text(annotations: dict[str, Any]) -> str:
@@ -105,6 +117,8 @@ class EventPrinter:
             s = event.stats
             self.line(f"step {s.step}: prompt {s.prompt_tokens} tokens ({s.cached_tokens} cached, "
                       f"{s.new_tokens} prefilled) · reply {s.completion_tokens} tokens", "dim")
+        elif event.kind == "tools" and self.show_steps:
+            self.line(event.text, "dim")
         elif event.kind == "finish":
             self.end_text()
             if event.text:
@@ -127,11 +141,11 @@ class AgentRepl(ChatRepl):
     ChatRepl's commands (/clear, /system, /save, /stats, /model) work on it unchanged."""
 
     def __init__(self, engine: Engine, console: Console, servers: list[ServerConfig], hub: Any, *,
-                 max_steps: int = 8, **kw: Any):
+                 max_steps: int = 8, max_tools: int | None = DEFAULT_MAX_TOOLS, index: Any = None, **kw: Any):
         self.servers, self.hub = servers, hub
         self.printer = EventPrinter(console)
         self.loop = ToolLoop(engine, hub, new_policy(servers, hub), max_steps=max_steps,
-                             approve=self.ask, on_event=self.printer)
+                             approve=self.ask, on_event=self.printer, max_tools=max_tools, index=index)
         super().__init__(engine, console, **kw)
 
     def _proxy(name: str) -> property:  # noqa: N805 (a helper run at class creation)
@@ -170,16 +184,30 @@ class AgentRepl(ChatRepl):
             self.say(f"  {usage:<14} {what}")
 
     def cmd_tools(self) -> None:
-        for t in self.hub.tools:
-            self.say(f"  {t.server:<12} {t.name:<20} {annotation_text(t.annotations)}")
-            if t.description:
-                self.say(f"  {'':<12} {short(t.description, 100)}", "dim")
+        sel = self.loop.selection
+        if sel.pruning:
+            self.say(f"offered ({len(sel.callable)} of {len(sel.tools)}, --max-tools {sel.max_tools}; "
+                     f"+ search_tools){' for ' + repr(short(sel.query, 80)) if sel.query else ''}:")
+        for tool_id, why in self.loop.offered():
+            self._tool_lines(sel.tools[tool_id], why if sel.pruning else "")
+        if sel.pruning:
+            if not sel.prompt:
+                self.say("  (chosen at the first message of the conversation)", "dim")
+            inactive = sel.inactive()
+            self.say(f"inactive ({len(inactive)}; search_tools or a new message can bring them in):")
+            for tool_id in inactive:
+                self._tool_lines(sel.tools[tool_id], "")
         if not self.hub.tools:
             self.say("no MCP tools")
         for name, reason in self.hub.failed.items():
             self.say(f"  {name:<12} failed: {reason}", "red")
         if self.loop.grammar_note:
             self.say(self.loop.grammar_note, "dim")
+
+    def _tool_lines(self, t: Any, why: str) -> None:
+        self.say(f"  {t.server:<12} {t.name:<20} {annotation_text(t.annotations)}" + (f" · {why}" if why else ""))
+        if t.description:
+            self.say(f"  {'':<12} {short(t.description, 100)}", "dim")
 
     def ask(self, call: ToolCall, decision: Decision) -> bool:
         """An "ask" verdict: show the call and why, and let the user decide (default no)."""
@@ -211,6 +239,7 @@ class AgentRepl(ChatRepl):
 def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
                    params: SamplingParams | None = None, history_file: Path | None = None,
                    engine_options: dict | None = None, max_steps: int = 8,
+                   max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None,
                    console: Console | None = None) -> int:
     """`mlxlocal chat --mcp`: start the tools, load the model, run the REPL."""
     from mlxlocal.source.loader import load
@@ -229,13 +258,15 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
         engine_options = {"max_num_seqs": 1, **(engine_options or {})}
         try:
             with console.status(f"loading {model}…"):
+                index = open_index(hub, tool_embedder) if max_tools is not None else None
                 engine = open_engine(load(model), **engine_options)
         except MlxLocalError as e:
             say(f"error: {e}")
             return 1
         history = _history(history_file or default_history_file())
         try:
-            return AgentRepl(engine, console, servers, hub, max_steps=max_steps, system=system, params=params,
+            return AgentRepl(engine, console, servers, hub, max_steps=max_steps, max_tools=max_tools, index=index,
+                             system=system, params=params,
                              history=history, engine_options=engine_options).run()
         finally:
             engine.shutdown()
@@ -244,7 +275,7 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
 # --- one task ---------------------------------------------------------------------------------
 def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = None,
              params: SamplingParams | None = None, engine_options: dict | None = None, max_steps: int = 8,
-             as_json: bool = False, yes: bool = False, out: Console | None = None,
+             max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None, as_json: bool = False, yes: bool = False, out: Console | None = None,
              err: Console | None = None) -> int:
     """`mlxlocal run`: one task through the tool loop, no human in the loop, so an "ask"
     is a block unless `yes`. Prints the steps (or, with `as_json`, one JSON object: the
@@ -267,6 +298,7 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
         return 2
     with hub:
         try:
+            index = open_index(hub, tool_embedder) if max_tools is not None else None
             engine = open_engine(load(model), max_num_seqs=1, **(engine_options or {}))
         except MlxLocalError as e:
             err.print(f"error: {e}", style="bold red", markup=False, highlight=False)
@@ -275,7 +307,7 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
             printer = None if as_json else EventPrinter(out, unapproved_hint=" (run asks nobody: --yes approves)")
             loop = ToolLoop(engine, hub, new_policy(servers, hub), system=system, params=params,
                             max_steps=max_steps, approve=(lambda call, decision: yes),
-                            on_event=printer)
+                            on_event=printer, max_tools=max_tools, index=index)
             cancel = threading.Event()
             with sigint_sets(cancel):
                 result = loop.run(task, cancel)

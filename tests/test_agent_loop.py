@@ -96,7 +96,7 @@ def test_multi_step_tool_use_hits_the_prefix_cache(engine, config):
         result = loop.run("What is on my list?")
     assert result.finish == "answer" and result.answer == "You need milk."
     # The calls were generated under the optional call grammar (valid by construction).
-    assert loop._grammars[False] is not None and loop.grammar_note == ""
+    assert loop._grammars and all(g is not None for g in loop._grammars.values()) and loop.grammar_note == ""
     assert [m["role"] for m in loop.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
     first, second = loop.messages[2], loop.messages[4]
     assert first["content"] == "buy milk" and first["name"] == "files__read_file"

@@ -13,6 +13,10 @@ the template's continuation (`encode_continuation`: the end of the reply, the to
 messages, the next assistant header), so the session's KV cache is a prefix of it and only
 the new tokens are prefilled (`StepStats.cached_tokens`).
 
+With more MCP tools than `max_tools`, only some are offered (agents/pruning.py): the top K
+for the turn, the ones called before, and a built-in `search_tools` that finds more. The
+offered list is chosen per user turn, so the steps of a turn keep hitting the cache.
+
 Everything that happens goes out as `AgentEvent`s through one callback, so the chat REPL,
 `mlxlocal run` and its `--json` transcript all render the same events. Engine contract only:
 no MLX arrays here, and nothing from the front ends (cli, chat, server).
@@ -26,6 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from mlxlocal.agents.pruning import (
+    DEFAULT_MAX_TOOLS,
+    SEARCH_TOOLS,
+    Ranker,
+    ToolSelection,
+    search_tools_schema,
+)
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
 from mlxlocal.engine import GenerationStats, Grammar, SamplingParams
 from mlxlocal.engine.contract import Engine
@@ -93,6 +104,7 @@ class StepStats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    tools: int = 0  # tool schemas in the prompt (search_tools included)
 
     @property
     def new_tokens(self) -> int:
@@ -101,7 +113,7 @@ class StepStats:
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "new_tokens": self.new_tokens, "completion_tokens": self.completion_tokens,
-                "finish_reason": self.finish_reason}
+                "finish_reason": self.finish_reason, "tools": self.tools}
 
 
 @dataclass
@@ -179,7 +191,8 @@ class ToolLoop:
     def __init__(self, engine: Engine, hub: Hub, policy: Policy, *, system: str | None = None,
                  params: SamplingParams | None = None, max_steps: int = 8,
                  approve: Approve | None = None, on_event: Callable[[AgentEvent], None] | None = None,
-                 call_timeout: float = 60.0, constrain_calls: bool = True):
+                 call_timeout: float = 60.0, constrain_calls: bool = True,
+                 max_tools: int | None = DEFAULT_MAX_TOOLS, index: Ranker | None = None):
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         self.engine = engine
@@ -194,12 +207,19 @@ class ToolLoop:
         self.call_timeout = call_timeout
         # Calls constrained to the offered tools and their inputSchemas where the family's
         # syntax allows it (the reply may still be text): arguments valid by construction.
-        # Keyed by whether the prompt opened a think block; None: not enforceable (`grammar_note`).
+        # Keyed by (the prompt opened a think block, the callable names); None: not enforceable
+        # (`grammar_note`).
         self.constrain_calls = constrain_calls
-        self._grammars: dict[bool, Grammar | None] = {}
+        self._grammars: dict[tuple[bool, tuple[str, ...]], Grammar | None] = {}
         self.grammar_note = ""
-        self.tools = {function_name(t.id): t for t in hub.tools}
-        self.schemas = tool_schemas(hub.tools) or None
+        # Which tools are offered (all of them unless there are more than max_tools).
+        self.selection = ToolSelection(max_tools, index)
+        self._catalog_version: int | None = None
+        self.tools: dict[str, ToolInfo] = {}  # every tool of the hub, by function name
+        self.schemas: list[dict[str, Any]] | None = None  # the prompt's tools=
+        self.callable: list[dict[str, Any]] | None = None  # schemas, plus what search_tools found
+        self._rendered: list[str] | None = None  # the tools= names the kept ids were rendered with
+        self._refresh_tools()
         self.messages: list[dict[str, Any]] = []
         # ids: every token the model saw and produced so far (the last prompt + its reply);
         # fed: how many of `messages` those ids cover (they end with an assistant reply).
@@ -213,6 +233,43 @@ class ToolLoop:
     def reset(self) -> None:
         self.messages, self.ids, self.fed, self.steps, self._step_no = [], [], 0, [], 0
         self.session = self.engine.new_session()
+        self.selection.reset()
+        self._catalog_version = None
+        self._refresh_tools()
+
+    # the offered tools -------------------------------------------------------------------
+    def _refresh_tools(self) -> None:
+        """The hub's tools at the start of a conversation; later (checked at each user turn)
+        only tools a server added (list_changed). A dead server's tools stay listed: calling
+        one gives an error result that says so, and dropping them would change the system
+        prompt and lose the session's cache."""
+        version = getattr(self.hub, "tools_version", 0)
+        if version == self._catalog_version:
+            return
+        first = self._catalog_version is None
+        self._catalog_version = version
+        tools = self.hub.tools
+        if not first:
+            known = self.selection.tools
+            added = [t for t in tools if t.id not in known]
+            if not added:
+                return
+            tools = list(known.values()) + added
+        self.tools = {function_name(t.id): t for t in tools}
+        self.selection.set_catalog(tools)
+        self._offer()
+
+    def _offer(self) -> None:
+        sel = self.selection
+        extra = [search_tools_schema()] if sel.pruning else []
+        self.schemas = tool_schemas([sel.tools[i] for i in sel.prompt]) + extra or None
+        self.callable = tool_schemas([sel.tools[i] for i in sel.callable]) + extra or None
+
+    def offered(self) -> list[tuple[str, str]]:
+        """(tool id, why) of every callable tool, for /tools and the transcript."""
+        sel = self.selection
+        return [(i, sel.why[i].text() if sel.pruning and i in sel.why else "all tools offered")
+                for i in sel.callable]
 
     def conversation(self) -> list[dict[str, Any]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -227,7 +284,8 @@ class ToolLoop:
         continue (then the session still reuses the longest common prefix)."""
         conv = self.conversation()
         offset = len(conv) - len(self.messages)  # the system message
-        if self.ids and self.fed:
+        # A changed tools= changes the system prompt: the kept ids no longer start this prompt.
+        if self.ids and self.fed and self._rendered == _names(self.schemas):
             reply_at = offset + self.fed - 1
             continuation = self.engine.encode_continuation(conv[:reply_at], conv[reply_at + 1:], tools=self.schemas)
             if continuation is not None:
@@ -242,6 +300,13 @@ class ToolLoop:
         message carries text the user did not write (a pasted email or page); the policy
         counts it as untrusted input [A], as it would the same text returned by a tool."""
         cancel = cancel or threading.Event()
+        self._refresh_tools()
+        previous = next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+        if self.selection.start_turn(text, previous or ""):
+            self._offer()
+        if self.selection.pruning:
+            self._emit("tools", text=f"{len(self.selection.callable)} of {len(self.tools)} tools offered "
+                                     "(+ search_tools): /tools says why")
         self.messages.append({"role": "user", "content": text})
         # The policy counts every user message as a step; one the user typed is trusted.
         self.policy.note_user_input(untrusted, "the user's message")
@@ -293,12 +358,13 @@ class ToolLoop:
         """One step: generate a reply, parse it, append the assistant message. None when it
         was cancelled before any token (nothing is kept, as in the chat REPL)."""
         prompt = self._prompt()
+        self._rendered = _names(self.schemas)
         self._emit("step")
         opened = starts_in_reasoning(self.engine, prompt)
-        parser = OutputParser(self.engine.tokenizer, self.schemas, opened)
+        parser = OutputParser(self.engine.tokenizer, self.callable, opened)
         grammar = self._call_grammar(opened)
         params = replace(self.params, grammar=grammar) if grammar and self.params.grammar is None else self.params
-        step = Step(StepStats(self._step_no))
+        step = Step(StepStats(self._step_no, tools=len(self.callable or ())))
         generated: list[int] = []
         calls = []
         stats = None
@@ -341,17 +407,19 @@ class ToolLoop:
         return step
 
     def _call_grammar(self, opened: bool) -> Grammar | None:
-        if not self.constrain_calls or not self.schemas:
+        if not self.constrain_calls or not self.callable:
             return None
-        if opened not in self._grammars:
+        # Per callable set: a tool found by search_tools is callable (and constrained) next step.
+        key = (opened, tuple(_names(self.callable) or ()))
+        if key not in self._grammars:
             try:
                 # Thinking gets at most half the reply, as the server allows before a forced call.
-                self._grammars[opened] = tool_calls(self.engine.tokenizer, self.schemas, None, "tools", opened,
-                                                    True, max(1, self.params.max_tokens // 2), optional=True)
+                self._grammars[key] = tool_calls(self.engine.tokenizer, self.callable, None, "tools", opened,
+                                                 True, max(1, self.params.max_tokens // 2), optional=True)
             except GrammarError as e:  # a family or schema the grammar cannot express: the hub still validates
-                self._grammars[opened] = None
+                self._grammars[key] = None
                 self.grammar_note = f"tool calls are checked after generation only: {e}"
-        return self._grammars[opened]
+        return self._grammars[key]
 
     def _call_record(self, event: Any) -> CallRecord:
         info = self.tools.get(event.name)
@@ -359,22 +427,42 @@ class ToolLoop:
             arguments = json.loads(event.arguments) if event.arguments.strip() else {}
         except ValueError:
             arguments = event.arguments  # kept as text: the call is refused with the reason
-        return CallRecord(event.id or new_call_id(), event.name, info.id if info else "", arguments)
+        tool = SEARCH_TOOLS if event.name == SEARCH_TOOLS and self.selection.pruning else info.id if info else ""
+        return CallRecord(event.id or new_call_id(), event.name, tool, arguments)
 
     # tool calls --------------------------------------------------------------------------
     def _run_call(self, record: CallRecord, cancel: threading.Event) -> None:
+        offered = _names(self.callable) or []
         if not record.tool:
-            names = ", ".join(sorted(self.tools)) or "none"
+            names = ", ".join(sorted(offered)) or "none"
             result = ToolResult(f"error: there is no tool named {record.function!r}; the tools are: {names}",
                                 error=True)
         elif not isinstance(record.arguments, dict):
             result = ToolResult("error: the arguments must be a JSON object, got "
                                 f"{short(str(record.arguments), 80)!r}", error=True)
+        elif record.tool == SEARCH_TOOLS:
+            result = self._search(record.arguments)
+        elif record.function not in offered:
+            result = ToolResult(f"error: {record.function} is not among the offered tools; call {SEARCH_TOOLS} "
+                                "to make it available", error=True)
         else:
             result = self._checked_call(record, ToolCall(record.tool, record.arguments), cancel)
         self._add_result(record, result)
 
+    def _search(self, arguments: dict[str, Any]) -> ToolResult:
+        """The built-in search_tools: not an MCP call and not put to the policy (it reads only
+        the tool descriptions the servers listed, which a full prompt would hold anyway)."""
+        query = arguments.get("query")
+        if not isinstance(query, str):
+            return ToolResult("error: search_tools needs {\"query\": \"what the tool should do\"}", error=True)
+        text, new = self.selection.search(query)
+        if new:
+            self._offer()  # callable from the next step; the prompt's tools= stays (the cache too)
+        return ToolResult(text, error=text.startswith("error:"))
+
     def _checked_call(self, record: CallRecord, call: ToolCall, cancel: threading.Event) -> ToolResult:
+        # An attempted call keeps its tool offered: the conversation names it from now on.
+        self.selection.note_called(call.tool)
         decision = self.policy.check(call)
         record.decision = decision
         self._emit("decision", call=record)
@@ -415,9 +503,15 @@ class ToolLoop:
         return {
             "model": self.engine.info.name,
             "tools": [{"id": t.id, "function": name, "annotations": t.annotations} for name, t in self.tools.items()],
+            "max_tools": self.selection.max_tools,
+            "offered": [{"id": i, "why": why} for i, why in self.offered()],
             "messages": self.conversation(),
             "steps": [s.as_dict() for s in self.steps],
             "prefill_tokens_per_step": [s.stats.new_tokens for s in self.steps],
             "calls_constrained": bool(self._grammars) and all(g is not None for g in self._grammars.values()),
             "grammar_note": self.grammar_note,
         }
+
+
+def _names(schemas: list[dict[str, Any]] | None) -> list[str] | None:
+    return [s["function"]["name"] for s in schemas] if schemas else None

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, fail
-from mlxlocal.cli.generate import sampling_params
+from mlxlocal.cli.generate import MAX_TOOLS_HELP, TOOL_EMBEDDER_HELP, sampling_params
 
 
 def run(
@@ -18,6 +18,8 @@ def run(
     model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
     mcp: list[Path] = typer.Option(..., "--mcp", help="MCP config file (mcpServers); repeatable"),
     max_steps: int = typer.Option(8, "--max-steps", help="Generations at most; then the run stops with a note"),
+    max_tools: str = typer.Option("8", "--max-tools", help=MAX_TOOLS_HELP),
+    tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help=TOOL_EMBEDDER_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the whole transcript as one JSON object: messages, "
                                  "calls, results, policy decisions, token counts per step"),
     yes: bool = typer.Option(False, "--yes", help="Approve the calls the Rule-of-Two policy would ask a human "
@@ -34,6 +36,7 @@ def run(
     """Run one task with MCP tools: the model calls tools until it answers (Rule-of-Two policy
     before every call). Exit 0 answered, 1 stopped short, 2 unusable config."""
     from mlxlocal.agent_chat import run_task
+    from mlxlocal.agents.pruning import parse_max_tools
 
     if task is None or task == "-":
         if sys.stdin.isatty():
@@ -43,10 +46,15 @@ def run(
         fail("the task is empty", 2)
     if max_steps < 1:
         fail("--max-steps must be at least 1", 2)
+    try:
+        k = parse_max_tools(max_tools)
+    except ValueError as e:
+        fail(str(e), 2)
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
-                              max_steps=max_steps, as_json=as_json, yes=yes))
+                              max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, as_json=as_json,
+                              yes=yes))
 
 
 def register(app: typer.Typer) -> None:

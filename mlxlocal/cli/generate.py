@@ -177,6 +177,12 @@ def stats_line(stats, context_length: int) -> str:
             f" · finish: {finish}")
 
 
+MAX_TOOLS_HELP = ("With more MCP tools than this, the prompt offers the top K for each user turn, the tools "
+                  "called before and a search_tools tool that finds more; 0 or all: every tool")
+TOOL_EMBEDDER_HELP = ("Embedding model (e.g. minilm) for the tool index's dense stage besides BM25 "
+                      "(default: BM25 only)")
+
+
 def chat(
     model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
@@ -197,6 +203,8 @@ def chat(
     mcp: list[Path] = typer.Option([], "--mcp", help="MCP config file (mcpServers, as Claude Desktop / Cursor "
                                    "write it): the model may call its servers' tools; repeatable"),
     max_steps: int = typer.Option(8, "--max-steps", help="With --mcp: generations per turn at most"),
+    max_tools: str = typer.Option("8", "--max-tools", help="With --mcp: " + MAX_TOOLS_HELP),
+    tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help="With --mcp: " + TOOL_EMBEDDER_HELP),
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.chat import run_chat
@@ -208,11 +216,17 @@ def chat(
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     if mcp:
         from mlxlocal.agent_chat import run_agent_chat
+        from mlxlocal.agents.pruning import parse_max_tools
 
         if max_steps < 1:
             fail("--max-steps must be at least 1", 2)
+        try:
+            k = parse_max_tools(max_tools)
+        except ValueError as e:
+            fail(str(e), 2)
         raise typer.Exit(run_agent_chat(model, mcp, system=system, params=params, history_file=history_file,
-                                        engine_options=options, max_steps=max_steps))
+                                        engine_options=options, max_steps=max_steps, max_tools=k,
+                                        tool_embedder=tool_embedder))
     raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
                               engine_options=options))
 

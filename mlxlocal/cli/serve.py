@@ -38,8 +38,13 @@ def serve(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
     mcp_endpoint: bool = typer.Option(True, "--mcp-endpoint/--no-mcp-endpoint", help="The models as MCP tools "
                                       "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks"),
+    max_tools: str = typer.Option(
+        "all", "--max-tools", help="A request with more tools than this gets only the top K for its latest user "
+        "message (plus the tools its history called); the response header x-mlxlocal-tools-dropped says how many "
+        "were left out. Default all: clients such as Claude Code expect every tool they send to be callable"),
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
+    from mlxlocal.agents.pruning import parse_max_tools
     from mlxlocal.engine.embedding import is_embedding_spec
     from mlxlocal.server import ServerConfig
     from mlxlocal.server.banner import run_server
@@ -64,6 +69,10 @@ def serve(
         assign_names(list(model), list(served_model_name))
     except ValueError as e:
         fail(str(e), 2)
+    try:
+        max_tools_k = parse_max_tools(max_tools)
+    except ValueError as e:
+        fail(str(e), 2)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the models", highlight=False)
@@ -71,7 +80,7 @@ def serve(
                           allowed_origins=list(allow_origin), max_body_bytes=parse_size(max_body),
                           keep_alive=keep, engine_options=options, served_model_names=list(served_model_name),
                           allowed_hosts=list(allow_host), mcp_endpoint=mcp_endpoint,
-                          embed_models=embed_model)
+                          embed_models=embed_model, max_tools=max_tools_k)
     if not run_server(config, err):
         raise typer.Exit(1)
 

@@ -37,6 +37,7 @@ from mlxlocal.server.anthropic_request import (
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.events import Finish, StreamEvent, open_events
 from mlxlocal.server.tool_choice import tool_grammar
+from mlxlocal.server.tool_pruning import prune_tools
 from mlxlocal.server.validation import (
     boolean,
     check_params,
@@ -85,7 +86,7 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
     check_fields(body)
     thinking = thinking_mode(body, params.max_tokens if params is not None else None)
     messages = convert_messages(body, thinking_turns_kept(body))
-    tools = convert_tools(body, messages)
+    tools = await prune_tools(request, convert_tools(body, messages), messages, "/v1/messages")
     engine = await registry.engine(model)
     # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
     sure = text_bytes(*(m["content"] for m in messages if m["role"] in ("system", "user", "tool")))

@@ -21,6 +21,8 @@ from mlxlocal import __version__
 from mlxlocal.server.errors import APIError, error_response
 from mlxlocal.server.metrics import Metrics
 from mlxlocal.server.registry import ModelRegistry
+from mlxlocal.server.tool_pruning import DROPPED_HEADER
+from mlxlocal.server.tool_pruning import SCOPE_KEY as DROPPED_SCOPE_KEY
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ServerConfig:
     keep_alive_timeout: int = 5  # idle seconds between requests on one connection
     max_connections: int | None = None  # None: half the open-file limit, at most 4096
     mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
+    max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
 
 
@@ -175,6 +178,10 @@ class Guard:
                 if failed is not None:  # the route turned our error into its own: answer ours
                     raise failed
                 started, status = True, message["status"]
+                dropped = scope.get(DROPPED_SCOPE_KEY)
+                if dropped:  # set by tool_pruning.prune_tools: the client learns tools were left out
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (DROPPED_HEADER.encode(), str(dropped).encode())]}
             await send(message)
 
         try:

@@ -42,6 +42,7 @@ from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
 from mlxlocal.server.tool_choice import tool_grammar
+from mlxlocal.server.tool_pruning import prune_tools
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
@@ -342,7 +343,7 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     messages = _template_messages(req.messages)
-    tools = _tools(req, messages)
+    tools = await prune_tools(request, _tools(req, messages), messages, "/v1/chat/completions")
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
              "logprobs": "top_logprobs", "prompt": "messages"}

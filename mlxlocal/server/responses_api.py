@@ -70,6 +70,7 @@ from mlxlocal.server.responses_items import (
     tool_choice,
 )
 from mlxlocal.server.tool_choice import tool_grammar
+from mlxlocal.server.tool_pruning import prune_tools
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -377,7 +378,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     if hosted:
         log.warning("/v1/responses: hosted tools left out (this server cannot run them): %s", ", ".join(hosted))
     tools, choice, named = tool_choice(req.tool_choice, offered)
-    tools = apply_tool_choice(tools, choice, named, messages)
+    tools = await prune_tools(request, apply_tool_choice(tools, choice, named, messages), messages, "/v1/responses")
     names = {"max_tokens": "max_output_tokens", "prompt": "input"}
     params = SamplingParams(max_tokens=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
                             temperature=1.0 if req.temperature is None else req.temperature,
