@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, fail
+from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, agent_limits, engine_options, fail
 from mlxlocal.cli.generate import MAX_TOOLS_HELP, TOOL_EMBEDDER_HELP, sampling_params
 
 
@@ -36,7 +36,6 @@ def run(
     """Run one task with MCP tools: the model calls tools until it answers (Rule-of-Two policy
     before every call). Exit 0 answered, 1 stopped short, 2 unusable config."""
     from mlxlocal.agent_chat import run_task
-    from mlxlocal.agents.pruning import parse_max_tools
 
     if task is None or task == "-":
         if sys.stdin.isatty():
@@ -44,12 +43,7 @@ def run(
         task = sys.stdin.read()
     if not task.strip():
         fail("the task is empty", 2)
-    if max_steps < 1:
-        fail("--max-steps must be at least 1", 2)
-    try:
-        k = parse_max_tools(max_tools)
-    except ValueError as e:
-        fail(str(e), 2)
+    k = agent_limits(max_steps, max_tools)
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,

@@ -62,3 +62,16 @@ KV_MEMORY_HELP = "Memory for the paged KV cache, e.g. 4GB (default: sized from t
 
 FREQ_HELP = "Lower a token's logit by this times its count in the reply so far, in [-2, 2]"
 PRES_HELP = "Lower the logit of every token already in the reply by this, in [-2, 2]"
+
+
+def agent_limits(max_steps: int, max_tools: str) -> int | None:
+    """chat --mcp / run: --max-steps checked, --max-tools parsed (None: no pruning); exits 2
+    naming the option otherwise."""
+    from mlxlocal.agents.pruning import parse_max_tools
+
+    if max_steps < 1:
+        fail("--max-steps must be at least 1", 2)
+    try:
+        return parse_max_tools(max_tools)
+    except ValueError as e:
+        fail(str(e), 2)

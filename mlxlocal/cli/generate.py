@@ -14,6 +14,7 @@ from mlxlocal.cli.common import (
     KV_MEMORY_HELP,
     MODEL_HELP,
     PRES_HELP,
+    agent_limits,
     engine_options,
     err,
     fail,
@@ -216,14 +217,8 @@ def chat(
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     if mcp:
         from mlxlocal.agent_chat import run_agent_chat
-        from mlxlocal.agents.pruning import parse_max_tools
 
-        if max_steps < 1:
-            fail("--max-steps must be at least 1", 2)
-        try:
-            k = parse_max_tools(max_tools)
-        except ValueError as e:
-            fail(str(e), 2)
+        k = agent_limits(max_steps, max_tools)
         raise typer.Exit(run_agent_chat(model, mcp, system=system, params=params, history_file=history_file,
                                         engine_options=options, max_steps=max_steps, max_tools=k,
                                         tool_embedder=tool_embedder))
