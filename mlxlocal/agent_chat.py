@@ -54,15 +54,18 @@ def open_tools(paths: list[Path], say: Callable[[str], None]) -> tuple[list[Serv
     return servers, hub
 
 
-def open_index(hub: Any, embedder: str | None) -> Any:
+def open_index(hub: Any, embedder: str | None, rerank_engine: Any = None) -> Any:
     """The tool index with a dense stage (--tool-embedder: an embedding model spec such as
-    minilm), or None: the loop then builds a BM25-only index when it needs one."""
-    if not embedder:
+    minilm) and/or the chat model re-ranking its top 20 (--rerank-tools: `rerank_engine`), or
+    None: the loop then builds a BM25-only index when it needs one."""
+    if not embedder and rerank_engine is None:
         return None
+    from mlxlocal.agents.rerank import ChatReranker
     from mlxlocal.agents.tool_index import ToolIndex
     from mlxlocal.engine.embedding import open_embedder
 
-    return ToolIndex(hub.tools, open_embedder(embedder))
+    return ToolIndex(hub.tools, open_embedder(embedder) if embedder else None,
+                     reranker=ChatReranker(rerank_engine) if rerank_engine is not None else None)
 
 
 def annotation_text(annotations: dict[str, Any]) -> str:
@@ -240,7 +243,7 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
                    params: SamplingParams | None = None, history_file: Path | None = None,
                    engine_options: dict | None = None, max_steps: int = 8,
                    max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None,
-                   console: Console | None = None) -> int:
+                   rerank_tools: bool = False, console: Console | None = None) -> int:
     """`mlxlocal chat --mcp`: start the tools, load the model, run the REPL."""
     from mlxlocal.source.loader import load
 
@@ -258,8 +261,9 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
         engine_options = {"max_num_seqs": 1, **(engine_options or {})}
         try:
             with console.status(f"loading {model}…"):
-                index = open_index(hub, tool_embedder) if max_tools is not None else None
                 engine = open_engine(load(model), **engine_options)
+                index = (open_index(hub, tool_embedder, engine if rerank_tools else None)
+                         if max_tools is not None else None)
         except MlxLocalError as e:
             say(f"error: {e}")
             return 1
@@ -275,8 +279,8 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
 # --- one task ---------------------------------------------------------------------------------
 def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = None,
              params: SamplingParams | None = None, engine_options: dict | None = None, max_steps: int = 8,
-             max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None, as_json: bool = False, yes: bool = False, out: Console | None = None,
-             err: Console | None = None) -> int:
+             max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None, rerank_tools: bool = False,
+             as_json: bool = False, yes: bool = False, out: Console | None = None, err: Console | None = None) -> int:
     """`mlxlocal run`: one task through the tool loop, no human in the loop, so an "ask"
     is a block unless `yes`. Prints the steps (or, with `as_json`, one JSON object: the
     transcript). Exit code: 0 answered, 1 stopped short (max steps, engine error, model
@@ -298,8 +302,9 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
         return 2
     with hub:
         try:
-            index = open_index(hub, tool_embedder) if max_tools is not None else None
             engine = open_engine(load(model), max_num_seqs=1, **(engine_options or {}))
+            index = (open_index(hub, tool_embedder, engine if rerank_tools else None)
+                     if max_tools is not None else None)
         except MlxLocalError as e:
             err.print(f"error: {e}", style="bold red", markup=False, highlight=False)
             return 1

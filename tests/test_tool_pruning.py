@@ -257,3 +257,26 @@ def test_run_with_a_dense_tool_index(engine, agent_model, config):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert "toolbox.play_music" in [o["id"] for o in out["offered"]], out["offered"]
+
+
+def test_run_with_the_chat_model_reranking_the_tools(engine, agent_model, config):
+    """--rerank-tools: the index's candidates go through the chat model (a ChatReranker on the
+    same engine, its answer held to an id list by the grammar) before the top K are offered;
+    the loop then runs as before."""
+    from mlxlocal.agent_chat import open_index
+    from mlxlocal.agents.rerank import ChatReranker
+    from mlxlocal.cli import app
+
+    class Hub:
+        tools = []
+    index = open_index(Hub(), None, engine)
+    assert isinstance(index.reranker, ChatReranker) and index.reranker.engine is engine
+    assert open_index(Hub(), None, None) is None  # neither stage asked for: the loop's BM25 default
+    # Unscripted (a script would ignore the re-ranker's grammar): the random model re-ranks
+    # under the id-list grammar, then answers in a few tokens of text.
+    res = CliRunner().invoke(app, ["run", "--model", str(agent_model), "--mcp", str(config), "--json",
+                                   "--max-tools", "3", "--rerank-tools", "-n", "8", WEATHER])
+    assert res.exit_code in (0, 1), res.output
+    out = json.loads(res.stdout)
+    assert out["max_tools"] == 3 and len(out["offered"]) == 3
+    assert all(o["id"].startswith("toolbox.") for o in out["offered"])

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, agent_limits, engine_options, fail
-from mlxlocal.cli.generate import MAX_TOOLS_HELP, TOOL_EMBEDDER_HELP, sampling_params
+from mlxlocal.cli.generate import MAX_TOOLS_HELP, RERANK_HELP, TOOL_EMBEDDER_HELP, sampling_params
 
 
 def run(
@@ -20,6 +20,7 @@ def run(
     max_steps: int = typer.Option(8, "--max-steps", help="Generations at most; then the run stops with a note"),
     max_tools: str = typer.Option("8", "--max-tools", help=MAX_TOOLS_HELP),
     tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help=TOOL_EMBEDDER_HELP),
+    rerank_tools: bool = typer.Option(False, "--rerank-tools", help=RERANK_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the whole transcript as one JSON object: messages, "
                                  "calls, results, policy decisions, token counts per step"),
     yes: bool = typer.Option(False, "--yes", help="Approve the calls the Rule-of-Two policy would ask a human "
@@ -47,7 +48,7 @@ def run(
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
-                              max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, as_json=as_json,
+                              max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, rerank_tools=rerank_tools, as_json=as_json,
                               yes=yes))
 
 

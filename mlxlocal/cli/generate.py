@@ -182,6 +182,8 @@ MAX_TOOLS_HELP = ("With more MCP tools than this, the prompt offers the top K fo
                   "called before and a search_tools tool that finds more; 0 or all: every tool")
 TOOL_EMBEDDER_HELP = ("Embedding model (e.g. minilm) for the tool index's dense stage besides BM25 "
                       "(default: BM25 only)")
+RERANK_HELP = ("The chat model itself re-ranks the tool index's top 20 at each user turn (one short "
+               "constrained generation per turn)")
 
 
 def chat(
@@ -206,6 +208,7 @@ def chat(
     max_steps: int = typer.Option(8, "--max-steps", help="With --mcp: generations per turn at most"),
     max_tools: str = typer.Option("8", "--max-tools", help="With --mcp: " + MAX_TOOLS_HELP),
     tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help="With --mcp: " + TOOL_EMBEDDER_HELP),
+    rerank_tools: bool = typer.Option(False, "--rerank-tools", help="With --mcp: " + RERANK_HELP),
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.chat import run_chat
@@ -221,7 +224,7 @@ def chat(
         k = agent_limits(max_steps, max_tools)
         raise typer.Exit(run_agent_chat(model, mcp, system=system, params=params, history_file=history_file,
                                         engine_options=options, max_steps=max_steps, max_tools=k,
-                                        tool_embedder=tool_embedder))
+                                        tool_embedder=tool_embedder, rerank_tools=rerank_tools))
     raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
                               engine_options=options))
 
