@@ -83,4 +83,4 @@ def allowed_tokens(tokenizers: GrammarTokenizers, constraints: list[Constraint])
         if c.matcher.is_error():
             raise RuntimeError(f"the grammar of {c.grammar.param} failed: {c.matcher.get_error()}")
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : tokenizers.vocab]
-    return mx.array(bits.astype(np.bool_))
+    return mx.array(bits.view(np.bool_))  # 0/1 bytes: a bool view, no copy

@@ -391,11 +391,11 @@ class PagedEngine(EngineBase):
                 ready.append(([seqs[i] for i in rows], logits if len(rows) == len(seqs) else logits[mx.array(rows)]))
         previous, self._inflight = self._inflight, []
         masks: list = [None] * len(ready)
+        state = self.pools.state() + self.runner.state([q for g, _ in groups for q in g]) if groups else []
         if any(seq.constraint is not None for seqs, _ in ready for seq in seqs):
             # A grammar's mask needs the previous token: start the forward on the device,
             # take the previous step's tokens meanwhile, then work out the masks.
-            mx.async_eval([logits for _, logits in ready] + self.pools.state()
-                          + self.runner.state([q for g, _ in groups for q in g]))
+            mx.async_eval([logits for _, logits in ready] + state)
             self._take(previous)
             previous = []
             ready, masks = self._constrain(ready)
@@ -403,8 +403,7 @@ class PagedEngine(EngineBase):
         for (seqs, logits), allowed in zip(ready, masks):
             sampled += self._sample(seqs, logits, allowed)
         if sampled or groups:
-            mx.async_eval([t for _, t, _, _ in sampled] + [a for _, _, lp, _ in sampled for a in lp]
-                          + self.pools.state() + self.runner.state([q for g, _ in groups for q in g]))
+            mx.async_eval([t for _, t, _, _ in sampled] + [a for _, _, lp, _ in sampled for a in lp] + state)
         self._inflight = sampled
         self._take(previous)
         for seq, token, _, src in sampled:
@@ -458,7 +457,9 @@ class PagedEngine(EngineBase):
         masks = []
         for seqs, _ in kept:
             rows = [i for i, seq in enumerate(seqs) if id(seq) in row_of]
-            masks.append((rows, mask[mx.array([row_of[id(seqs[i])] for i in rows])]) if rows else None)
+            at = [row_of[id(seqs[i])] for i in rows]
+            # One group holding every constrained row, in order (a steady decode batch): as is.
+            masks.append((rows, mask if at == list(range(len(constrained))) else mask[mx.array(at)]) if rows else None)
         return kept, masks
 
     def _force(self, seq: Sequence) -> None:
