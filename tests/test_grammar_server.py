@@ -147,12 +147,15 @@ def test_chat_extension_fields(oai, model, extra, check):
 
 
 def test_responses_json_schema(oai, model):
-    r = oai.responses.create(model=model, input="Describe a person.", max_output_tokens=MAX, temperature=1.0,
+    # Responses takes no seed: unseeded sampling may spend up to half the budget thinking,
+    # so the document gets room for its longest form (MAX was cut short once in CI).
+    budget = 3 * MAX
+    r = oai.responses.create(model=model, input="Describe a person.", max_output_tokens=budget, temperature=1.0,
                              text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA,
                                               "strict": True}})
     valid(r.output_text)
     assert r.text.format.type == "json_schema"
-    parsed = oai.responses.parse(model=model, input="A person.", max_output_tokens=MAX, temperature=1.0,
+    parsed = oai.responses.parse(model=model, input="A person.", max_output_tokens=budget, temperature=1.0,
                                  text_format=Person)
     assert isinstance(parsed.output_parsed, Person)
 
@@ -212,13 +215,14 @@ def test_ollama_format(server, model):
 # --- Anthropic -------------------------------------------------------------------------------
 def test_anthropic_output_format(server, model):
     client = anthropic.Anthropic(base_url=server[0], api_key="x", max_retries=0)
-    msg = client.messages.create(model=model, max_tokens=MAX, messages=ASK,
+    budget = 3 * MAX  # no seed in this API either: room for a long think block and the document
+    msg = client.messages.create(model=model, max_tokens=budget, messages=ASK,
                                  output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
     assert msg.stop_reason == "end_turn", msg
     valid(msg.content[-1].text)
     # The SDK drops the keywords Anthropic does not enforce (maxLength, maximum) from the schema
     # it sends, so only a model without them is safe to fill with random tokens.
-    parsed = client.messages.parse(model=model, max_tokens=MAX, messages=ASK, output_format=Pick)
+    parsed = client.messages.parse(model=model, max_tokens=budget, messages=ASK, output_format=Pick)
     assert isinstance(parsed.parsed_output, Pick)
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=model, max_tokens=5, messages=ASK, output_config={"format": {
