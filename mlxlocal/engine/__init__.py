@@ -13,11 +13,11 @@ from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine
 from mlxlocal.engine.runner import NotPageable, make_runner
 from mlxlocal.engine.simple import SimpleEngine
-from mlxlocal.engine.types import Chunk, GenerationStats, Grammar, SamplingParams
+from mlxlocal.engine.types import CacheEdit, Chunk, GenerationStats, Grammar, SamplingParams
 from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
-    "STATS_KEYS", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",
+    "STATS_KEYS", "CacheEdit", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",
     "GenerationStats", "Grammar", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "engine_kind",
     "open_engine",
 ]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from mlxlocal.engine.handle import RequestHandle
-from mlxlocal.engine.types import Chunk, SamplingParams
+from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
 from mlxlocal.source.loader import ModelInfo
 
 # The keys of Engine.stats(), identical for both engines (a dense engine reports 0 blocks);
@@ -20,6 +20,7 @@ from mlxlocal.source.loader import ModelInfo
 STATS_KEYS = frozenset({
     "blocks_total", "blocks_used", "blocks_cached", "blocks_free", "block_size", "waste",
     "prefix_hit_tokens", "running", "waiting", "tokens_in", "tokens_out",
+    "tokens_dropped", "tokens_repositioned",
 })
 
 
@@ -28,7 +29,14 @@ class EngineSession(Protocol):
     """A conversation's cached KV, reused across turns."""
 
     @property
-    def cached_len(self) -> int: ...
+    def cached_len(self) -> int:
+        """Tokens whose K/V the session holds: the context its next turn attends to."""
+        ...
+
+    @property
+    def dropped_len(self) -> int:
+        """Tokens of the conversation dropped from the cache by edits (CacheEdit)."""
+        ...
 
     def reset(self) -> None: ...
 
@@ -68,10 +76,15 @@ class Engine(Protocol):
 
     def submit(self, prompt: list[int], params: SamplingParams | None = None, session: Any = None,
                cancel: threading.Event | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle: ...
+               loop: asyncio.AbstractEventLoop | None = None,
+               edits: list[CacheEdit] | None = None) -> RequestHandle:
+        """Queue a request. `edits` drop / reposition spans of the prompt's cache (AKV);
+        an engine or model that cannot edits raises ValueError naming why."""
+        ...
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, session: Any = None,
-                 cancel: threading.Event | None = None) -> Iterator[Chunk]: ...
+                 cancel: threading.Event | None = None,
+                 edits: list[CacheEdit] | None = None) -> Iterator[Chunk]: ...
 
     def stats(self) -> dict[str, Any]:
         """Counters with the keys in STATS_KEYS (plus "dead_reason" once stopped)."""

@@ -36,6 +36,23 @@ class Grammar:
     param: str = "grammar"
 
 
+@dataclass(frozen=True)
+class CacheEdit:
+    """An edit of a request's KV cache in the middle of its prompt (AKV cache engineering).
+
+    Once the first `at` prompt tokens are in the cache, the tokens of the `drop` spans leave
+    it: their blocks are freed, the kept tokens keep their K/V (which saw the dropped ones)
+    and their rope positions. Then the keys of each `reposition` span are re-rotated so the
+    span follows the kept token before it without a gap. Spans are [start, end) in the
+    coordinates of the prompt given to submit, all before `at`, sorted, not overlapping each
+    other or earlier edits' drops; edits are sorted by `at`, and `at` < len(prompt).
+    """
+
+    at: int
+    drop: tuple[tuple[int, int], ...] = ()
+    reposition: tuple[tuple[int, int], ...] = ()
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -134,6 +151,11 @@ class GenerationStats:
     # a "length" finish that cut it short); None without a grammar.
     grammar_complete: bool | None = None
     forced_tokens: int = 0  # of completion_tokens: the grammar's only continuation, fed without sampling
+    # Cache edits (CacheEdit): prompt tokens out of the cache when the reply was generated
+    # (not attended), and keys re-rotated for this request (reused ones re-rotated earlier
+    # are not counted again).
+    dropped_tokens: int = 0
+    repositioned_tokens: int = 0
 
     def set_finish(self, reason: str, max_tokens: int, cause: str | None = None) -> None:
         """Record the finish reason; call after completion_tokens is final. Both engines
