@@ -23,6 +23,7 @@ from mlxlocal.agents.policy import RuleOfTwo
 from mlxlocal.agents.pruning import DEFAULT_MAX_TOOLS
 from mlxlocal.agents.types import Decision, ServerConfig, ToolCall
 from mlxlocal.chat import ChatRepl, _history, default_history_file, human_count, sigint_sets
+from mlxlocal.compaction import CompactionPolicy
 from mlxlocal.engine import Engine, SamplingParams, open_engine
 from mlxlocal.errors import MlxLocalError
 
@@ -118,8 +119,9 @@ class EventPrinter:
             self.line(f"← {short(r.text)}{mark}", "red" if r.error else "green")
         elif event.kind == "step_end" and event.stats is not None and self.show_steps:
             s = event.stats
+            dropped = f", {s.dropped_tokens} dropped from the KV cache" if s.dropped_tokens else ""
             self.line(f"step {s.step}: prompt {s.prompt_tokens} tokens ({s.cached_tokens} cached, "
-                      f"{s.new_tokens} prefilled) · reply {s.completion_tokens} tokens", "dim")
+                      f"{s.new_tokens} prefilled{dropped}) · reply {s.completion_tokens} tokens", "dim")
         elif event.kind == "tools" and self.show_steps:
             self.line(event.text, "dim")
         elif event.kind == "finish":
@@ -148,7 +150,8 @@ class AgentRepl(ChatRepl):
         self.servers, self.hub = servers, hub
         self.printer = EventPrinter(console)
         self.loop = ToolLoop(engine, hub, new_policy(servers, hub), max_steps=max_steps,
-                             approve=self.ask, on_event=self.printer, max_tools=max_tools, index=index)
+                             approve=self.ask, on_event=self.printer, max_tools=max_tools, index=index,
+                             compact=kw.get("compact"))
         super().__init__(engine, console, **kw)
 
     def _proxy(name: str) -> property:  # noqa: N805 (a helper run at class creation)
@@ -160,6 +163,7 @@ class AgentRepl(ChatRepl):
     session = _proxy("session")
     system = _proxy("system")
     params = _proxy("params")
+    spans = _proxy("spans")
     del _proxy
 
     def reset(self) -> None:
@@ -243,7 +247,8 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
                    params: SamplingParams | None = None, history_file: Path | None = None,
                    engine_options: dict | None = None, max_steps: int = 8,
                    max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None,
-                   rerank_tools: bool = False, console: Console | None = None) -> int:
+                   rerank_tools: bool = False, console: Console | None = None,
+                   compact: CompactionPolicy | None = None) -> int:
     """`mlxlocal chat --mcp`: start the tools, load the model, run the REPL."""
     from mlxlocal.source.loader import load
 
@@ -270,7 +275,7 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
         history = _history(history_file or default_history_file())
         try:
             return AgentRepl(engine, console, servers, hub, max_steps=max_steps, max_tools=max_tools, index=index,
-                             system=system, params=params,
+                             system=system, params=params, compact=compact,
                              history=history, engine_options=engine_options).run()
         finally:
             engine.shutdown()
@@ -280,7 +285,8 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
 def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = None,
              params: SamplingParams | None = None, engine_options: dict | None = None, max_steps: int = 8,
              max_tools: int | None = DEFAULT_MAX_TOOLS, tool_embedder: str | None = None, rerank_tools: bool = False,
-             as_json: bool = False, yes: bool = False, out: Console | None = None, err: Console | None = None) -> int:
+             as_json: bool = False, yes: bool = False, out: Console | None = None, err: Console | None = None,
+             compact: CompactionPolicy | None = None) -> int:
     """`mlxlocal run`: one task through the tool loop, no human in the loop, so an "ask"
     is a block unless `yes`. Prints the steps (or, with `as_json`, one JSON object: the
     transcript). Exit code: 0 answered, 1 stopped short (max steps, engine error, model
@@ -312,7 +318,7 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
             printer = None if as_json else EventPrinter(out, unapproved_hint=" (run asks nobody: --yes approves)")
             loop = ToolLoop(engine, hub, new_policy(servers, hub), system=system, params=params,
                             max_steps=max_steps, approve=(lambda call, decision: yes),
-                            on_event=printer, max_tools=max_tools, index=index)
+                            on_event=printer, max_tools=max_tools, index=index, compact=compact)
             cancel = threading.Event()
             with sigint_sets(cancel):
                 result = loop.run(task, cancel)

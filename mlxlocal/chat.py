@@ -29,6 +29,8 @@ from rich.markdown import Markdown
 from rich.segment import Segment
 from rich.text import Text
 
+from mlxlocal.compaction import CompactionPolicy
+from mlxlocal.compaction.spans import ConversationSpans
 from mlxlocal.engine import Engine, GenerationStats, SamplingParams, open_engine
 from mlxlocal.errors import ContextLengthError, MlxLocalError
 from mlxlocal.units import human_bytes
@@ -43,7 +45,7 @@ COMMANDS = {
     "/system TEXT": "set the system prompt (clears the conversation)",
     "/save FILE": "save the conversation as JSON",
     "/load FILE": "restore a conversation saved with /save",
-    "/stats": "model info, cached tokens, last reply's stats",
+    "/stats": "model info, attended and dropped tokens (--kv-compact), last reply's stats",
     "/model SPEC": "switch to another model",
     "/exit": "leave (also /quit, /bye, Ctrl-D)",
 }
@@ -193,7 +195,7 @@ class ReplyView:
 class ChatRepl:
     def __init__(self, engine: Engine, console: Console, *, system: str | None = None,
                  params: SamplingParams | None = None, history: History | None = None,
-                 engine_options: dict | None = None):
+                 engine_options: dict | None = None, compact: CompactionPolicy | None = None):
         self.engine = engine
         self.engine_options = engine_options or {}
         self.console = console
@@ -204,6 +206,8 @@ class ChatRepl:
         # prompt + the reply's generated ids). Re-encoding a reply's text may give other ids,
         # and then the session's KV cache would no longer be a prefix of the next prompt.
         self.ids: list[int] = []
+        # Each message's token span, for a compaction policy's cache edits (--kv-compact).
+        self.spans = ConversationSpans(compact)
         self.session = engine.new_session()
         self.last_stats: GenerationStats | None = None
         self.history = history or InMemoryHistory()
@@ -312,6 +316,7 @@ class ChatRepl:
     def reset(self) -> None:
         self.messages = []
         self.ids = []
+        self.spans.reset()
         self.session = self.engine.new_session()  # drop the KV: nothing left to reuse
 
     def cmd_clear(self, arg: str) -> None:
@@ -363,9 +368,17 @@ class ChatRepl:
                  f"params, quantization {info.quantization}, {info.dtype}, "
                  f"context {info.context_length} tokens")
         self.say(f"weights  {info.weights.describe()}")
-        self.say(f"session  {self.session.cached_len} tokens cached, {len(self.ids)} conversation tokens, "
+        self.say(f"session  {self.session.cached_len} tokens attended (in the KV cache), "
+                 f"{self.session.dropped_len} dropped, {len(self.ids)} conversation tokens, "
                  f"{len(self.messages)} messages")
         st = self.engine.stats()
+        policy = self.spans.policy
+        if policy.active:
+            self.say(f"compact  {policy.describe()}: engine {st['tokens_dropped']} tokens dropped, "
+                     f"{st['tokens_repositioned']} repositioned"
+                     + (f" · last reply {self.last_stats.dropped_tokens} prompt tokens not attended"
+                        if self.last_stats else "")
+                     + (f" · {self.spans.note}" if self.spans.note else ""))
         if self.engine.kv_pool["kind"] == "paged":
             self.say(f"kv cache {st['blocks_used']}/{st['blocks_total']} blocks of {st['block_size']} tokens "
                      f"in use, {st['blocks_cached']} cached for reuse, "
@@ -392,6 +405,7 @@ class ChatRepl:
         # Another tokenizer: the old ids and KV mean nothing; the next turn re-encodes the text.
         self.session = engine.new_session()
         self.ids = []
+        self.spans.reset()
         self.banner()
 
     # a chat turn ------------------------------------------------------------------------
@@ -402,11 +416,9 @@ class ChatRepl:
     def prompt_ids(self, user: dict[str, str]) -> list[int]:
         """The next prompt: the kept ids plus the template's continuation, or else the
         whole conversation encoded (first turn, after /clear, /load, /model)."""
-        if self.ids and self.messages and self.messages[-1]["role"] == "assistant":
-            continuation = self.engine.encode_continuation(self.conversation()[:-1], [user])
-            if continuation is not None:
-                return self.ids + continuation
-        return self.engine.encode_chat(self.conversation() + [user])
+        conv = self.conversation() + [user]
+        reply_at = len(conv) - 2 if self.ids and self.messages and self.messages[-1]["role"] == "assistant" else None
+        return self.spans.prompt(self.engine, conv, self.ids, reply_at)
 
     def turn(self, text: str) -> None:
         user = {"role": "user", "content": text}
@@ -415,8 +427,11 @@ class ChatRepl:
         generated: list[int] = []
         try:
             prompt = self.prompt_ids(user)
+            edits = self.spans.edits(self.conversation() + [user])
+            extra = {"edits": edits} if edits is not None else {}  # no policy: no edits at all
             with sigint_sets(cancel), ReplyView(self.console) as view:
-                for chunk in self.engine.generate(prompt, self.params, session=self.session, cancel=cancel):
+                for chunk in self.engine.generate(prompt, self.params, session=self.session, cancel=cancel,
+                                                  **extra):
                     if chunk.token is not None:
                         generated.append(chunk.token)
                     if chunk.text:
@@ -425,12 +440,15 @@ class ChatRepl:
                         stats = chunk.stats
         except ContextLengthError as e:
             return self.error(f"{e}. Use /clear to start a new conversation.")
+        except ValueError as e:  # e.g. an engine that cannot edit its cache (--kv-compact)
+            return self.error(str(e))
         if stats is not None and stats.finish_reason == "cancelled" and not generated:
             # Nothing to continue from: forget the turn as if it was never sent.
             return self.say("cancelled before the first token", "yellow")
         # Keep even a cut-off reply: the next turn then continues from what the user saw.
         self.messages += [user, {"role": "assistant", "content": view.text}]
         self.ids = prompt + generated
+        self.spans.replied(self.engine, prompt, generated)
         if stats is None:
             return
         self.last_stats = stats
@@ -450,7 +468,7 @@ def _history(path: Path) -> History:
 
 def run_chat(model: str, *, system: str | None = None, params: SamplingParams | None = None,
              history_file: Path | None = None, console: Console | None = None,
-             engine_options: dict | None = None) -> int:
+             engine_options: dict | None = None, compact: CompactionPolicy | None = None) -> int:
     """Load `model` and run the REPL until /exit or Ctrl-D; return the exit code.
 
     engine_options are EngineConfig fields (KV pool size, block size, prefix cache).
@@ -470,7 +488,7 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
         return 130
     history = _history(history_file or default_history_file())
     return ChatRepl(engine, console, system=system, params=params, history=history,
-                    engine_options=engine_options).run()
+                    engine_options=engine_options, compact=compact).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,13 +500,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--history-file", type=Path)
+    parser.add_argument("--kv-compact", default=None)
     args = parser.parse_args(argv)
+    from mlxlocal.compaction import parse_policy
+
+    try:
+        compact = parse_policy(args.kv_compact)
+    except ValueError as e:
+        parser.error(str(e))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
     try:
         params.validate()
     except ValueError as e:
         parser.error(str(e))
-    return run_chat(args.model, system=args.system, params=params, history_file=args.history_file)
+    return run_chat(args.model, system=args.system, params=params, history_file=args.history_file,
+                    compact=compact)
 
 
 if __name__ == "__main__":

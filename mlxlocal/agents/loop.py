@@ -13,6 +13,11 @@ the template's continuation (`encode_continuation`: the end of the reply, the to
 messages, the next assistant header), so the session's KV cache is a prefix of it and only
 the new tokens are prefilled (`StepStats.cached_tokens`).
 
+With a compaction policy (`compact`, `--kv-compact keep-last-tool-outputs=K`), the loop
+knows each message's token span (compaction/spans.py) and sends every step the policy's
+cumulative cache edits: old tool results (and think blocks) leave the KV cache, the
+prompt's ids stay what they were, so the session keeps matching it.
+
 With more MCP tools than `max_tools`, only some are offered (agents/pruning.py): the top K
 for the turn, the ones called before, and a built-in `search_tools` that finds more. The
 offered list is chosen per user turn, so the steps of a turn keep hitting the cache.
@@ -38,6 +43,8 @@ from mlxlocal.agents.pruning import (
     search_tools_schema,
 )
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
+from mlxlocal.compaction import CompactionPolicy
+from mlxlocal.compaction.spans import ConversationSpans
 from mlxlocal.engine import GenerationStats, Grammar, SamplingParams
 from mlxlocal.engine.contract import Engine
 from mlxlocal.errors import MlxLocalError
@@ -105,6 +112,7 @@ class StepStats:
     completion_tokens: int = 0
     finish_reason: str | None = None
     tools: int = 0  # tool schemas in the prompt (search_tools included)
+    dropped_tokens: int = 0  # prompt tokens out of the KV cache (--kv-compact): not attended
 
     @property
     def new_tokens(self) -> int:
@@ -113,7 +121,7 @@ class StepStats:
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "new_tokens": self.new_tokens, "completion_tokens": self.completion_tokens,
-                "finish_reason": self.finish_reason, "tools": self.tools}
+                "finish_reason": self.finish_reason, "tools": self.tools, "dropped_tokens": self.dropped_tokens}
 
 
 @dataclass
@@ -192,7 +200,8 @@ class ToolLoop:
                  params: SamplingParams | None = None, max_steps: int = 8,
                  approve: Approve | None = None, on_event: Callable[[AgentEvent], None] | None = None,
                  call_timeout: float = 60.0, constrain_calls: bool = True,
-                 max_tools: int | None = DEFAULT_MAX_TOOLS, index: Ranker | None = None):
+                 max_tools: int | None = DEFAULT_MAX_TOOLS, index: Ranker | None = None,
+                 compact: CompactionPolicy | None = None):
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         self.engine = engine
@@ -225,6 +234,9 @@ class ToolLoop:
         # fed: how many of `messages` those ids cover (they end with an assistant reply).
         self.ids: list[int] = []
         self.fed = 0
+        # Where each message's tokens are, for the cache edits of a compaction policy
+        # (--kv-compact): old tool results and think blocks leave the KV cache.
+        self.spans = ConversationSpans(compact)
         self.session = engine.new_session()
         self.steps: list[Step] = []  # every step of every turn, for the transcript
         self.last_stats: GenerationStats | None = None  # the last generation's, for a /stats footer
@@ -232,6 +244,7 @@ class ToolLoop:
 
     def reset(self) -> None:
         self.messages, self.ids, self.fed, self.steps, self._step_no = [], [], 0, [], 0
+        self.spans.reset()
         self.session = self.engine.new_session()
         self.selection.reset()
         self._catalog_version = None
@@ -285,12 +298,10 @@ class ToolLoop:
         conv = self.conversation()
         offset = len(conv) - len(self.messages)  # the system message
         # A changed tools= changes the system prompt: the kept ids no longer start this prompt.
+        reply_at = None
         if self.ids and self.fed and self._rendered == _names(self.schemas):
             reply_at = offset + self.fed - 1
-            continuation = self.engine.encode_continuation(conv[:reply_at], conv[reply_at + 1:], tools=self.schemas)
-            if continuation is not None:
-                return self.ids + continuation
-        return self.engine.encode_chat(conv, tools=self.schemas)
+        return self.spans.prompt(self.engine, conv, self.ids, reply_at, self.schemas)
 
     # a turn ------------------------------------------------------------------------------
     def run(self, text: str, cancel: threading.Event | None = None, *, untrusted: bool = False) -> TurnResult:
@@ -358,6 +369,7 @@ class ToolLoop:
         """One step: generate a reply, parse it, append the assistant message. None when it
         was cancelled before any token (nothing is kept, as in the chat REPL)."""
         prompt = self._prompt()
+        edits = self.spans.edits(self.conversation())
         self._rendered = _names(self.schemas)
         self._emit("step")
         opened = starts_in_reasoning(self.engine, prompt)
@@ -368,7 +380,8 @@ class ToolLoop:
         generated: list[int] = []
         calls = []
         stats = None
-        for chunk in self.engine.generate(prompt, params, session=self.session, cancel=cancel):
+        extra = {"edits": edits} if edits is not None else {}  # no policy: the engine sees no edits at all
+        for chunk in self.engine.generate(prompt, params, session=self.session, cancel=cancel, **extra):
             if chunk.token is not None:
                 generated.append(chunk.token)
             events = parser.feed(chunk.text) if chunk.text else []
@@ -388,6 +401,7 @@ class ToolLoop:
             self.last_stats = stats
             step.stats.prompt_tokens, step.stats.cached_tokens = stats.prompt_tokens, stats.cached_tokens
             step.stats.completion_tokens, step.stats.finish_reason = stats.completion_tokens, stats.finish_reason
+            step.stats.dropped_tokens = stats.dropped_tokens
         if not generated and cancel.is_set():
             return None
         step.calls = [self._call_record(ev) for ev in calls]
@@ -401,6 +415,7 @@ class ToolLoop:
                 for c in step.calls]
         self.messages.append(message)
         self.ids, self.fed = prompt + generated, len(self.messages)
+        self.spans.replied(self.engine, prompt, generated)
         self._emit("step_end", stats=step.stats)
         for c in step.calls:
             self._emit("tool_call", call=c)
@@ -508,6 +523,8 @@ class ToolLoop:
             "messages": self.conversation(),
             "steps": [s.as_dict() for s in self.steps],
             "prefill_tokens_per_step": [s.stats.new_tokens for s in self.steps],
+            "kv_compact": self.spans.policy.describe(),
+            "dropped_tokens_per_step": [s.stats.dropped_tokens for s in self.steps],
             "calls_constrained": bool(self._grammars) and all(g is not None for g in self._grammars.values()),
             "grammar_note": self.grammar_note,
         }

@@ -35,11 +35,14 @@ from mlxlocal.bench.sessions import sessions_scenario
 
 METAL_DEFAULTS = dict(model="synthetic:qwen3-0.6b", prompt_tokens=512, gen_tokens=128,
                       system_tokens=1500, turn_tokens=16, concurrency=8,
-                      sessions=8, session_tokens=2048, session_gen_tokens=16)
+                      sessions=8, session_tokens=2048, session_gen_tokens=16,
+                      akv_model="synthetic:qwen3-0.6b", akv_steps=30, akv_keep=12, akv_gen_tokens=32)
 # The CPU backend (reference BLAS) runs the 0.6B shape at a few tok/s: use the tiny preset.
+# The AKV trace (30 steps of tool results) needs more than tiny's 4096 positions.
 CPU_DEFAULTS = dict(model="synthetic:tiny", prompt_tokens=256, gen_tokens=64,
                     system_tokens=400, turn_tokens=8, concurrency=8,
-                    sessions=8, session_tokens=2048, session_gen_tokens=8)
+                    sessions=8, session_tokens=2048, session_gen_tokens=8,
+                    akv_model="synthetic:tiny:context=16384", akv_steps=30, akv_keep=4, akv_gen_tokens=16)
 
 
 def on_metal() -> bool:
@@ -169,8 +172,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen_tokens: int | None = None,
               batch: int = 1, repeats: int = 3, warmup: int = 1, compare: str | None = None,
               scenario: str | None = None, concurrency: int | None = None, bandwidth: float | None = None,
-              prefix_cache: bool = True, turns: int = 6, system_tokens: int | None = None,
-              grammar=None) -> dict:
+              prefix_cache: bool = True, turns: int | None = None, system_tokens: int | None = None,
+              grammar=None, akv: dict | None = None) -> dict:
     """Load the model and run the speed section, one scenario, or (a grammar given) the
     structured-output comparison; one JSON-able dict."""
     import mlx.core as mx
@@ -178,7 +181,7 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
     from mlxlocal.source.loader import load
 
     d = defaults()
-    spec = model or d["model"]
+    spec = model or d["akv_model" if akv is not None else "model"]
     note = "given with --model" if model else f"default for the {d['backend']} backend"
     p = prompt_tokens or d["prompt_tokens"]
     g = gen_tokens or d["gen_tokens"]
@@ -201,9 +204,16 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
     elif scenario is None:
         res["speed"] = speed_bench(loaded, prompt_tokens=p, gen_tokens=g, batch=batch, repeats=repeats,
                                    warmup=warmup, compare=compare, bandwidth=bandwidth)
+    elif scenario == "agent" and akv is not None:
+        from mlxlocal.bench.akv import akv_scenario
+
+        res["akv"] = akv_scenario(
+            loaded, steps=turns or d["akv_steps"], keep=akv.get("keep") or d["akv_keep"],
+            gen_tokens=gen_tokens or d["akv_gen_tokens"], system_tokens=system_tokens or d["system_tokens"],
+            discount=akv["discount"], output_price=akv["output_price"])
     elif scenario == "agent":
         res["agent"] = scenarios.agent_scenario(
-            loaded, system_tokens=system_tokens or d["system_tokens"], turns=turns,
+            loaded, system_tokens=system_tokens or d["system_tokens"], turns=turns or 6,
             max_tokens=gen_tokens or d["turn_tokens"], repeats=repeats, compare=compare, cache_on=prefix_cache)
     elif scenario == "concurrent":
         res["concurrent"] = scenarios.concurrent_scenario(

@@ -42,6 +42,10 @@ def print_report(res: dict, console: Console | None = None) -> None:
         print_speed(res["speed"], con)
     if "agent" in res:
         print_agent(res["agent"], con)
+    if "akv" in res:
+        from mlxlocal.bench.akv import print_akv
+
+        print_akv(res["akv"], con)
     if "concurrent" in res:
         print_concurrent(res["concurrent"], con)
     if "sessions" in res:

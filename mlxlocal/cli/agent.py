@@ -9,7 +9,15 @@ from typing import Optional
 
 import typer
 
-from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, agent_limits, engine_options, fail
+from mlxlocal.cli.common import (
+    KV_COMPACT_HELP,
+    KV_MEMORY_HELP,
+    MODEL_HELP,
+    agent_limits,
+    compaction_policy,
+    engine_options,
+    fail,
+)
 from mlxlocal.cli.generate import MAX_TOOLS_HELP, RERANK_HELP, TOOL_EMBEDDER_HELP, sampling_params
 
 
@@ -33,6 +41,7 @@ def run(
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    kv_compact: Optional[str] = typer.Option(None, "--kv-compact", help=KV_COMPACT_HELP),
 ) -> None:
     """Run one task with MCP tools: the model calls tools until it answers (Rule-of-Two policy
     before every call). Exit 0 answered, 1 stopped short, 2 unusable config."""
@@ -45,11 +54,12 @@ def run(
     if not task.strip():
         fail("the task is empty", 2)
     k = agent_limits(max_steps, max_tools)
+    compact = compaction_policy(kv_compact)
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
                               max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, rerank_tools=rerank_tools, as_json=as_json,
-                              yes=yes))
+                              yes=yes, compact=compact))
 
 
 def register(app: typer.Typer) -> None:

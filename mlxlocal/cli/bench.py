@@ -25,6 +25,16 @@ of -p tokens, default 2048 clipped to the context, then a second turn on the cac
 memory over the resident weights and second-turn TTFT; --compare: one mlx-lm prompt
 cache per session).
 
+AKV (--scenario agent --akv): a scripted agent trace of --turns steps (default 30) with tool
+results of a few hundred to a few thousand tokens, one session per mode on a fresh engine:
+standard, AKV drop (keep the last --akv-keep tool results in the KV cache, default 12; 4 on
+the CPU backend), AKV drop + reposition, and text engineering (old results replaced by a
+placeholder and the conversation re-rendered). Per step and in total: prefill tokens, tokens
+attended per decode step, peak KV blocks, TTFT, decode tok/s (-g tokens per step, greedy),
+and the API-equivalent cost: uncached input + cached input x --cached-discount (0.1) +
+output x --output-price (4), with ratios vs standard. Default model: synthetic:qwen3-0.6b on
+Metal, synthetic:tiny:context=16384 on the CPU backend (tool results scaled to fit the context).
+
 Structured output (--json-schema FILE): decode tok/s with the schema's grammar ÷ without,
 greedy, runs alternating, at batch 1 and 8 (or -b); the share of forced tokens and of
 complete documents.
@@ -49,7 +59,15 @@ def bench(
     compare: Optional[str] = typer.Option(None, "--compare", help="Also run the same model through: mlx-lm"),
     scenario: Optional[str] = typer.Option(None, "--scenario", help="agent | concurrent | sessions"),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", help="Streams (concurrent), sessions (sessions), or --url concurrency"),
-    turns: int = typer.Option(6, "--turns", help="Turns of the agent trace"),
+    turns: Optional[int] = typer.Option(None, "--turns", help="Turns of the agent trace (default 6; 30 with --akv)"),
+    akv: bool = typer.Option(False, "--akv", help="With --scenario agent: standard vs AKV cache drops vs text "
+                             "engineering on a long tool trace (see above)"),
+    akv_keep: Optional[int] = typer.Option(None, "--akv-keep", help="--akv: tool results kept in the KV cache "
+                                           "(keep-last-tool-outputs=K; default 12, 4 on the CPU backend)"),
+    cached_discount: float = typer.Option(0.1, "--cached-discount", help="--akv: price of a cached input token "
+                                          "relative to an uncached one"),
+    output_price: float = typer.Option(4.0, "--output-price", help="--akv: price of an output token relative to "
+                                       "an uncached input token"),
     bandwidth: Optional[float] = typer.Option(None, "--bandwidth", help="Memory bandwidth in GB/s for the roofline"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
     plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)"),
@@ -109,6 +127,21 @@ def bench(
                            prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, prompt_file=prompt_file,
                            as_json=as_json, plot=plot)
         return
+    akv_options = None
+    if akv:
+        if scenario != "agent":
+            fail("--akv is a variant of --scenario agent: add --scenario agent")
+        if compare is not None or no_prefix_cache or plot:
+            fail("--akv runs its own modes: no --compare, --no-prefix-cache or --plot")
+        if akv_keep is not None and akv_keep < 1:
+            fail("--akv-keep must be >= 1")
+        if not 0 <= cached_discount <= 1:
+            fail("--cached-discount must be in [0, 1] (a share of the uncached input price)")
+        if output_price < 0:
+            fail("--output-price must be >= 0 (a multiple of the uncached input price)")
+        akv_options = dict(keep=akv_keep, discount=cached_discount, output_price=output_price)
+    elif akv_keep is not None or cached_discount != 0.1 or output_price != 4.0:
+        fail("--akv-keep, --cached-discount and --output-price apply to --scenario agent --akv only")
     if compare not in (None, "mlx-lm"):
         fail(f"--compare supports only 'mlx-lm', not {compare!r}")
     if scenario not in (None, "agent", "concurrent", "sessions"):
@@ -145,7 +178,7 @@ def bench(
         res = run_local(model=model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch,
                         repeats=repeats, warmup=warmup, compare=compare, scenario=scenario,
                         concurrency=concurrency, bandwidth=bandwidth, prefix_cache=not no_prefix_cache,
-                        turns=turns, grammar=grammar)
+                        turns=turns, grammar=grammar, akv=akv_options)
     except MlxLocalError as e:
         fail(str(e), 1)
     if plot:

@@ -64,6 +64,22 @@ FREQ_HELP = "Lower a token's logit by this times its count in the reply so far, 
 PRES_HELP = "Lower the logit of every token already in the reply by this, in [-2, 2]"
 
 
+KV_COMPACT_HELP = ("Drop parts of the conversation from the KV cache as it grows (AKV cache engineering): "
+                   "comma-separated keep-last-tool-outputs=K (older tool results leave the cache), drop-thinking "
+                   "(old think blocks leave at the next user message), reposition (re-rotate the keys after a "
+                   "gap to close it); the text the model was given stays, /stats shows what was dropped")
+
+
+def compaction_policy(text: Optional[str]):
+    """--kv-compact parsed; exits 2 naming the option and the bad part otherwise."""
+    from mlxlocal.compaction import parse_policy
+
+    try:
+        return parse_policy(text)
+    except ValueError as e:
+        fail(str(e), 2)
+
+
 def agent_limits(max_steps: int, max_tools: str) -> int | None:
     """chat --mcp / run: --max-steps checked, --max-tools parsed (None: no pruning); exits 2
     naming the option otherwise."""

@@ -11,10 +11,12 @@ import typer
 
 from mlxlocal.cli.common import (
     FREQ_HELP,
+    KV_COMPACT_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
     PRES_HELP,
     agent_limits,
+    compaction_policy,
     engine_options,
     err,
     fail,
@@ -209,9 +211,12 @@ def chat(
     max_tools: str = typer.Option("8", "--max-tools", help="With --mcp: " + MAX_TOOLS_HELP),
     tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help="With --mcp: " + TOOL_EMBEDDER_HELP),
     rerank_tools: bool = typer.Option(False, "--rerank-tools", help="With --mcp: " + RERANK_HELP),
+    kv_compact: Optional[str] = typer.Option(None, "--kv-compact", help=KV_COMPACT_HELP),
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.chat import run_chat
+
+    compact = compaction_policy(kv_compact)
     params = sampling_params(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed,
@@ -224,9 +229,10 @@ def chat(
         k = agent_limits(max_steps, max_tools)
         raise typer.Exit(run_agent_chat(model, mcp, system=system, params=params, history_file=history_file,
                                         engine_options=options, max_steps=max_steps, max_tools=k,
-                                        tool_embedder=tool_embedder, rerank_tools=rerank_tools))
+                                        tool_embedder=tool_embedder, rerank_tools=rerank_tools,
+                                        compact=compact))
     raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
-                              engine_options=options))
+                              engine_options=options, compact=compact))
 
 def register(app: typer.Typer) -> None:
     """Add `generate` and `chat` to the main Typer app."""

@@ -6,6 +6,7 @@
     fp16 | bf16 | fp32   weight dtype (default fp16 on Metal, fp32 on the CPU backend)
     seed=N               random seed (default 0); same seed -> identical weights
     layers=N             override num_hidden_layers (quick runs of big shapes)
+    context=N            override max_position_embeddings (long traces on a tiny shape)
 
 The directory holds config.json, safetensors, generation_config.json and a byte-level
 BPE tokenizer whose vocabulary size equals the model's vocab_size, so mlxlocal,
@@ -35,7 +36,7 @@ from mlxlocal.source.synthetic.weights import DTYPES, BuildProgress, write_model
 PREFIX = "synthetic:"
 MARKER = ".mlxlocal-synthetic.json"
 QUANT_BITS = {"q4": 4, "q8": 8}
-MODIFIERS = ("q4", "q8", "fp16", "bf16", "fp32", "seed=N", "layers=N")
+MODIFIERS = ("q4", "q8", "fp16", "bf16", "fp32", "seed=N", "layers=N", "context=N")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class SyntheticSpec:
     bits: int | None = None
     seed: int = 0
     layers: int | None = None
+    context: int | None = None
 
     @property
     def canonical(self) -> str:
@@ -57,6 +59,8 @@ class SyntheticSpec:
             parts.append(f"seed={self.seed}")
         if self.layers is not None:
             parts.append(f"layers={self.layers}")
+        if self.context is not None:
+            parts.append(f"context={self.context}")
         return PREFIX + ":".join(parts)
 
     @property
@@ -97,7 +101,7 @@ def parse_spec(spec: str) -> SyntheticSpec:
         )
     bits: int | None = None
     dtype: str | None = None
-    seed, layers = 0, None
+    seed, layers, context = 0, None, None
     for raw in mods:
         mod = raw.strip().lower()
         if mod in QUANT_BITS and bits is None:
@@ -108,13 +112,15 @@ def parse_spec(spec: str) -> SyntheticSpec:
             seed = _int_modifier(spec, mod, 0)
         elif mod.startswith("layers="):
             layers = _int_modifier(spec, mod, 1)
+        elif mod.startswith("context="):
+            context = _int_modifier(spec, mod, 16)
         else:
             what = "repeated" if mod in QUANT_BITS or mod in DTYPES else "unknown"
             raise ModelNotFoundError(
                 f"{spec!r}: {what} modifier {raw!r}; valid modifiers: {', '.join(MODIFIERS)} "
                 "(one quantization and one dtype at most)"
             )
-    return SyntheticSpec(preset.name, dtype or default_dtype(), bits, seed, layers)
+    return SyntheticSpec(preset.name, dtype or default_dtype(), bits, seed, layers, context)
 
 
 def default_root() -> Path:
@@ -137,6 +143,8 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
         config["num_hidden_layers"] = parsed.layers
         for key in ("max_window_layers", "layer_types"):
             config.pop(key, None)
+    if parsed.context is not None:
+        config["max_position_embeddings"] = parsed.context
 
     root.mkdir(parents=True, exist_ok=True)
     if target.exists():  # a leftover without marker was never completed
@@ -148,7 +156,8 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
             write_model_dir(tmp, config, seed=parsed.seed, dtype=parsed.dtype, quantize_bits=parsed.bits,
                             chat_template=preset.chat_template, progress=progress)
         marker = {"spec": parsed.canonical, "preset": parsed.preset, "seed": parsed.seed,
-                  "dtype": parsed.dtype, "bits": parsed.bits, "layers": parsed.layers}
+                  "dtype": parsed.dtype, "bits": parsed.bits, "layers": parsed.layers,
+                  "context": parsed.context}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2))
         tmp.chmod(0o755)
         try:
