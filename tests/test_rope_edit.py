@@ -94,6 +94,19 @@ def test_rerotated_keys_equal_fresh_keys(variant, head_dim, dtype):
         assert err <= bound, (err, bound)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_keys_move_in_fp32(dtype):
+    """Half-precision keys are rotated in fp32 and rounded once at the end: bit-identical to
+    moving the upcast keys (the tolerance above could not tell fp16 arithmetic apart)."""
+    module = VARIANTS["llama3"](128)
+    spec = rope_spec(module)
+    x = mx.random.normal((N, H, 128), key=mx.random.key(5)).astype(DTYPES[dtype])
+    old, new = _positions(5)
+    stored = _apply(module, x, old)
+    expected = rerotate(stored.astype(mx.float32), old, new, spec).astype(DTYPES[dtype])
+    assert mx.array_equal(rerotate(stored, old, new, spec), expected).item()
+
+
 def test_prefill_block_keys_rerotate():
     """Keys written the way a prefill writes them (one int offset, positions offset + t along
     T) move like keys written one by one."""
