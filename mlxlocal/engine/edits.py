@@ -126,13 +126,8 @@ class EditState:
         gone = set(lay.gone)
         self.origin = [o for i, o in enumerate(self.origin) if i not in gone]
         self.positions = lay.new
-        last = len(lay.keep) - 1
-        if last < 0:
-            self.shift = -edit.at if edit.close_tail else 0
-        elif edit.close_tail:
-            self.shift = self.positions[last] + 1 - edit.at
-        else:
-            self.shift = self.positions[last] - self.origin[last]
+        if edit.close_tail:  # else later tokens keep the positions they were heading for
+            self.shift = (self.positions[-1] + 1 if self.positions else 0) - edit.at
         self.pending.pop(0)
         self.applied.append((edit, edit_key(edit, self.full)))
         self.dropped += len(lay.gone)
