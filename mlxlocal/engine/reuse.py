@@ -15,6 +15,7 @@ from __future__ import annotations
 from mlxlocal.cache import BlockManager
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import HOLE, WindowBlocks
+from mlxlocal.engine.edits import EditState, first_touched
 from mlxlocal.engine.sequence import Sequence
 from mlxlocal.engine.session import Session, common_prefix
 
@@ -45,8 +46,50 @@ class PrefixReuse:
     def attach_session(self, seq: Sequence) -> int:
         """Reuse the session's blocks up to the longest common prefix with the new prompt;
         returns the tokens reused."""
+        s = seq.session
+        if seq.edit is not None or s.edit is not None:
+            return self._attach_edited(seq)
+        return self._attach(seq, common_prefix(s.tokens, seq.tokens))
+
+    def _attach_edited(self, seq: Sequence) -> int:
+        """A session or request with cache edits: the session's state is reusable up to the
+        longest common prefix (in the conversation's own coordinates) only if every edit it
+        applied is one the request asks for, at the same place, and no edit the request adds
+        comes before that point; else the session starts over (an applied drop cannot be
+        undone)."""
+        s = seq.session
+        held: EditState | None = s.edit
+        want = seq.edit.pending if seq.edit is not None else []
+        applied = [e for e, _ in held.applied] if held is not None else []
+        full = held.full if held is not None else s.tokens
+        prompt = seq.edit.full if seq.edit is not None else seq.tokens
+        common = common_prefix(full, prompt)
+        if want[len(applied):]:
+            common = min(common, want[len(applied)].at)
+        if want[: len(applied)] != applied or (applied and common < max(e.at for e in applied)):
+            self.release_session(s)
+            return 0
+        if held is None:  # a plain history: the first edit starts here
+            return self._attach(seq, common)
+        slots = held.slot_of(common) if common <= len(held.full) else len(held.origin)
+        st = seq.edit
+        st.origin = held.origin[:slots] + list(range(common, len(prompt)))
+        st.positions = [held.position(i) for i in range(slots)]
+        st.shift, st.applied, st.pending = held.shift, list(held.applied), want[len(applied):]
+        st.dropped = held.dropped
+        seq.prompt = s.tokens[:slots] + prompt[common:]
+        seq.tokens = list(seq.prompt)
+        self._attach(seq, slots)
+        if seq.num_computed < slots:  # copy on write cut the reuse short: recompute from a clean state
+            self.blocks.release(seq.block_table)
+            seq.block_table, seq.num_computed = [], 0
+            seq.edit = EditState.start(prompt, want)
+            seq.prompt, seq.tokens = list(prompt), list(prompt)
+        return seq.num_computed
+
+    def _attach(self, seq: Sequence, common: int) -> int:
+        """Take over the session's blocks holding its first `common` tokens."""
         s, bs = seq.session, self.block_size
-        common = common_prefix(s.tokens, seq.tokens)
         keep = -(-common // bs)
         if common % bs and keep and (self.blocks.refs[s.block_table[keep - 1]] > 1
                                      or (self.blocks.radix and self.blocks.radix.contains(s.block_table[keep - 1]))):
@@ -57,7 +100,7 @@ class PrefixReuse:
         kept, dropped = s.block_table[:keep], s.block_table[keep:]
         window, window_dropped = s.window_table[:keep], s.window_table[keep:]
         live = s.recurrent if common == len(s.tokens) else None
-        s.tokens, s.block_table, s.window_table, s.recurrent = [], [], [], None
+        s.tokens, s.block_table, s.window_table, s.recurrent, s.edit = [], [], [], None, None
         seq.block_table, seq.window_table, seq.num_computed = kept, window, common
         self.blocks.release(dropped)
         if self.windows is not None:
@@ -101,7 +144,12 @@ class PrefixReuse:
         (with the window layers' blocks at those positions), and (no session pins it) its
         partial last block as a leaf they may copy from."""
         computed = seq.tokens[: seq.num_computed]
-        seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
+        partial = seq.session is None
+        if seq.edit is not None and seq.edit.applied:
+            # Blocks from the first edited one on hold a history of their own: only the
+            # prefix before it is what any request computing these tokens would have.
+            computed, partial = computed[: first_touched(seq.edit.applied[0][0]) // self.block_size * self.block_size], False
+        seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=partial)
         if self.windows is not None and self.blocks.radix is not None:
             n_full = len(computed) // self.block_size
             self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])
@@ -112,3 +160,4 @@ class PrefixReuse:
         if self.windows is not None:
             self.windows.release(session.window_table)
         session.tokens, session.block_table, session.window_table, session.recurrent = [], [], [], None
+        session.edit = None

@@ -26,6 +26,11 @@ class Session(ABC):
     def cached_len(self) -> int:
         return len(self.tokens)
 
+    @property
+    def dropped_len(self) -> int:
+        """Tokens of the conversation dropped from the cache by edits (paged engine only)."""
+        return 0
+
     def claim(self) -> None:
         """Start a turn: a session runs one request at a time."""
         if self.busy:
