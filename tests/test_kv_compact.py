@@ -268,9 +268,9 @@ def test_bad_bench_options(args, message):
 # --- the bench -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory) -> Path:
-    """A 2k context: the trace's tool results are scaled down to fit, so the run stays short."""
+    """A 4k context: the trace's tool results are scaled down to fit, so the run stays short."""
     return build_tiny(tmp_path_factory.mktemp("akv") / "qwen3",
-                      dict(FAMILY_CONFIGS["qwen3"], vocab_size=1024, max_position_embeddings=2048))
+                      dict(FAMILY_CONFIGS["qwen3"], vocab_size=4096, max_position_embeddings=4096))
 
 
 def test_akv_bench_numbers_are_consistent(bench_model):

@@ -44,7 +44,7 @@ from mlxlocal.agents.pruning import (
 )
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
 from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.compaction.spans import ConversationSpans
+from mlxlocal.compaction.spans import ConversationSpans, computed_tokens
 from mlxlocal.engine import GenerationStats, Grammar, SamplingParams
 from mlxlocal.engine.contract import Engine
 from mlxlocal.errors import MlxLocalError
@@ -113,10 +113,11 @@ class StepStats:
     finish_reason: str | None = None
     tools: int = 0  # tool schemas in the prompt (search_tools included)
     dropped_tokens: int = 0  # prompt tokens out of the KV cache (--kv-compact): not attended
+    dropped_before: int = 0  # of those, dropped by earlier steps: neither cached nor computed now
 
     @property
     def new_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
+        return computed_tokens(self.prompt_tokens, self.cached_tokens, self.dropped_before)
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
@@ -381,6 +382,7 @@ class ToolLoop:
         calls = []
         stats = None
         extra = {"edits": edits} if edits is not None else {}  # no policy: the engine sees no edits at all
+        step.stats.dropped_before = self.session.dropped_len
         for chunk in self.engine.generate(prompt, params, session=self.session, cancel=cancel, **extra):
             if chunk.token is not None:
                 generated.append(chunk.token)

@@ -32,7 +32,7 @@ from typing import Any
 from mlxlocal.bench.common import log
 from mlxlocal.bench.scenarios import SYSTEM_SENTENCES, TOOLS
 from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.compaction.spans import ConversationSpans
+from mlxlocal.compaction.spans import ConversationSpans, computed_tokens
 from mlxlocal.engine.base import REPLY_MARKER
 
 MODES = ("standard", "akv_drop", "akv_drop_reposition", "text")
@@ -126,7 +126,7 @@ def build_trace(engine, steps: int, system_tokens: int, budget: int) -> Trace:
         system += SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)] + " "
         i += 1
     scale = 1.0
-    for _ in range(6):
+    for _ in range(4):
         calls, results, sizes = [], [], []
         for k in range(steps):
             name, args, maker = CALLS[k % len(CALLS)]
@@ -140,7 +140,13 @@ def build_trace(engine, steps: int, system_tokens: int, budget: int) -> Trace:
         trace.final_prompt_tokens = len(engine.encode_chat(trace.messages(steps), tools=AKV_TOOLS))
         if trace.final_prompt_tokens <= budget:
             return trace
-        scale *= 0.97 * budget / trace.final_prompt_tokens
+        # Everything but the results (system, tools, calls, template glue) stays; the results
+        # share what is left of the budget.
+        fixed = trace.final_prompt_tokens - sum(sizes)
+        room = 0.97 * (budget - fixed)
+        if room < steps * MIN_RESULT_TOKENS:
+            break
+        scale *= room / sum(sizes)
     from mlxlocal.errors import MlxLocalError
 
     raise MlxLocalError(f"the agent trace of {steps} steps does not fit {budget} tokens of context even with "
@@ -194,7 +200,7 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
                 prompt = spans.prompt(engine, conv, ids, reply_at, AKV_TOOLS)
                 edits = spans.edits(conv)
             extra = {"edits": edits} if edits is not None else {}
-            stats, blocks = None, 0
+            stats, blocks, dropped_before = None, 0, session.dropped_len
             t0 = time.perf_counter()
             for chunk in engine.generate(prompt, params, session=session, **extra):
                 if chunk.stats is not None:
@@ -205,7 +211,8 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
             peak_blocks = max(peak_blocks, blocks)
             attended = stats.prompt_tokens - stats.dropped_tokens
             rows.append(dict(step=k + 1, prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
-                             prefill_tokens=stats.prompt_tokens - stats.cached_tokens,
+                             prefill_tokens=computed_tokens(stats.prompt_tokens, stats.cached_tokens,
+                                                            dropped_before),
                              dropped_tokens=stats.dropped_tokens, repositioned_tokens=stats.repositioned_tokens,
                              attended_tokens=attended, output_tokens=stats.completion_tokens,
                              blocks_used=blocks, ttft_s=stats.ttft_s, decode_tps=stats.decode_tps, wall_s=wall))
@@ -283,6 +290,9 @@ def akv_scenario(loaded, *, steps: int = 30, keep: int = 12, gen_tokens: int = 1
 
 
 # ------------------------------------------------------------------ report
+LABELS = {"standard": "standard", "akv_drop": "drop", "akv_drop_reposition": "drop+repos", "text": "text"}
+
+
 def print_akv(a: dict, con) -> None:
     from rich.table import Table
 
@@ -292,25 +302,30 @@ def print_akv(a: dict, con) -> None:
               f"{a['gen_tokens']} generated per step; AKV keeps the last {a['keep']} tool results")
     if a["note"]:
         con.print(a["note"], style="dim")
-    t = Table(title="AKV cache engineering vs standard (ratios ÷ standard in brackets)")
-    for col in ("mode", "prefill tokens", "attended / decode step (mean, last)", "dropped (last)",
-                "peak KV blocks", "TTFT total (last)", "decode tok/s", "API cost"):
+    t = Table(title="totals over the trace", caption="attended: mean prompt tokens in the KV cache per decode "
+              "step; blocks: peak KV blocks in use; TTFT: sum over the steps")
+    for col in ("mode", "prefill", "attended", "dropped", "blocks", "TTFT", "tok/s", "cost"):
         t.add_column(col, justify="left" if col == "mode" else "right")
     for mode in a["modes"]:
-        s, r = a["totals"][mode], a["ratios_vs_standard"].get(mode, {})
-
-        def rel(key: str, r: dict = r, mode: str = mode) -> str:
-            return f" ({r[key]:.2f})" if r.get(key) is not None and mode != "standard" else ""
-
+        s = a["totals"][mode]
         dec = s["decode_tps_mean"]
-        t.add_row(mode, f"{s['prefill_tokens']}{rel('prefill_tokens')}",
-                  f"{s['attended_mean']:.0f}, {s['attended_last']}{rel('attended_mean')}",
-                  str(s["dropped_tokens_last"]), f"{s['peak_blocks']}{rel('peak_blocks')}",
-                  f"{s['ttft_total_s'] * 1000:.0f} ms ({s['ttft_last_s'] * 1000:.0f} ms){rel('ttft_total_s')}",
-                  f"{dec:.1f}" if dec else "-", f"{s['cost']:.0f}{rel('cost')}")
+        t.add_row(LABELS.get(mode, mode), str(s["prefill_tokens"]), f"{s['attended_mean']:.0f}",
+                  str(s["dropped_tokens_last"]), str(s["peak_blocks"]), f"{s['ttft_total_s']:.2f} s",
+                  f"{dec:.0f}" if dec else "-", f"{s['cost']:.0f}")
     con.print(t)
+    if a["ratios_vs_standard"]:
+        r = Table(title="ratios ÷ standard")
+        for col in ("mode", "prefill", "attended", "attended (last step)", "blocks", "TTFT", "cost"):
+            r.add_column(col, justify="left" if col == "mode" else "right")
+        for mode in a["modes"]:
+            if mode == "standard":
+                continue
+            x = a["ratios_vs_standard"][mode]
+            r.add_row(LABELS.get(mode, mode), *(f"{x[k]:.2f}" if x[k] is not None else "-" for k in RATIO_KEYS))
+        con.print(r)
     p = a["prices"]
     con.print(f"API cost in uncached-input-token units: input 1, cached input {p['cached_input']:g}, output "
               f"{p['output']:g} (--cached-discount, --output-price); dropped tokens are not billed. "
-              "Timings are one pass per mode on a fresh engine; the text is scripted (random weights "
-              "would say gibberish), token counts and timings come from the engine.", style="dim")
+              "One pass per mode on a "
+              "fresh engine; the trace is scripted (random weights would say gibberish): token counts and "
+              "timings come from the engine.", style="dim")

@@ -42,7 +42,7 @@ METAL_DEFAULTS = dict(model="synthetic:qwen3-0.6b", prompt_tokens=512, gen_token
 CPU_DEFAULTS = dict(model="synthetic:tiny", prompt_tokens=256, gen_tokens=64,
                     system_tokens=400, turn_tokens=8, concurrency=8,
                     sessions=8, session_tokens=2048, session_gen_tokens=8,
-                    akv_model="synthetic:tiny:context=16384", akv_steps=30, akv_keep=4, akv_gen_tokens=16)
+                    akv_model="synthetic:tiny:context=10240", akv_steps=30, akv_keep=4, akv_gen_tokens=16)
 
 
 def on_metal() -> bool:

@@ -29,6 +29,14 @@ from mlxlocal.engine.types import CacheEdit
 Messages = list[dict[str, Any]]
 
 
+def computed_tokens(prompt_tokens: int, cached_tokens: int, dropped_before: int) -> int:
+    """Prompt tokens a request computed (prefilled). With cache edits a request's
+    `cached_tokens` counts the cache slots it reused, and the tokens its session had dropped
+    before (`session.dropped_len` at submit) were neither reused nor computed; a session that
+    started over (nothing reused) computed the whole prompt."""
+    return prompt_tokens - cached_tokens - (dropped_before if cached_tokens else 0)
+
+
 def common_prefix_len(a: str, b: str) -> int:
     """Length of the longest common prefix (slice comparisons: long texts stay cheap)."""
     lo, hi = 0, min(len(a), len(b))
