@@ -22,7 +22,14 @@ from mlxlocal.agents.loop import AgentEvent, ToolLoop, short
 from mlxlocal.agents.policy import RuleOfTwo
 from mlxlocal.agents.pruning import DEFAULT_MAX_TOOLS
 from mlxlocal.agents.types import Decision, ServerConfig, ToolCall
-from mlxlocal.chat import ChatRepl, _history, default_history_file, human_count, sigint_sets
+from mlxlocal.chat import (
+    ChatRepl,
+    _history,
+    compact_refusal,
+    default_history_file,
+    human_count,
+    sigint_sets,
+)
 from mlxlocal.compaction import CompactionPolicy
 from mlxlocal.engine import Engine, SamplingParams, open_engine
 from mlxlocal.errors import MlxLocalError
@@ -272,6 +279,11 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
         except MlxLocalError as e:
             say(f"error: {e}")
             return 1
+        refusal = compact_refusal(engine, compact)
+        if refusal:
+            engine.shutdown()
+            say(f"error: {refusal}")
+            return 2
         history = _history(history_file or default_history_file())
         try:
             return AgentRepl(engine, console, servers, hub, max_steps=max_steps, max_tools=max_tools, index=index,
@@ -314,6 +326,11 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
         except MlxLocalError as e:
             err.print(f"error: {e}", style="bold red", markup=False, highlight=False)
             return 1
+        refusal = compact_refusal(engine, compact)
+        if refusal:
+            engine.shutdown()
+            err.print(f"error: {refusal}", style="bold red", markup=False, highlight=False)
+            return 2
         try:
             printer = None if as_json else EventPrinter(out, unapproved_hint=" (run asks nobody: --yes approves)")
             loop = ToolLoop(engine, hub, new_policy(servers, hub), system=system, params=params,

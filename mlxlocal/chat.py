@@ -457,6 +457,16 @@ class ChatRepl:
         self.say(format_footer(stats), "dim")
 
 
+def compact_refusal(engine: Engine, compact: CompactionPolicy | None) -> str | None:
+    """Why --kv-compact cannot work on this engine (said before the first turn, not at the
+    first drop), or None."""
+    pool = engine.kv_pool
+    if compact is None or not compact.active or pool.get("kind") == "paged":
+        return None
+    return (f"--kv-compact needs the paged KV cache; {engine.info.name} runs on a dense cache "
+            f"({pool.get('reason') or 'not pageable'})")
+
+
 def _history(path: Path) -> History:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -486,6 +496,11 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
         return 1
     except KeyboardInterrupt:
         return 130
+    refusal = compact_refusal(engine, compact)
+    if refusal:
+        engine.shutdown()
+        console.print(f"error: {refusal}", style="bold red", markup=False, highlight=False)
+        return 2
     history = _history(history_file or default_history_file())
     return ChatRepl(engine, console, system=system, params=params, history=history,
                     engine_options=engine_options, compact=compact).run()

@@ -303,3 +303,18 @@ def test_akv_bench_numbers_are_consistent(bench_model):
     table = CliRunner().invoke(app, ["bench", "-m", str(bench_model), "--scenario", "agent", "--akv",
                                      "--turns", "6", "--akv-keep", "2", "-g", "2"])
     assert table.exit_code == 0 and "akv_drop_reposition" in table.output and "API cost" in table.output
+
+
+def test_a_dense_engine_is_refused_up_front():
+    from types import SimpleNamespace
+
+    from mlxlocal.chat import compact_refusal
+
+    dense = SimpleNamespace(kv_pool={"kind": "dense", "reason": "chunked attention"},
+                            info=SimpleNamespace(name="llama4"))
+    paged = SimpleNamespace(kv_pool={"kind": "paged"}, info=SimpleNamespace(name="qwen3"))
+    policy = parse_policy("keep-last-tool-outputs=4")
+    assert compact_refusal(dense, policy) == ("--kv-compact needs the paged KV cache; llama4 runs on a dense "
+                                              "cache (chunked attention)")
+    assert compact_refusal(paged, policy) is None
+    assert compact_refusal(dense, None) is None and compact_refusal(dense, parse_policy("off")) is None
