@@ -120,7 +120,8 @@ class PagedEngine(EngineBase):
         whole = self.reuse.whole_blocks
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens,
                                    None if whole else self.pools.copy_block, self.reuse.resume if whole else None,
-                                   self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit)
+                                   self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit,
+                                   match_edited=self.reuse.match_edited)
         self._rotator: cache_edits.Rotator | None = None  # built at the first reposition
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
