@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxlocal.cache import BlockManager, KVPools
+from mlxlocal.cache.rope_edit import layer_ropes, rerotate
 from mlxlocal.engine.types import CacheEdit
 
 
@@ -179,6 +180,17 @@ def simulate(prompt_len: int, edits: list[CacheEdit]) -> tuple[int, int, int]:
     return len(st.origin), max(peak, len(st.origin)), st.position(len(st.origin) - 1)
 
 
+def fit(prompt_len: int, edits: list[CacheEdit], context_length: int) -> tuple[int, int]:
+    """Check edits against the prompt and the context: (tokens kept, the most held at once)."""
+    check_edits(edits, prompt_len)
+    kept, peak, last = simulate(prompt_len, edits)
+    if last + 1 >= context_length:
+        raise ValueError(f"after its cache edits the prompt's last token sits at rope position {last}, past "
+                         f"the model's context ({context_length}): reposition the kept messages, "
+                         "or start a new conversation")
+    return kept, peak
+
+
 def restart(seq) -> None:
     """Back to the prompt as submitted, every edit pending again: a sequence that lost its
     blocks (preempted) recomputes the same history."""
@@ -192,15 +204,14 @@ def restart(seq) -> None:
 
 
 class Rotator:
-    """Re-rotates one layer's keys from old to new rope positions, with the model's ropes
-    (cache/rope_edit.py); None for a layer without rope."""
+    """Re-rotates one layer's keys from old to new rope positions with the model's ropes
+    (cache/rope_edit.py). Building it raises RepositionError (a ValueError) for a model
+    whose rope cannot be moved."""
 
-    def __init__(self, ropes: list):
-        self.ropes = ropes
+    def __init__(self, model):
+        self.ropes = layer_ropes(model)  # per pool layer; None: no rope there
 
     def __call__(self, layer: int, keys: mx.array, old: mx.array, new: mx.array) -> mx.array:
-        from mlxlocal.cache.rope_edit import rerotate
-
         spec = self.ropes[layer]
         return keys if spec is None else rerotate(keys, old, new, spec)
 
