@@ -181,14 +181,15 @@ def simulate(prompt_len: int, edits: list[CacheEdit]) -> tuple[int, int, int]:
 
 
 def fit(prompt_len: int, edits: list[CacheEdit], context_length: int) -> tuple[int, int]:
-    """Check edits against the prompt and the context: (tokens kept, the most held at once)."""
+    """Check edits against the prompt and the context: (the context the reply starts from:
+    tokens kept or, if higher, the next rope position; the most tokens held at once)."""
     check_edits(edits, prompt_len)
     kept, peak, last = simulate(prompt_len, edits)
     if last + 1 >= context_length:
         raise ValueError(f"after its cache edits the prompt's last token sits at rope position {last}, past "
                          f"the model's context ({context_length}): reposition the kept messages, "
                          "or start a new conversation")
-    return kept, peak
+    return max(kept, last + 1), peak
 
 
 def restart(seq) -> None:

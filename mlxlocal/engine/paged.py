@@ -184,8 +184,8 @@ class PagedEngine(EngineBase):
         return iter(self.submit(prompt, params, session, cancel, edits=edits))
 
     def _check_edits(self, prompt: list[int], edits: list[CacheEdit]) -> tuple[int, int]:
-        """ValueError for edits this prompt or model cannot take; (tokens kept in context,
-        the most held at once)."""
+        """ValueError for edits this prompt or model cannot take; else edits.fit's (context
+        used, the most tokens held at once)."""
         if any(self.pools.windowed) or self.runner.recurrent:
             raise ValueError("cache edits are not supported for models with sliding-window or recurrent "
                              f"layers ({self.info.name}): their state cannot drop a span")
