@@ -100,6 +100,14 @@ def test_session_turns_reuse_the_edited_cache(loaded, repos):
         assert st3.cached_tokens > 60 and st3.dropped_tokens == 40
         want3 = greedy_with_logprobs(fresh, p3, 4, [e1, e2])
         assert_same((t3, l3), want3[:2])
+        # The session forgotten (evicted): the prefix cache still holds its blocks under
+        # their history, and a new session picks the conversation up from there.
+        s.reset()
+        s2 = eng.new_session()
+        again = greedy_with_logprobs(eng, p3, 4, [e1, e2], session=s2)
+        assert again[2].cached_tokens >= 64
+        assert_same(again[:2], want3[:2])
+        s2.reset()
 
         # A history the session did not go through (e1 left out): it starts over, same answer.
         t4, l4, st4 = greedy_with_logprobs(eng, p3, 4, [e2], session=s)
@@ -117,20 +125,27 @@ def test_session_turns_reuse_the_edited_cache(loaded, repos):
         fresh.shutdown()
 
 
-def test_prefix_cache_never_mixes_histories(loaded):
-    """An edited request leaves only its blocks before the first touched token in the prefix
-    cache: a plain request with the same prompt never reuses K/V computed under a drop, and
-    an edited one never reuses K/V computed without it."""
+def test_prefix_cache_matches_tokens_and_history(loaded):
+    """Blocks an edit touched enter the prefix cache keyed by their edit history: a request
+    with the same prompt and edits reuses them; a plain request, or one that dropped other
+    text at the same span, or the same text at another point, reuses only the untouched
+    prefix. Every answer equals a fresh engine's."""
     eng, fresh = engine(loaded), engine(loaded)
     try:
         edit = [CacheEdit(at=70, drop=((40, 60),))]
         greedy_with_logprobs(eng, PROMPT, 3, edit)
-        toks, _, st = greedy_with_logprobs(eng, PROMPT, 3)
-        assert st.cached_tokens <= 32
-        assert toks == greedy_with_logprobs(fresh, PROMPT, 3)[0]
-        toks, _, st = greedy_with_logprobs(eng, PROMPT, 3, edit)
-        assert st.cached_tokens <= 40  # the plain run cached everything: only what precedes the drop
-        assert toks == greedy_with_logprobs(fresh, PROMPT, 3, edit)[0]
+
+        def check(prompt, edits, most, least=0):
+            toks, tops, st = greedy_with_logprobs(eng, prompt, 3, edits)
+            assert least <= st.cached_tokens <= most, st
+            assert_same((toks, tops), greedy_with_logprobs(fresh, prompt, 3, edits)[:2])
+
+        check(PROMPT, edit, 64, 64)  # the same history: every full block of its kept view
+        check(PROMPT, None, 40)  # plain: what precedes the first dropped token
+        other = PROMPT[:40] + [(t + 1) % 300 for t in PROMPT[40:60]] + PROMPT[60:]
+        check(other, edit, 40)  # other dropped text, same kept tokens and spans
+        check(PROMPT, [CacheEdit(at=75, drop=((40, 60),))], 40)  # the same drop, later
+        check(PROMPT, edit, 64, 64)
         assert_no_leak(eng)
     finally:
         eng.shutdown()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxlocal.cache import BlockManager, KVPools
+from mlxlocal.cache.rope_edit import layer_ropes, rerotate
 from mlxlocal.engine.types import CacheEdit
 
 
@@ -147,16 +148,48 @@ class Layout:
     moved: list[int]  # kept slots (indices into keep) whose keys are re-rotated
 
 
+def block_tags(st: EditState, n_blocks: int, block_size: int) -> list[str | None]:
+    """The edit history each of the first n_blocks blocks' K/V went through: the applied
+    edits that touched a token at or before the block's last one (None: no edit did)."""
+    tags: list[str | None] = []
+    touched = [(first_touched(e), key) for e, key in st.applied]
+    for i in range(n_blocks):
+        last = st.origin_of((i + 1) * block_size - 1)
+        keys = [key for t, key in touched if t <= last]
+        tags.append(hashlib.blake2b("".join(keys).encode(), digest_size=16).hexdigest() if keys else None)
+    return tags
+
+
+def replay(prompt: list[int], edits: list[CacheEdit]) -> EditState:
+    """The bookkeeping after every edit, with nothing computed: the kept view of a prompt."""
+    st = EditState.start(prompt, edits)
+    while st.pending:
+        e = st.pending[0]
+        st.commit(e, st.layout(e, st.slot_of(e.at)))
+    return st
+
+
 def simulate(prompt_len: int, edits: list[CacheEdit]) -> tuple[int, int, int]:
     """(slots the prompt keeps, the most slots it holds at once, rope position of its last
     token) after every edit: what submit checks against the pool and the context."""
-    st = EditState(full=[0] * prompt_len, pending=list(edits), origin=list(range(prompt_len)))
-    peak = 0
-    for e in edits:
-        n = st.slot_of(e.at)
-        peak = max(peak, n)
-        st.commit(e, st.layout(e, n))
+    st = replay([0] * prompt_len, edits)
+    peak = dropped = 0
+    for e in edits:  # slots held just before each edit
+        peak = max(peak, e.at - dropped)
+        dropped += sum(b - a for a, b in e.drop)
     return len(st.origin), max(peak, len(st.origin)), st.position(len(st.origin) - 1)
+
+
+def fit(prompt_len: int, edits: list[CacheEdit], context_length: int) -> tuple[int, int]:
+    """Check edits against the prompt and the context: (the context the reply starts from:
+    tokens kept or, if higher, the next rope position; the most tokens held at once)."""
+    check_edits(edits, prompt_len)
+    kept, peak, last = simulate(prompt_len, edits)
+    if last + 1 >= context_length:
+        raise ValueError(f"after its cache edits the prompt's last token sits at rope position {last}, past "
+                         f"the model's context ({context_length}): reposition the kept messages, "
+                         "or start a new conversation")
+    return max(kept, last + 1), peak
 
 
 def restart(seq) -> None:
@@ -172,15 +205,14 @@ def restart(seq) -> None:
 
 
 class Rotator:
-    """Re-rotates one layer's keys from old to new rope positions, with the model's ropes
-    (cache/rope_edit.py); None for a layer without rope."""
+    """Re-rotates one layer's keys from old to new rope positions with the model's ropes
+    (cache/rope_edit.py). Building it raises RepositionError (a ValueError) for a model
+    whose rope cannot be moved."""
 
-    def __init__(self, ropes: list):
-        self.ropes = ropes
+    def __init__(self, model):
+        self.ropes = layer_ropes(model)  # per pool layer; None: no rope there
 
     def __call__(self, layer: int, keys: mx.array, old: mx.array, new: mx.array) -> mx.array:
-        from mlxlocal.cache.rope_edit import rerotate
-
         spec = self.ropes[layer]
         return keys if spec is None else rerotate(keys, old, new, spec)
 

@@ -33,7 +33,7 @@ from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, make_runner
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
-from mlxlocal.engine.session import Session
+from mlxlocal.engine.session import PagedSession, Session
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.source.loader import LoadedModel
@@ -69,27 +69,6 @@ def default_kv_memory() -> int:
         return 2 << 30
 
 
-class PagedSession(Session):
-    """A conversation whose KV blocks (and recurrent state) stay pinned between turns."""
-
-    def __init__(self, engine: PagedEngine):
-        super().__init__()
-        self.engine = engine
-        self.block_table: list[int] = []  # holds the K/V of self.tokens
-        self.window_table: list[int] = []  # sliding-window layers' blocks (cache/window.py)
-        self.recurrent: list | None = None  # hybrid models: the state after self.tokens
-        # Cache edits the conversation went through (engine.edits.EditState: origins,
-        # positions, the applied edits), None while it has had none.
-        self.edit: cache_edits.EditState | None = None
-
-    @property
-    def dropped_len(self) -> int:
-        return self.edit.dropped if self.edit is not None else 0
-
-    def reset(self) -> None:
-        self.engine.call(lambda: self.engine.reuse.release_session(self))
-
-
 class PagedEngine(EngineBase):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  runner: NativeRunner | MlxLmRunner | None = None):
@@ -120,7 +99,8 @@ class PagedEngine(EngineBase):
         whole = self.reuse.whole_blocks
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens,
                                    None if whole else self.pools.copy_block, self.reuse.resume if whole else None,
-                                   self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit)
+                                   self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit,
+                                   match_edited=self.reuse.match_edited)
         self._rotator: cache_edits.Rotator | None = None  # built at the first reposition
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
@@ -204,22 +184,14 @@ class PagedEngine(EngineBase):
         return iter(self.submit(prompt, params, session, cancel, edits=edits))
 
     def _check_edits(self, prompt: list[int], edits: list[CacheEdit]) -> tuple[int, int]:
-        """ValueError for edits this prompt or model cannot take; (tokens kept in context,
-        the most held at once)."""
+        """ValueError for edits this prompt or model cannot take; else edits.fit's (context
+        used, the most tokens held at once)."""
         if any(self.pools.windowed) or self.runner.recurrent:
             raise ValueError("cache edits are not supported for models with sliding-window or recurrent "
                              f"layers ({self.info.name}): their state cannot drop a span")
-        cache_edits.check_edits(edits, len(prompt))
         if any(e.reposition for e in edits) and self._rotator is None:
-            from mlxlocal.cache.rope_edit import layer_ropes  # RepositionError: a ValueError
-
-            self._rotator = cache_edits.Rotator(layer_ropes(self.runner.model))
-        kept, peak, last = cache_edits.simulate(len(prompt), edits)
-        if last + 1 >= self.context_length:
-            raise ValueError(f"after its cache edits the prompt's last token sits at rope position {last}, past "
-                             f"the model's context ({self.context_length}): reposition the kept messages, "
-                             "or start a new conversation")
-        return kept, peak
+            self._rotator = cache_edits.Rotator(self.runner.model)
+        return cache_edits.fit(len(prompt), edits, self.context_length)
 
     def _apply_edit(self, seq: Sequence) -> None:
         """The scheduler's hook: seq's next cache edit is due (raises OutOfBlocks)."""

@@ -36,7 +36,8 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_step_tokens: int = 512,
                  copy_block: Callable[[int, int], None] | None = None,
                  resume: Callable[[Sequence], None] | None = None, windows: WindowBlocks | None = None,
-                 snapshot_chunks: bool = False, apply_edit: Callable[[Sequence], None] | None = None):
+                 snapshot_chunks: bool = False, apply_edit: Callable[[Sequence], None] | None = None,
+                 match_edited: Callable[[Sequence], bool] | None = None):
         self.blocks = blocks
         self.windows = windows  # sliding-window layers' blocks, if the model has such layers
         self.copy_block = copy_block  # KVPools.copy_block: reuse a partly matching block by copying it
@@ -45,6 +46,7 @@ class Scheduler:
         self.resume = resume
         self.snapshot_chunks = snapshot_chunks  # hybrids: chunks end where snapshots are wanted
         self.apply_edit = apply_edit  # a cache edit due now (engine.edits); raises OutOfBlocks
+        self.match_edited = match_edited  # a request with edits: reuse of blocks under its history
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
@@ -99,13 +101,14 @@ class Scheduler:
     def admit(self, seq: Sequence) -> None:
         """Waiting -> running: reuse the cached prefix (all but the last token), to the token."""
         if not seq.block_table:
-            shared = seq.tokens[:-1]
-            if seq.edit is not None and seq.edit.pending and not seq.edit.applied:
-                # Cached blocks hold an unedited history: only the prefix the edits leave alone.
-                shared = shared[: first_touched(seq.edit.pending[0])]
-            seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
-            if self.resume is not None:
-                self.resume(seq)
+            edited = seq.edit is not None and seq.edit.pending and not seq.edit.applied
+            if not (edited and self.match_edited is not None and self.match_edited(seq)):
+                shared = seq.tokens[:-1]
+                if edited:  # untagged blocks: only the prefix no edit touches
+                    shared = shared[: min(first_touched(e) for e in seq.edit.pending)]
+                seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
+                if self.resume is not None:
+                    self.resume(seq)
             if seq.preemptions == 0:
                 seq.stats.cached_tokens = seq.num_computed
                 self.prefix_hit_tokens += seq.num_computed
