@@ -51,18 +51,32 @@ def common_prefix_len(a: str, b: str) -> int:
 
 def token_bounds(decode: Callable[[list[int]], str], ids: list[int], chars: list[int]) -> list[int]:
     """For each character offset (ascending) into the text `ids` decode to, the number of
-    tokens whose text reaches it: a token straddling a boundary goes to the earlier side."""
-    out, lo = [], 0
+    tokens whose text reaches it: a token straddling a boundary goes to the earlier side.
+
+    Searched from the previous boundary (galloping, then bisecting), decoding only the ids
+    after it, so a long conversation costs about its length, not its length per boundary."""
+    out, lo, base = [], 0, 0  # base: characters of the text up to token lo
     for c in chars:
-        a, b = lo, len(ids)
+        def reaches(n: int, lo: int = lo, base: int = base, c: int = c) -> bool:
+            return base + len(decode(ids[lo:n])) >= c
+
+        if c <= base:
+            out.append(lo)
+            continue
+        step, a = 64, lo
+        b = min(lo + step, len(ids))
+        while b < len(ids) and not reaches(b):
+            a, step = b, step * 2
+            b = min(lo + step, len(ids))
         while a < b:
             mid = (a + b) // 2
-            if len(decode(ids[:mid])) >= c:
+            if reaches(mid):
                 b = mid
             else:
                 a = mid + 1
-        out.append(a)
+        base += len(decode(ids[lo:a]))
         lo = a
+        out.append(a)
     return out
 
 
