@@ -104,6 +104,34 @@ def test_spans_tile_the_prompt_and_decode_to_each_message(qwen):
     assert edit.at == kept[4][0] and edit.drop == (kept[3],) and edit.reposition == ()
 
 
+@pytest.mark.parametrize("family, system", [("llama", "be brief"), ("mistral", None), ("mistral", "be brief"),
+                                            ("qwen2", None)])
+def test_spans_in_other_templates(family, system, tiny_models):
+    """Llama 3's headers, Mistral's [INST] (with a system prompt its template cannot be
+    continued: the whole conversation is encoded each turn), ChatML."""
+    eng = EngineBase(load_from_dir(tiny_models[family]))
+    spans = ConversationSpans(parse_policy("drop-thinking"))
+    conv = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hello there"}]
+    ids: list[int] = []
+    for k, reply in enumerate(["the quick brown fox", "jumps over the lazy dog"]):
+        reply_at = len(conv) - 2 if ids else None
+        prompt = spans.prompt(eng, conv, ids, reply_at)
+        assert spans.edits(conv) == []
+        if family == "mistral" and system:
+            # Its template writes the system prompt into the last user turn: no message spans,
+            # so no edits (dropping by wrong spans would cut the wrong tokens).
+            assert spans._pending is None and "does not render message 0 (system)" in spans.note
+            return
+        layout = spans._pending.spans
+        assert layout[0][0] == 0 and all(a[1] == b[0] for a, b in zip(layout, layout[1:]))
+        for m, (a, b) in zip(conv, layout):
+            assert m["content"] in eng.decode(prompt[a:b]), (family, m, eng.decode(prompt[a:b]))
+        generated = reply_ids(eng, reply)
+        spans.replied(eng, prompt, generated)
+        ids = prompt + generated
+        conv = conv + [{"role": "assistant", "content": reply}, {"role": "user", "content": f"and then {k}?"}]
+
+
 def test_reposition_and_full_encodes_agree(qwen):
     policy = CompactionPolicy(keep_tool_outputs=1, reposition=True)
     conv = [{"role": "user", "content": "go"}]

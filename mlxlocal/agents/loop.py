@@ -526,6 +526,7 @@ class ToolLoop:
             "steps": [s.as_dict() for s in self.steps],
             "prefill_tokens_per_step": [s.stats.new_tokens for s in self.steps],
             "kv_compact": self.spans.policy.describe(),
+            "kv_compact_note": self.spans.note,  # why the last step dropped nothing, if it could not
             "dropped_tokens_per_step": [s.stats.dropped_tokens for s in self.steps],
             "calls_constrained": bool(self._grammars) and all(g is not None for g in self._grammars.values()),
             "grammar_note": self.grammar_note,

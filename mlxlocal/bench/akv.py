@@ -313,6 +313,16 @@ def print_akv(a: dict, con) -> None:
                   str(s["dropped_tokens_last"]), str(s["peak_blocks"]), f"{s['ttft_total_s']:.2f} s",
                   f"{dec:.0f}" if dec else "-", f"{s['cost']:.0f}")
     con.print(t)
+    steps = Table(title="per step: TTFT ms (tokens attended per decode step)")
+    steps.add_column("step", justify="right")
+    steps.add_column("prompt", justify="right")
+    for mode in a["modes"]:
+        steps.add_column(LABELS.get(mode, mode), justify="right")
+    runs = [a["runs"][m]["steps"] for m in a["modes"]]
+    for rows in zip(*runs):
+        steps.add_row(str(rows[0]["step"]), str(rows[0]["prompt_tokens"]),
+                      *(f"{r['ttft_s'] * 1000:.0f} ({r['attended_tokens']})" for r in rows))
+    con.print(steps)
     if a["ratios_vs_standard"]:
         r = Table(title="ratios ÷ standard")
         for col in ("mode", "prefill", "attended", "attended (last step)", "blocks", "TTFT", "cost"):

@@ -188,6 +188,9 @@ class ConversationSpans:
         except (SpanError, ValueError) as e:
             self.note = f"message spans unknown: {e}"
             return
+        tail = full[start:]
+        if not _verified(tail, list(zip(chars, chars[1:])), new, self):
+            return
         bounds = [kept_len + b for b in token_bounds(_decoder(engine), cont, chars)]
         layout = _Layout(list(self._kept.spans), dict(self._kept.thinks))
         a, b = layout.spans[-1]
@@ -204,6 +207,8 @@ class ConversationSpans:
         except SpanError as e:
             self.note = f"message spans unknown: {e}"
             return
+        if not _verified(full, list(zip([0] + chars[:-1], chars)), conv, self):
+            return
         bounds = token_bounds(_decoder(engine), ids, chars)
         starts = [0] + bounds[:-1]
         layout = _Layout(list(zip(starts, bounds)), {}, bounds[-1] if bounds else 0)
@@ -212,6 +217,21 @@ class ConversationSpans:
             if found is not None:
                 layout.thinks[i] = found
         self._pending = layout
+
+
+def _verified(text: str, spans: list[Span], messages: Messages, owner: ConversationSpans) -> bool:
+    """Every user / tool / system message's text inside its own span: a template that
+    renders a message elsewhere once more follow (Mistral moves the system prompt into the
+    last user turn) gives spans that would drop the wrong tokens, so none are used."""
+    for i, (m, (a, b)) in enumerate(zip(messages, spans)):
+        content = m.get("content")
+        if m.get("role") == "assistant" or not isinstance(content, str) or not content.strip():
+            continue
+        if content.strip() not in text[a:b]:
+            owner.note = (f"message spans unknown: the chat template does not render message {i} "
+                          f"({m.get('role')}) in its place; nothing is dropped")
+            return False
+    return True
 
 
 def _render(engine: Any, messages: Messages, tools: list[dict] | None, generation: bool) -> str:
