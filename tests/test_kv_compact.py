@@ -346,3 +346,19 @@ def test_a_dense_engine_is_refused_up_front():
                                               "cache (chunked attention)")
     assert compact_refusal(paged, policy) is None
     assert compact_refusal(dense, None) is None and compact_refusal(dense, parse_policy("off")) is None
+
+
+def test_the_cli_passes_the_policy_on(monkeypatch, tmp_path):
+    import mlxlocal.agent_chat
+    import mlxlocal.chat
+
+    seen = {}
+    monkeypatch.setattr(mlxlocal.chat, "run_chat", lambda model, **kw: seen.update(chat=kw["compact"]) or 0)
+    monkeypatch.setattr(mlxlocal.agent_chat, "run_agent_chat", lambda model, mcp, **kw: seen.update(mcp=kw["compact"]) or 0)
+    monkeypatch.setattr(mlxlocal.agent_chat, "run_task", lambda model, mcp, task, **kw: seen.update(run=kw["compact"]) or 0)
+    runner = CliRunner()
+    config = tmp_path / "mcp.json"
+    for args in (["chat", "-m", "x"], ["chat", "-m", "x", "--mcp", str(config)], ["run", "-m", "x", "--mcp", str(config), "go"]):
+        result = runner.invoke(app, [*args, "--kv-compact", "keep-last-tool-outputs=3,reposition"])
+        assert result.exit_code == 0, result.output
+    assert seen["chat"] == seen["mcp"] == seen["run"] == CompactionPolicy(3, False, True)
