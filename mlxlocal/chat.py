@@ -79,7 +79,8 @@ def format_footer(stats: GenerationStats) -> str:
     parts = [
         f"decode {format_rate(stats.decode_tps)} tok/s",
         f"prefill {format_rate(stats.prefill_tps)} tok/s",
-        f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached)",
+        f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached"
+        + (f", {stats.dropped_tokens} dropped from the KV cache)" if stats.dropped_tokens else ")"),
         f"reply {stats.completion_tokens} tokens",
         f"TTFT {format_seconds(stats.ttft_s)}",
         f"peak {human_bytes(stats.peak_memory_bytes)}",

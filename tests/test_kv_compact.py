@@ -266,6 +266,7 @@ def test_chat_repl_drops_old_thinking(engine):
         repl.turn("more")
     assert repl.last_stats.dropped_tokens == len(engine.tokenizer.encode("<think>let me think</think>",
                                                                          add_special_tokens=False))
+    assert f"cached, {repl.last_stats.dropped_tokens} dropped from the KV cache) · reply" in out.getvalue()
     repl.command("/stats")
     assert f"{repl.session.dropped_len} dropped" in out.getvalue() and repl.session.dropped_len > 0
 
