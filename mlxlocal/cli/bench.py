@@ -33,7 +33,7 @@ placeholder and the conversation re-rendered). Per step and in total: prefill to
 attended per decode step, peak KV blocks, TTFT, decode tok/s (-g tokens per step, greedy),
 and the API-equivalent cost: uncached input + cached input x --cached-discount (0.1) +
 output x --output-price (4), with ratios vs standard. Default model: synthetic:qwen3-0.6b on
-Metal, synthetic:tiny:context=16384 on the CPU backend (tool results scaled to fit the context).
+Metal, synthetic:tiny:context=10240 on the CPU backend (tool results scaled to fit the context).
 
 Structured output (--json-schema FILE): decode tok/s with the schema's grammar ÷ without,
 greedy, runs alternating, at batch 1 and 8 (or -b); the share of forced tokens and of
