@@ -286,6 +286,7 @@ def test_bad_policy_is_a_clear_error(args, message):
     (["--akv"], "--akv is a variant of --scenario agent"),
     (["--scenario", "agent", "--akv", "--compare", "mlx-lm"], "--akv runs its own modes"),
     (["--scenario", "agent", "--akv", "--akv-keep", "0"], "--akv-keep must be >= 1"),
+    (["--scenario", "agent", "--akv", "-p", "100"], "--akv sizes its own trace"),
     (["--scenario", "agent", "--akv", "--cached-discount", "2"], "--cached-discount must be in [0, 1]"),
     (["--scenario", "agent", "--akv-keep", "3"], "apply to --scenario agent --akv only"),
 ])

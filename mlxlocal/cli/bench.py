@@ -133,6 +133,8 @@ def bench(
             fail("--akv is a variant of --scenario agent: add --scenario agent")
         if compare is not None or no_prefix_cache or plot:
             fail("--akv runs its own modes: no --compare, --no-prefix-cache or --plot")
+        if prompt_tokens is not None or concurrency is not None or batch != 1:
+            fail("--akv sizes its own trace: no -p, -c or -b (--turns, --akv-keep and -g set it)")
         if akv_keep is not None and akv_keep < 1:
             fail("--akv-keep must be >= 1")
         if not 0 <= cached_discount <= 1:
