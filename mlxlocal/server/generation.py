@@ -80,14 +80,19 @@ async def _dead_is_503(stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER}) from None
 
 
-async def _session(request: Request, cache: akv.CacheUse | None):
+async def _session(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
+                   cache: akv.CacheUse | None):
     """The engine session a request continues (None without a session id); 409 while it
-    generates. Looked up on the event loop, right before submit."""
-    if cache is None or cache.session_id is None:
-        return None
-    session, evicted = request.app.state.registry.session(cache.model, cache.session_id)
-    if session.busy:
-        raise _busy(cache.session_id)
+    generates. Looked up on the event loop, right before submit. Idle sessions that pin
+    the room this request needs are freed first (the engine would wait for it for ever)."""
+    registry = request.app.state.registry
+    session, evicted = None, []
+    if cache is not None and cache.session_id is not None:
+        session, evicted = registry.session(cache.model, cache.session_id)
+        if session.busy:
+            raise _busy(cache.session_id)
+    need = len(prompt) + min(params.max_tokens, max(engine.context_length - len(prompt), 0))
+    evicted += registry.make_room(engine, need, session)
     await akv.reset_quietly(evicted)
     return session
 
@@ -96,7 +101,7 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
               metrics: Metrics, cache: akv.CacheUse | None = None) -> AsyncIterator[Chunk]:
     """Stream a request's chunks; a client that goes away cancels it (blocks freed next step)."""
     loop = asyncio.get_running_loop()
-    session = await _session(request, cache)
+    session = await _session(request, engine, prompt, params, cache)
     if params.grammar is None:
         stream, cancel = start(engine, prompt, params, loop, session, cache)
     else:  # submit compiles the grammar (the first one also indexes the vocabulary): off the loop

@@ -103,6 +103,24 @@ class Sessions:
                 evicted.append(old)
         return session, evicted
 
+    def make_room(self, pool_tokens: int, need: int, keep: Any = None) -> list:
+        """Idle sessions to free, least recently used first, so that those left pin at most
+        `pool_tokens - need`: the engine never takes pinned blocks back, so a request that
+        needs them would wait for ever. `keep`: the request's own session (its blocks are
+        the start of its prompt, counted in `need`)."""
+        others = [(sid, s) for sid, (s, _, _) in list(self.held.items()) if s is not keep]
+        # A generating session's blocks are pinned again when it finishes: counted, not freed.
+        pinned = sum(s.cached_len for _, s in others)
+        idle = [(sid, s) for sid, s in others if not s.busy]
+        freed = []
+        for sid, s in idle:
+            if pinned + need <= pool_tokens:
+                break
+            if self.held.pop(sid, None) is not None:
+                pinned -= s.cached_len
+                freed.append(s)
+        return freed
+
     def expired(self, now: float | None = None) -> list:
         now = time.monotonic() if now is None else now
         gone = [sid for sid, (s, _, used) in list(self.held.items()) if now - used >= self.idle and not s.busy]
@@ -253,6 +271,16 @@ class ModelRegistry:
         # On a thread of its own that clears its MLX streams: a pooled one would keep them
         # to interpreter exit, where MLX may abort the process.
         return in_own_thread(lambda: open_engine(load(spec), **self.engine_options))
+
+    def make_room(self, engine: Engine, need: int, keep: Any = None) -> list:
+        """Idle sessions on `engine` to free (reset them) before a request that needs `need`
+        tokens of its KV pool (see Sessions.make_room); none on a dense engine. Every route's
+        requests call it, sessions or not: pinned sessions must not starve any of them."""
+        m = next((m for m in self.models if m.engine is engine), None)
+        pool = engine.kv_pool if m is not None else {}
+        if pool.get("kind") != "paged" or not m.sessions.held:
+            return []
+        return m.sessions.make_room(pool["blocks"] * pool["block_size"], need, keep)
 
     def session(self, name: str, session_id: str) -> tuple[Any, list]:
         """The loaded model's engine session for a client's session id (created on first
