@@ -408,3 +408,16 @@ def test_header_is_documented_in_cors(server):
                       headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
                                "Access-Control-Request-Headers": "x-session-id"})
     assert r.status_code == 200 and "x-session-id" in r.headers.get("access-control-allow-headers", "").lower()
+
+
+def test_a_message_the_template_rerenders_is_named_by_the_requests_index(claude, model):
+    """chatml (as Qwen3's) hides the think block of replies before the last user message:
+    such a reply's tokens differ from its own render, so no drop can name them."""
+    messages = [{"role": "user", "content": "first"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "pondering", "signature": "x"},
+                                                  {"type": "text", "text": "an answer"}]},
+                {"role": "user", "content": "second"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=model, max_tokens=1, system="sys", messages=messages,
+                               extra_body={"drop_message": {"2": [0]}}, **session("rerender"))
+    assert "drop_message: the chat template renders messages 1 differently" in e.value.message

@@ -72,8 +72,10 @@ def _own_texts(message: dict, reasoning: bool = True) -> list[str]:
 
 
 def _changed(i: int) -> PlanError:
-    return PlanError("messages", f"the chat template renders message {i} differently once later messages "
-                                 "follow, so its tokens cannot be dropped or repositioned by index")
+    error = PlanError("messages", f"the chat template renders message {i} differently once later messages "
+                                  "follow, so its tokens cannot be dropped or repositioned by index")
+    error.message = i  # a front end whose indices differ names the message its own way
+    return error
 
 
 def _char_bounds(engine, messages: list[dict], tools, kwargs: dict, full: str) -> list[int]:

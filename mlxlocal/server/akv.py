@@ -196,7 +196,7 @@ async def encode(request: Request, engine, model: str, req: CacheRequest | None,
                                  plan, check_length=check_length)
     if isinstance(result, PlanError):
         if use.field is not None:
-            raise APIError(400, f"{use.field}: {result}", param=use.field)
+            raise APIError(400, f"{use.field}: {_own_words(result, req, origins, messages)}", param=use.field)
         # The server's own policy cannot fault a request it did not ask for: it runs uncompacted.
         log.warning("--kv-compact %s skipped for session %r: %s", policy.describe(), use.session_id, result)
         ids = await tokenize(engine, sure, where, engine.encode_chat, messages, tools,
@@ -204,6 +204,17 @@ async def encode(request: Request, engine, model: str, req: CacheRequest | None,
         return ids, use
     use.edits = result
     return ids, use
+
+
+def _own_words(error: PlanError, req: CacheRequest, origins: Origins | None, messages: list[dict]) -> str:
+    """spans.py's error about chat message i, told with the request's own indices."""
+    i = getattr(error, "message", None)
+    if i is None or origins is None or not 0 <= i < len(messages):
+        return str(error)
+    held = sorted(origins.owners.get(id(messages[i]), ()))
+    what = f"{req.list_name} {', '.join(map(str, held))}" if held else "the system prompt"
+    return (f"the chat template renders {what} differently once later messages follow (as Qwen3's "
+            "hides think blocks before the last user message), so its tokens cannot be named by index")
 
 
 def usage_fields(stats) -> dict[str, int]:

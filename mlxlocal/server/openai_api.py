@@ -22,6 +22,9 @@ Notes on behaviour:
 - response_format (json_object, json_schema with strict) and the extension fields
   structured_outputs / guided_* / grammar / regex constrain the output (see formats.py);
   an invalid or unsupported schema is a 400 naming the keyword. n > 1 is refused (400).
+- AKV (akv.py, docs/akv.md): the X-Session-Id header or session_id field names a session
+  (its KV pinned between turns; 409 while it generates); drop_message / reposition /
+  drop_rule index `messages` and need one; usage adds drop_skipped_tokens, repos_tokens.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ Notes on behaviour:
   a grammar over the family's tool-call syntax, see tool_choice.py), plus allowed_tools (the
   tools it names are the ones offered; mode "required" forces a call of one of them). A
   forced call wins over text.format in the same request.
+- AKV (akv.py, docs/akv.md): the X-Session-Id header or session_id field names a session;
+  drop_message / reposition / drop_rule index the conversation's items (a previous
+  response's first, then `input`); usage adds drop_skipped_tokens and repos_tokens.
 """
 
 from __future__ import annotations
