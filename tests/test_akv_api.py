@@ -421,3 +421,31 @@ def test_a_message_the_template_rerenders_is_named_by_the_requests_index(claude,
         claude.messages.create(model=model, max_tokens=1, system="sys", messages=messages,
                                extra_body={"drop_message": {"2": [0]}}, **session("rerender"))
     assert "drop_message: the chat template renders messages 1 differently" in e.value.message
+
+
+@pytest.mark.parametrize("policy, words", [
+    ("keep-last-tool-outputs=0", "needs a count >= 1"),
+    ("compact", "unknown policy 'compact'"),
+    ("reposition", "reposition closes the gaps drops leave"),
+])
+def test_serve_refuses_a_bad_policy(policy, words, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    out = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-compact", policy],
+                             env={"COLUMNS": "200"})
+    assert out.exit_code == 2 and "--kv-compact" in out.output and words in out.output, out.output
+
+
+def test_banner_shows_sessions_and_policy():
+    from mlxlocal.server import ServerConfig
+    from mlxlocal.server.banner import banner_text
+    from mlxlocal.server.registry import ModelRegistry
+
+    config = ServerConfig(models=["m"], kv_compact=parse_policy("keep-last-tool-outputs=12,reposition"),
+                          max_sessions=8, session_idle=600.0)
+    text = banner_text(config, ModelRegistry(config.models, {}, float("inf")))
+    assert "sessions X-Session-Id: up to 8 per model, freed after 600 s idle" in text
+    assert "--kv-compact keep-last-tool-outputs=12,reposition" in text
+    assert "--kv-compact off" in banner_text(ServerConfig(models=["m"]), ModelRegistry(["m"], {}, float("inf")))
