@@ -73,17 +73,18 @@ class BlockManager:
         """Shared blocks for the longest cached prefix; the caller now references them."""
         return self.match_tokens(tokens)[0]
 
-    def match_tokens(self, tokens: list[int], copy: Callable[[int, int], None] | None = None
-                     ) -> tuple[list[int], int]:
+    def match_tokens(self, tokens: list[int], copy: Callable[[int, int], None] | None = None,
+                     tags: list | None = None) -> tuple[list[int], int]:
         """Block table and token count of the longest cached prefix, to the token.
 
         Full blocks are shared. With `copy`, a further k tokens matching the start of a
         cached block (full or partial) are reused copy-on-write: a new block, filled by
-        copy(src, dst), ends the table. The caller now references every block returned.
+        copy(src, dst), ends the table. `tags`: the edit history of each full chunk (radix.py).
+        The caller now references every block returned.
         """
         if self.radix is None:
             return [], 0
-        blocks, partial = self.radix.match_partial(tokens, partial=copy is not None)
+        blocks, partial = self.radix.match_partial(tokens, partial=copy is not None, tags=tags)
         self.share(blocks)
         n = len(blocks) * self.block_size
         if partial is not None:
@@ -100,7 +101,8 @@ class BlockManager:
             self.release([src])
         return blocks, n
 
-    def cache_prefix(self, tokens: list[int], blocks: list[int], partial: bool = False) -> list[int]:
+    def cache_prefix(self, tokens: list[int], blocks: list[int], partial: bool = False,
+                     tags: list | None = None) -> list[int]:
         """Put the full blocks of a sequence into the prefix cache, and with `partial`
         its partially filled last block as a partial leaf (copied, never shared, on reuse).
 
@@ -112,9 +114,9 @@ class BlockManager:
             return blocks
         n_full = len(tokens) // self.block_size
         if partial:
-            held = self.radix.insert(tokens, blocks[: n_full + 1], partial=True)
+            held = self.radix.insert(tokens, blocks[: n_full + 1], partial=True, tags=tags)
         else:
-            held = self.radix.insert(tokens[: n_full * self.block_size], blocks[:n_full])
+            held = self.radix.insert(tokens[: n_full * self.block_size], blocks[:n_full], tags=tags)
         table = list(blocks)
         for i, (mine, kept) in enumerate(zip(blocks, held)):
             if mine != kept:

@@ -66,6 +66,21 @@ class KVPools:
             self.k[i][dst] = k
             self.v[i][dst] = v
 
+    def move_rows(self, src_blocks: mx.array, src_offsets: mx.array, dst_blocks: mx.array,
+                  dst_offsets: mx.array, rotate: tuple | None = None) -> None:
+        """Copy K/V rows (one per token) to other slots in every layer (cache edits).
+        `rotate` = (rows, old positions, new positions, fn(layer, keys, old, new)):
+        those rows' keys are re-rotated on the way; values are copied as they are."""
+        for i in range(len(self.k)):
+            k, v = self.k[i][src_blocks, src_offsets], self.v[i][src_blocks, src_offsets]
+            if rotate is not None:
+                rows, old, new, fn = rotate
+                k[rows] = fn(i, k[rows], old, new)
+            # Arrays of their own first, one layer at a time (see copy_block).
+            mx.eval(k, v)
+            self.k[i][dst_blocks, dst_offsets] = k
+            self.v[i][dst_blocks, dst_offsets] = v
+
     def write(self, layer: int, batch: StepBatch, k: mx.array, v: mx.array) -> None:
         """Store new k/v [B, H, L, D] at the step's slots, in the order of the slot mapping."""
         rows = lambda x: x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731

@@ -5,6 +5,10 @@ as a "partial" leaf (a chunk shorter than block_size, never a parent): it is nev
 for writing, only copied (`match_partial` finds the longest common prefix with a child).
 The tree owns its blocks; sequences that use them hold references in the BlockManager. A
 block whose last reference is gone stays cached in the tree until LRU eviction reclaims it.
+
+A chunk may carry a tag: the cache edits (engine/edits.py) its K/V went through. Tagged and
+untagged children never match each other, so K/V computed under one edit history is only
+ever reused by a request with the same history.
 """
 
 from __future__ import annotations
@@ -20,8 +24,13 @@ class Node:
     chunk: Chunk
     block: int
     parent: Node | None
-    children: dict[Chunk, Node] = field(default_factory=dict)
+    children: dict = field(default_factory=dict)  # by key: the chunk, or (tag, chunk)
     last_used: int = 0
+    key: object = None  # its key in parent.children
+
+    def __post_init__(self):
+        if self.key is None:
+            self.key = self.chunk
 
 
 class RadixCache:
@@ -38,16 +47,23 @@ class RadixCache:
         bs = self.block_size
         return [tuple(tokens[i : i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
 
-    def match(self, tokens: list[int]) -> list[int]:
-        """Block ids of the longest cached prefix of `tokens`, in full blocks."""
-        return self.match_partial(tokens, partial=False)[0]
+    @staticmethod
+    def _key(chunk: Chunk, tags: list | None, i: int) -> object:
+        tag = tags[i] if tags is not None and i < len(tags) else None
+        return chunk if tag is None else (tag, chunk)
 
-    def match_partial(self, tokens: list[int], partial: bool = True) -> tuple[list[int], tuple[int, int] | None]:
-        """Full-block match, then (block, k): the child (full or partial) sharing the
-        longest common prefix k > 0 with the next chunk of `tokens`, to be copied."""
+    def match(self, tokens: list[int], tags: list | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of `tokens`, in full blocks."""
+        return self.match_partial(tokens, partial=False, tags=tags)[0]
+
+    def match_partial(self, tokens: list[int], partial: bool = True, tags: list | None = None
+                      ) -> tuple[list[int], tuple[int, int] | None]:
+        """Full-block match (chunk i under tags[i], if given), then (block, k): the untagged
+        child (full or partial) sharing the longest common prefix k > 0 with the next chunk
+        of `tokens`, to be copied."""
         node, blocks, now = self.root, [], next(self._clock)
-        for chunk in self._chunks(tokens):
-            child = node.children.get(chunk)
+        for i, chunk in enumerate(self._chunks(tokens)):
+            child = node.children.get(self._key(chunk, tags, i))
             if child is None:
                 break
             node = child
@@ -59,6 +75,8 @@ class RadixCache:
         rest = tokens[start : start + self.block_size]
         best, k = None, 0
         for child in node.children.values():
+            if child.key is not child.chunk:  # tagged: another history
+                continue
             n = next((i for i, (a, b) in enumerate(zip(child.chunk, rest)) if a != b), min(len(child.chunk), len(rest)))
             if n > k:
                 best, k = child, n
@@ -67,7 +85,8 @@ class RadixCache:
         best.last_used = now
         return blocks, (best.block, k)
 
-    def insert(self, tokens: list[int], blocks: list[int], partial: bool = False) -> list[int]:
+    def insert(self, tokens: list[int], blocks: list[int], partial: bool = False,
+               tags: list | None = None) -> list[int]:
         """Record that `blocks` hold the KV of `tokens`: the full blocks, and with `partial`
         the partially filled last block as a partial leaf.
 
@@ -78,15 +97,16 @@ class RadixCache:
         for block in blocks:  # a block that grew since it was cached partially: re-placed below
             node = self.by_block.get(block)
             if node is not None and len(node.chunk) < self.block_size:
-                del node.parent.children[node.chunk]
+                del node.parent.children[node.key]
                 del self.by_block[block]
         chunks = self._chunks(tokens)
         node, held, now = self.root, [], next(self._clock)
-        for chunk, block in zip(chunks, blocks):
-            child = node.children.get(chunk)
+        for i, (chunk, block) in enumerate(zip(chunks, blocks)):
+            key = self._key(chunk, tags, i)
+            child = node.children.get(key)
             if child is None:
-                child = Node(chunk, block, node)
-                node.children[chunk] = child
+                child = Node(chunk, block, node, key=key)
+                node.children[key] = child
                 self.by_block[block] = child
             child.last_used = now
             held.append(child.block)
@@ -113,7 +133,7 @@ class RadixCache:
                 break
             leaves.sort(key=lambda node: node.last_used)
             for leaf in leaves[: n - len(freed)]:
-                del leaf.parent.children[leaf.chunk]
+                del leaf.parent.children[leaf.key]
                 del self.by_block[leaf.block]
                 freed.append(leaf.block)
         return freed

@@ -135,5 +135,6 @@ def to_edits(plan: DropPlan, spans: list[Span], thinks: dict[int, Span] | None =
         first_gap = new[0][0]
         moved = [s for m in plan.reposition if m < trigger
                  for s in _subtract(spans[m], gone) if s[0] >= first_gap]
-        edits.append(CacheEdit(at=spans[trigger][0], drop=tuple(new), reposition=tuple(_merge(moved))))
+        edits.append(CacheEdit(at=spans[trigger][0], drop=tuple(new), reposition=tuple(_merge(moved)),
+                               close_tail=trigger in plan.reposition))
     return edits

@@ -142,8 +142,9 @@ class EngineBase:
         caller's thread, makes a grammar the tokenizer cannot take a ValueError at submit."""
         return self.grammars.compile(params.grammar) if params.grammar is not None else None
 
-    def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise before anything is queued: bad parameters, empty or over-long prompt."""
+    def validate(self, prompt: list[int], params: SamplingParams, length: int | None = None) -> None:
+        """Raise before anything is queued: bad parameters, empty or over-long prompt
+        (`length`: the tokens it keeps in context, when cache edits drop some)."""
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -158,6 +159,7 @@ class EngineBase:
             lo, hi = min(prompt), max(prompt)
             if lo < 0 or hi >= vocab:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}), got {lo if lo < 0 else hi}")
-        if len(prompt) >= self.context_length:
+        length = len(prompt) if length is None else length
+        if length >= self.context_length:
             # At least one position must stay free for the first generated token.
-            raise ContextLengthError(len(prompt), self.context_length)
+            raise ContextLengthError(length, self.context_length)

@@ -24,6 +24,7 @@ from mlxlocal.cache import BlockManager, KVPools
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine import constraint, sampling
+from mlxlocal.engine import edits as cache_edits
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.output import Output
@@ -32,8 +33,8 @@ from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, make_runner
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
-from mlxlocal.engine.session import Session
-from mlxlocal.engine.types import Chunk, SamplingParams
+from mlxlocal.engine.session import PagedSession, Session
+from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.source.loader import LoadedModel
 
@@ -68,20 +69,6 @@ def default_kv_memory() -> int:
         return 2 << 30
 
 
-class PagedSession(Session):
-    """A conversation whose KV blocks (and recurrent state) stay pinned between turns."""
-
-    def __init__(self, engine: PagedEngine):
-        super().__init__()
-        self.engine = engine
-        self.block_table: list[int] = []  # holds the K/V of self.tokens
-        self.window_table: list[int] = []  # sliding-window layers' blocks (cache/window.py)
-        self.recurrent: list | None = None  # hybrid models: the state after self.tokens
-
-    def reset(self) -> None:
-        self.engine.call(lambda: self.engine.reuse.release_session(self))
-
-
 class PagedEngine(EngineBase):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  runner: NativeRunner | MlxLmRunner | None = None):
@@ -112,7 +99,9 @@ class PagedEngine(EngineBase):
         whole = self.reuse.whole_blocks
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens,
                                    None if whole else self.pools.copy_block, self.reuse.resume if whole else None,
-                                   self.windows, snapshot_chunks=runner.recurrent)
+                                   self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit,
+                                   match_edited=self.reuse.match_edited)
+        self._rotator: cache_edits.Rotator | None = None  # built at the first reposition
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -122,6 +111,8 @@ class PagedEngine(EngineBase):
         self.dead_reason: str | None = None
         self.tokens_in = 0
         self.tokens_out = 0
+        self.tokens_dropped = 0
+        self.tokens_repositioned = 0
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
         # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
         self._inflight: list = []
@@ -151,11 +142,13 @@ class PagedEngine(EngineBase):
         session: Session | None = None,
         cancel: threading.Event | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        edits: list[CacheEdit] | None = None,
     ) -> RequestHandle:
         params = params or SamplingParams()
-        self.validate(prompt, params)
+        kept, peak = self._check_edits(prompt, edits) if edits else (len(prompt), len(prompt))
+        self.validate(prompt, params, length=kept)
         constraint = self.constraint(params)
-        need = -(-(len(prompt) + 1) // self.config.block_size)
+        need = -(-(peak + 1) // self.config.block_size)
         if need > self.num_blocks:
             raise CapacityError(
                 f"prompt of {len(prompt)} tokens needs {need} KV blocks; the pool holds "
@@ -170,9 +163,11 @@ class PagedEngine(EngineBase):
         seq = Sequence(
             id=next(self._ids), prompt=list(prompt), params=params, sampler=None,
             out=Output(self.tokenizer.detokenizer, params, set(self.tokenizer.eos_token_ids), len(prompt),
-                       min(params.max_tokens, self.context_length - len(prompt))),
+                       min(params.max_tokens, self.context_length - kept)),
             handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason), session=session,
         )
+        if edits:
+            seq.edit = cache_edits.EditState.start(prompt, edits)
         seq.handle.seq = seq
         seq.constraint = constraint
         try:
@@ -184,9 +179,25 @@ class PagedEngine(EngineBase):
         self._queued += 1
         return seq.handle
 
-    def generate(self, prompt, params=None, session=None, cancel=None) -> Iterator[Chunk]:
+    def generate(self, prompt, params=None, session=None, cancel=None, edits=None) -> Iterator[Chunk]:
         """Submit and stream: errors in the request raise here, before any chunk."""
-        return iter(self.submit(prompt, params, session, cancel))
+        return iter(self.submit(prompt, params, session, cancel, edits=edits))
+
+    def _check_edits(self, prompt: list[int], edits: list[CacheEdit]) -> tuple[int, int]:
+        """ValueError for edits this prompt or model cannot take; else edits.fit's (context
+        used, the most tokens held at once)."""
+        if any(self.pools.windowed) or self.runner.recurrent:
+            raise ValueError("cache edits are not supported for models with sliding-window or recurrent "
+                             f"layers ({self.info.name}): their state cannot drop a span")
+        if any(e.reposition for e in edits) and self._rotator is None:
+            self._rotator = cache_edits.Rotator(self.runner.model)
+        return cache_edits.fit(len(prompt), edits, self.context_length)
+
+    def _apply_edit(self, seq: Sequence) -> None:
+        """The scheduler's hook: seq's next cache edit is due (raises OutOfBlocks)."""
+        before = seq.edit.repositioned
+        self.tokens_dropped += cache_edits.apply_edit(seq, self.pools, self.blocks, self._rotator)
+        self.tokens_repositioned += seq.edit.repositioned - before
 
     def call(self, fn, timeout: float = 60.0):
         """Run fn on the engine thread (where all cache state lives) and return its result."""
@@ -514,6 +525,8 @@ class PagedEngine(EngineBase):
     def _accept(self, seq: Sequence, token: int | mx.array, lp: list[mx.array] | None = None) -> None:
         token = token if isinstance(token, int) else int(token.item())
         if not seq.out.t_first:
+            if seq.edit is not None:
+                seq.stats.dropped_tokens, seq.stats.repositioned_tokens = seq.edit.dropped, seq.edit.repositioned
             seq.out.first_token()
             # The prompt is now computed: share its full blocks with later requests, and
             # (no session pins it) its partial last block as a leaf they may copy from.
@@ -545,6 +558,7 @@ class PagedEngine(EngineBase):
             # Hybrids: the state after exactly these tokens (None: the next turn rolls back
             # to a snapshot).
             seq.session.recurrent = seq.state_at(len(computed))
+            seq.session.edit = seq.edit and cache_edits.held_by_session(seq.edit, computed)
             seq.block_table = []
             seq.session.busy = False
         else:
@@ -573,4 +587,6 @@ class PagedEngine(EngineBase):
             "waiting": len(self.scheduler.waiting),
             "tokens_in": self.tokens_in,
             "tokens_out": self.tokens_out,
+            "tokens_dropped": self.tokens_dropped,
+            "tokens_repositioned": self.tokens_repositioned,
         }

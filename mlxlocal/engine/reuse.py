@@ -15,6 +15,7 @@ from __future__ import annotations
 from mlxlocal.cache import BlockManager
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import HOLE, WindowBlocks
+from mlxlocal.engine.edits import EditState, block_tags, first_touched, replay
 from mlxlocal.engine.sequence import Sequence
 from mlxlocal.engine.session import Session, common_prefix
 
@@ -45,11 +46,90 @@ class PrefixReuse:
     def attach_session(self, seq: Sequence) -> int:
         """Reuse the session's blocks up to the longest common prefix with the new prompt;
         returns the tokens reused."""
+        s = seq.session
+        if seq.edit is not None or s.edit is not None:
+            return self._attach_edited(seq)
+        return self._attach(seq, common_prefix(s.tokens, seq.tokens))
+
+    def _attach_edited(self, seq: Sequence) -> int:
+        """A session or request with cache edits: the session's state is reusable up to the
+        longest common prefix (in the conversation's own coordinates) only if every edit it
+        applied is one the request asks for, at the same place, and no edit the request adds
+        comes before that point; else the session starts over (an applied drop cannot be
+        undone)."""
         s, bs = seq.session, self.block_size
-        common = common_prefix(s.tokens, seq.tokens)
+        held: EditState | None = s.edit
+        want = seq.edit.pending if seq.edit is not None else []
+        applied = [e for e, _ in held.applied] if held is not None else []
+        prompt = seq.edit.full if seq.edit is not None else seq.tokens
+        common = common_prefix(held.full if held is not None else s.tokens, prompt)
+        if want[len(applied):]:
+            common = min(common, want[len(applied)].at)
+        if want[: len(applied)] != applied or (applied and common < max(e.at for e in applied)):
+            self.release_session(s)
+            return 0
+        if held is None:  # a plain history: the first edit starts here
+            return self._attach(seq, common)
+        slots = held.slot_of(common)
+        if slots % bs and self._shared(s.block_table[slots // bs]):
+            # Copy on write ends the reuse at a block boundary: still this history's state
+            # only if every applied edit came before it.
+            slots -= slots % bs
+            common = held.origin_of(slots - 1) + 1 if slots else 0
+            if slots == 0 or max(e.at for e in applied) > common:
+                self.release_session(s)
+                return 0
+        st = seq.edit
+        st.origin = held.origin[:slots] + list(range(common, len(prompt)))
+        st.positions = [held.position(i) for i in range(slots)]
+        st.shift, st.applied, st.pending = held.shift, list(held.applied), want[len(applied):]
+        st.dropped = held.dropped
+        seq.prompt = s.tokens[:slots] + prompt[common:]
+        seq.tokens = list(seq.prompt)
+        return self._attach(seq, slots)
+
+    def _shared(self, block: int) -> bool:
+        """Someone else can see this block: new tokens must not be written into it."""
+        return self.blocks.refs[block] > 1 or bool(self.blocks.radix and self.blocks.radix.contains(block))
+
+    def match_edited(self, seq: Sequence) -> bool:
+        """A request with edits and nothing reused yet: the longest prefix of its kept view
+        the prefix cache holds under the same edit history (tagged blocks, radix.py), cut
+        back to where every edit it went through had already happened. False when no edited
+        block is reused (the caller matches the unedited prefix instead)."""
+        bs, st0 = self.block_size, seq.edit
+        final = replay(st0.full, st0.pending)
+        kept = [st0.full[o] for o in final.origin]
+        n_full = (len(kept) - 1) // bs
+        tags = block_tags(final, n_full, bs)
+        blocks, _ = self.blocks.match_tokens(kept[: n_full * bs], None, tags)
+        m = len(blocks)
+
+        def settled(m: int) -> bool:  # every edit that touched these blocks happened before their end
+            last = final.origin[m * bs - 1]
+            return all(e.at <= last + 1 for e, _ in final.applied if first_touched(e) <= last)
+
+        while m and not settled(m):
+            m -= 1
+        if m == 0 or tags[m - 1] is None:
+            self.blocks.release(blocks)
+            return False
+        self.blocks.release(blocks[m:])
+        last = final.origin[m * bs - 1]
+        done = [e for e, _ in final.applied if e.at <= last + 1]
+        st = replay(st0.full, done)
+        st.pending, st.repositioned = st0.pending[len(done):], 0
+        generated = seq.tokens[len(seq.prompt):]
+        seq.edit, seq.prompt = st, [st0.full[o] for o in st.origin]
+        seq.tokens = seq.prompt + generated
+        seq.block_table, seq.num_computed = blocks[:m], m * bs
+        return True
+
+    def _attach(self, seq: Sequence, common: int) -> int:
+        """Take over the session's blocks holding its first `common` tokens."""
+        s, bs = seq.session, self.block_size
         keep = -(-common // bs)
-        if common % bs and keep and (self.blocks.refs[s.block_table[keep - 1]] > 1
-                                     or (self.blocks.radix and self.blocks.radix.contains(s.block_table[keep - 1]))):
+        if common % bs and keep and self._shared(s.block_table[keep - 1]):
             # Copy on write: never write new tokens into a block someone else can see.
             keep -= 1
             common = keep * bs
@@ -57,7 +137,7 @@ class PrefixReuse:
         kept, dropped = s.block_table[:keep], s.block_table[keep:]
         window, window_dropped = s.window_table[:keep], s.window_table[keep:]
         live = s.recurrent if common == len(s.tokens) else None
-        s.tokens, s.block_table, s.window_table, s.recurrent = [], [], [], None
+        s.tokens, s.block_table, s.window_table, s.recurrent, s.edit = [], [], [], None, None
         seq.block_table, seq.window_table, seq.num_computed = kept, window, common
         self.blocks.release(dropped)
         if self.windows is not None:
@@ -101,7 +181,12 @@ class PrefixReuse:
         (with the window layers' blocks at those positions), and (no session pins it) its
         partial last block as a leaf they may copy from."""
         computed = seq.tokens[: seq.num_computed]
-        seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
+        if seq.edit is not None and seq.edit.applied:
+            # Blocks from the first edited one on hold a history of their own: keyed by it.
+            tags = block_tags(seq.edit, len(computed) // self.block_size, self.block_size)
+            seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, tags=tags)
+        else:
+            seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
         if self.windows is not None and self.blocks.radix is not None:
             n_full = len(computed) // self.block_size
             self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])
@@ -112,3 +197,4 @@ class PrefixReuse:
         if self.windows is not None:
             self.windows.release(session.window_table)
         session.tokens, session.block_table, session.window_table, session.recurrent = [], [], [], None
+        session.edit = None

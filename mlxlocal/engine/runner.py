@@ -46,8 +46,10 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
             host_slot = (table[starts[0] // block_size], starts[0] % block_size)
         if table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[-1] + 1)):
             host_run = table[0]
+    # Rope positions: each token's slot, unless cache edits moved the sequence's positions.
+    rope = [p if s.edit is None else s.edit.position(p) for s, p in zip(seqs, starts)]
     return StepBatch(
-        positions=starts[0] if len(seqs) == 1 else mx.array(starts),
+        positions=rope[0] if len(seqs) == 1 else mx.array(rope),
         slot_blocks=slot_blocks,
         slot_offsets=mx.array([p % block_size for p in positions]),
         block_tables=block_tables,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from mlxlocal.cache import BlockManager, OutOfBlocks
 from mlxlocal.cache.window import WindowBlocks
+from mlxlocal.engine.edits import first_touched, restart
 from mlxlocal.engine.sequence import Sequence, Status
 
 
@@ -35,7 +36,8 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_step_tokens: int = 512,
                  copy_block: Callable[[int, int], None] | None = None,
                  resume: Callable[[Sequence], None] | None = None, windows: WindowBlocks | None = None,
-                 snapshot_chunks: bool = False):
+                 snapshot_chunks: bool = False, apply_edit: Callable[[Sequence], None] | None = None,
+                 match_edited: Callable[[Sequence], bool] | None = None):
         self.blocks = blocks
         self.windows = windows  # sliding-window layers' blocks, if the model has such layers
         self.copy_block = copy_block  # KVPools.copy_block: reuse a partly matching block by copying it
@@ -43,6 +45,8 @@ class Scheduler:
         # state (a recurrent-state snapshot, the window's blocks) is there, and restore it.
         self.resume = resume
         self.snapshot_chunks = snapshot_chunks  # hybrids: chunks end where snapshots are wanted
+        self.apply_edit = apply_edit  # a cache edit due now (engine.edits); raises OutOfBlocks
+        self.match_edited = match_edited  # a request with edits: reuse of blocks under its history
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
@@ -89,6 +93,7 @@ class Scheduler:
         self.free(seq)
         seq.num_computed = 0
         seq.forget_state()
+        restart(seq)
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
@@ -96,9 +101,14 @@ class Scheduler:
     def admit(self, seq: Sequence) -> None:
         """Waiting -> running: reuse the cached prefix (all but the last token), to the token."""
         if not seq.block_table:
-            seq.block_table, seq.num_computed = self.blocks.match_tokens(seq.tokens[:-1], self.copy_block)
-            if self.resume is not None:
-                self.resume(seq)
+            edited = seq.edit is not None and seq.edit.pending and not seq.edit.applied
+            if not (edited and self.match_edited is not None and self.match_edited(seq)):
+                shared = seq.tokens[:-1]
+                if edited:  # untagged blocks: only the prefix no edit touches
+                    shared = shared[: min(first_touched(e) for e in seq.edit.pending)]
+                seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
+                if self.resume is not None:
+                    self.resume(seq)
             if seq.preemptions == 0:
                 seq.stats.cached_tokens = seq.num_computed
                 self.prefix_hit_tokens += seq.num_computed
@@ -112,8 +122,12 @@ class Scheduler:
             for seq in self.running:
                 self.windows.trim(seq.window_table, seq.num_computed,
                                   seq.block_table if self.blocks.radix is not None else None)
+        blocked = [seq for seq in self.running if not self._edits_due(seq)]
+        if blocked and len(self.running) == 1:
+            plan.starved += blocked  # alone, and no room for its edit's copies
+            return plan
         for seq in sorted(self.running, key=lambda s: s.id):
-            if seq.status is not Status.RUNNING or not seq.may_decode:
+            if seq.status is not Status.RUNNING or not seq.may_decode or seq in blocked:
                 continue
             while not self._reserve(seq, 1):
                 victim = max(self.running, key=lambda s: s.id)
@@ -131,11 +145,11 @@ class Scheduler:
             return plan
         # A token still in flight cannot be prefilled: only the known ones count here.
         prefilling = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
-        candidate = min(prefilling, key=lambda s: s.id) if prefilling else None
+        candidate = min((s for s in prefilling if s not in blocked), key=lambda s: s.id, default=None)
         if candidate is None and self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting.popleft()
             self.admit(head)
-            if not self._reserve(head, min(len(head.tokens) - head.num_computed, budget)):
+            if not self._edits_due(head) or not self._reserve(head, min(len(head.tokens) - head.num_computed, budget)):
                 self._unadmit(head)
                 if not self.running:
                     plan.starved.append(head)
@@ -145,9 +159,21 @@ class Scheduler:
             n = min(len(candidate.tokens) - candidate.num_computed, budget)
             if self.snapshot_chunks:
                 n = self._snapshot_chunk(candidate, n)
+            if candidate.edit is not None and candidate.edit.pending:  # the chunk ends where the next edit applies
+                n = min(n, candidate.edit.next_edit_slot() - candidate.num_computed)
             if n > 0 and self._reserve(candidate, n):
                 plan.prefill, plan.prefill_tokens = candidate, n
         return plan
+
+    def _edits_due(self, seq: Sequence) -> bool:
+        """Apply the cache edits due before seq's next chunk; False when the pool has no
+        room for their copies now."""
+        while seq.edit is not None and seq.edit.pending and seq.edit.next_edit_slot() == seq.num_computed:
+            try:
+                self.apply_edit(seq)
+            except OutOfBlocks:
+                return False
+        return True
 
     def _snapshot_chunk(self, seq: Sequence, n: int) -> int:
         """Hybrids: end the chunk where a state snapshot is wanted: at the end of the prefix
@@ -169,6 +195,7 @@ class Scheduler:
                 seq.stats.cached_tokens = 0
             seq.num_computed = 0
             seq.forget_state()
+            restart(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -44,8 +44,9 @@ class Sequence:
     # finished turn keeps the one that matches its tokens (the last step may be wasted).
     recurrent: Any = None
     recurrent_prev: Any = None
-    snapshot_at: int = 0
-    constraint: Any = None  # engine.constraint.Constraint: the request's grammar, if any  # hybrids: a prefill chunk ends here, so the state there is kept
+    snapshot_at: int = 0  # hybrids: a prefill chunk ends here, so the state there is kept
+    constraint: Any = None  # engine.constraint.Constraint: the request's grammar, if any
+    edit: Any = None  # engine.edits.EditState: a request with cache edits (AKV), else None
 
     def __post_init__(self):
         if not self.tokens:
@@ -72,6 +73,11 @@ class Sequence:
     def may_decode(self) -> bool:
         """Another decode step is useful: one token to feed and room under max_tokens."""
         return self.remaining == 1 and self.num_generated + (self.pending is not None) < self.max_tokens
+
+    @property
+    def rope_start(self) -> int:
+        """Rope position of the first token not yet computed (its slot, unless edited)."""
+        return self.num_computed if self.edit is None else self.edit.position(self.num_computed)
 
     def state_at(self, n: int) -> list | None:
         """The recurrent state after exactly n tokens, if one is held."""

@@ -26,6 +26,11 @@ class Session(ABC):
     def cached_len(self) -> int:
         return len(self.tokens)
 
+    @property
+    def dropped_len(self) -> int:
+        """Tokens of the conversation dropped from the cache by edits (paged engine only)."""
+        return 0
+
     def claim(self) -> None:
         """Start a turn: a session runs one request at a time."""
         if self.busy:
@@ -35,3 +40,24 @@ class Session(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Forget everything held (the next turn starts from nothing)."""
+
+
+class PagedSession(Session):
+    """A conversation whose KV blocks (and recurrent state) stay pinned between turns."""
+
+    def __init__(self, engine):  # a PagedEngine
+        super().__init__()
+        self.engine = engine
+        self.block_table: list[int] = []  # holds the K/V of self.tokens
+        self.window_table: list[int] = []  # sliding-window layers' blocks (cache/window.py)
+        self.recurrent: list | None = None  # hybrid models: the state after self.tokens
+        # Cache edits the conversation went through (engine.edits.EditState: origins,
+        # positions, the applied edits), None while it has had none.
+        self.edit = None
+
+    @property
+    def dropped_len(self) -> int:
+        return self.edit.dropped if self.edit is not None else 0
+
+    def reset(self) -> None:
+        self.engine.call(lambda: self.engine.reuse.release_session(self))

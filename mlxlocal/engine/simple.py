@@ -117,9 +117,11 @@ class SimpleEngine(EngineBase):
         params: SamplingParams | None = None,
         session: DenseSession | None = None,
         cancel: threading.Event | None = None,
+        edits: list | None = None,
     ) -> Iterator[Chunk]:
         """Validate now (errors raise here, before any chunk), then stream Chunks."""
         params = params or SamplingParams()
+        self._refuse_edits(edits)
         self.validate(prompt, params)
         self._check_alive()
         return self._generate(prompt, params, session or self.new_session(), cancel, self.constraint(params))
@@ -131,10 +133,12 @@ class SimpleEngine(EngineBase):
         session: DenseSession | None = None,
         cancel: threading.Event | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        edits: list | None = None,
     ) -> RequestHandle:
         """The paged engine's submit, for callers that need it (the server): one worker
         thread per request, one request at a time, chunks through a RequestHandle."""
         params = params or SamplingParams()
+        self._refuse_edits(edits)
         self.validate(prompt, params)  # bad requests raise here, before any thread starts
         constraint = self.constraint(params)
         self._check_alive()
@@ -160,6 +164,11 @@ class SimpleEngine(EngineBase):
         worker.start()
         return handle
 
+    def _refuse_edits(self, edits: list | None) -> None:
+        if edits:
+            raise ValueError("cache edits (drop / reposition) need the paged KV cache; this model runs on "
+                             f"the dense engine ({self.paged_reason})")
+
     @property
     def kv_pool(self) -> dict:
         # A growing cache per request or session, no shared pool; the reason it is not paged.
@@ -173,6 +182,7 @@ class SimpleEngine(EngineBase):
             "waste": 0.0, "prefix_hit_tokens": self.prefix_hit_tokens,
             "running": running, "waiting": max(len(self._live) - running, 0),
             "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
+            "tokens_dropped": 0, "tokens_repositioned": 0,
         }
         if self.dead_reason is not None:
             stats["dead_reason"] = self.dead_reason

@@ -43,14 +43,17 @@ class CacheEdit:
     Once the first `at` prompt tokens are in the cache, the tokens of the `drop` spans leave
     it: their blocks are freed, the kept tokens keep their K/V (which saw the dropped ones)
     and their rope positions. Then the keys of each `reposition` span are re-rotated so the
-    span follows the kept token before it without a gap. Spans are [start, end) in the
-    coordinates of the prompt given to submit, all before `at`, sorted, not overlapping each
-    other or earlier edits' drops; edits are sorted by `at`, and `at` < len(prompt).
+    span follows the kept token before it without a gap; with `close_tail` the tokens from
+    `at` on follow the last kept token too (else they keep their own prompt index as their
+    position, as drop alone does). Spans are [start, end) in the coordinates of the prompt
+    given to submit, all before `at`, sorted, not overlapping each other or earlier edits'
+    drops; edits are sorted by `at`, and `at` < len(prompt).
     """
 
     at: int
     drop: tuple[tuple[int, int], ...] = ()
     reposition: tuple[tuple[int, int], ...] = ()
+    close_tail: bool = False
 
 
 @dataclass
