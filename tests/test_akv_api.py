@@ -7,7 +7,6 @@ The server runs the tiny agent model (64k context) on a small KV pool: 20 tool o
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 
@@ -19,15 +18,10 @@ from conftest import wait_for
 from server_util import running_server, steered_output
 
 from mlxlocal.compaction import parse_policy
-from mlxlocal.engine.paged import PagedEngine
 
 BLOCK = 16
 POOL_BLOCKS = 360  # 5760 tokens: the 20-output conversation (~7.5k tokens) does not fit whole
 SESSION = "X-Session-Id"
-
-# The engine's side of CacheEdit lands separately; these tests then run as they are.
-needs_edits = pytest.mark.skipif("edits" not in inspect.signature(PagedEngine.submit).parameters,
-                                 reason="the paged engine does not take edits yet")
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +342,10 @@ def test_policy_applies_to_sessions_only(oai, model, engine, captured):
 
 
 # --- acceptance: the engine drops -------------------------------------------------------------------
-@needs_edits
+@pytest.mark.xfail(strict=True, reason=(
+    "engine: an edit rebuilds the block table by copying every kept block after the first one it "
+    "touches while the originals are still held, so the first drop at ~5k cached tokens needs ~600 "
+    "blocks here, more than the 519 the whole prompt needs uncompacted"))
 def test_keep_last_12_stays_within_the_pool(oai, model, engine):
     """A session's 20 tool outputs under the server's keep-last-12: every turn fits the pool
     and the last reports dropped tokens; the same conversation uncompacted does not fit."""
@@ -365,14 +362,14 @@ def test_keep_last_12_stays_within_the_pool(oai, model, engine):
     assert "KV blocks" in e.value.body["message"]
 
 
-@needs_edits
 def test_explicit_drops_and_reposition_report_usage(claude, model):
+    """Anthropic's indices, 20 short tool results, keep-last-12 by hand plus reposition."""
     messages = [{"role": "user", "content": "Read the files."}]
     for k in range(20):
         messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{k}", "name": "read_file",
                                                         "input": {"path": f"f{k}"}}]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{k}",
-                                                   "content": tool_output(k)}]}]
+                                                   "content": f"file{k}: the quick brown fox jumps over the dog"}]}]
     results = [i for i, m in enumerate(messages) if i and m["role"] == "user"]
     drops = {str(results[j + 12]): [results[j]] for j in range(len(results) - 12)}
     body = {"drop_message": drops, "reposition": list(range(len(messages)))}
@@ -381,6 +378,11 @@ def test_explicit_drops_and_reposition_report_usage(claude, model):
         deltas = [e for e in stream if e.type == "message_delta"]
     usage = deltas[-1].usage
     assert extra(usage, "drop_skipped_tokens") > 0 and extra(usage, "repos_tokens") > 0
+    # the next turn of the session reuses the edited cache: nothing re-rotated twice
+    again = claude.messages.create(model=model, max_tokens=2, extra_body=body, messages=messages + [
+        {"role": "assistant", "content": "done"}, {"role": "user", "content": "thanks"}], **session("explicit"))
+    assert again.usage.cache_read_input_tokens > 0
+    assert extra(again.usage, "drop_skipped_tokens") >= extra(usage, "drop_skipped_tokens")
 
 
 def test_concurrent_sessions_do_not_share(oai, model):

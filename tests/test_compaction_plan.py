@@ -99,10 +99,10 @@ def test_thinking_then_the_rest_of_the_message():
 
 def test_reposition_moves_what_follows_the_first_new_gap():
     plan = DropPlan(messages={3: [1], 5: [3]}, reposition=list(range(6)))
-    assert to_edits(plan, SPANS) == [
-        CacheEdit(at=30, drop=((10, 20),), reposition=((20, 30),)),  # message 2 closes the gap
+    assert to_edits(plan, SPANS) == [  # the trigger is repositioned too: what follows closes the gap
+        CacheEdit(at=30, drop=((10, 20),), reposition=((20, 30),), close_tail=True),  # message 2 closes the gap
         # message 2 is before this gap: only message 4 (before the trigger) moves again
-        CacheEdit(at=50, drop=((30, 40),), reposition=((40, 50),)),
+        CacheEdit(at=50, drop=((30, 40),), reposition=((40, 50),), close_tail=True),
     ]
 
 
