@@ -451,3 +451,22 @@ def test_banner_shows_sessions_and_policy():
     assert "sessions X-Session-Id: up to 8 per model, freed after 600 s idle" in text
     assert "--kv-compact keep-last-tool-outputs=12,reposition" in text
     assert "--kv-compact off" in banner_text(ServerConfig(models=["m"]), ModelRegistry(["m"], {}, float("inf")))
+
+
+def test_responses_indices_continue_after_the_previous_response(oai, model, engine, captured):
+    """With previous_response_id the stored conversation's items come first (its input, then
+    its output), then this request's input."""
+    from server_util import scripted_output
+
+    first = [{"role": "user", "content": "Read the files."},
+             {"type": "function_call", "call_id": "c0", "name": "read_file", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c0", "output": tool_output(0)}]
+    with scripted_output(engine.tokenizer, "Noted."):
+        r1 = oai.responses.create(model=model, input=first, max_output_tokens=8, **session("prev"))
+    assert [o.type for o in r1.output] == ["message"]  # items 0-2 its input, 3 its output
+    more = [{"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": tool_output(1)}]
+    oai.responses.create(model=model, input=more, previous_response_id=r1.id, max_output_tokens=1,
+                         extra_body={"drop_message": {"5": [2]}}, **session("prev"))
+    [text] = dropped_text(engine, captured[-1])
+    assert "file0 line 10" in text and "file1" not in text
