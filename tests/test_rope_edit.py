@@ -243,7 +243,9 @@ def _check_model_shift(model, specs: list[RopeSpec | None]) -> None:
     at0, moved = _keys_at(model, tokens, 0), _keys_at(model, tokens, shift)
     old, new = mx.arange(T, dtype=mx.int32), mx.arange(shift, shift + T, dtype=mx.int32)
     for spec, k0, k1 in zip(specs, at0, moved, strict=True):
-        assert mx.abs(rerotate(k0, old, new, spec) - k1).max().item() < 1e-4
+        # Relative to the keys' size: later layers' keys (|k| up to ~5) carry two forwards' noise.
+        bound = 5e-5 * max(1.0, mx.abs(k1).max().item())
+        assert mx.abs(rerotate(k0, old, new, spec) - k1).max().item() < bound
         assert mx.abs(k0 - k1).max().item() > 1e-2  # the move itself is not a no-op
 
 
