@@ -278,3 +278,22 @@ def test_dynamic_ntk_refuses_reposition_but_drops(tmp_path):
         assert st.dropped_tokens == 17 and len(toks) == 3
     finally:
         eng.shutdown()
+
+
+def test_an_edit_needs_no_room_beyond_what_it_frees(loaded):
+    """A pool just large enough for the prompt: the edit rewrites the sequence's own blocks
+    in place (copies into fresh blocks would not fit), with the answer a roomy pool gives."""
+    edits = [CacheEdit(at=70, drop=((20, 37),), reposition=((37, 70),), close_tail=True)]
+    roomy = engine(loaded)
+    try:
+        want = greedy_with_logprobs(roomy, PROMPT, 6, edits)
+    finally:
+        roomy.shutdown()
+    tight = engine(loaded, kv_blocks=5)  # 80 slots: the 70 before the edit, 79 after it
+    try:
+        got = greedy_with_logprobs(tight, PROMPT, 6, edits)
+        assert got[2].finish_reason == "length" and got[2].truncated_by == "max_tokens"
+        assert_same(got[:2], want[:2])
+        assert_no_leak(tight)
+    finally:
+        tight.shutdown()

@@ -127,6 +127,13 @@ class BlockManager:
                 table[i] = kept
         return table
 
+    def detach(self, blocks: list[int]) -> None:
+        """Blocks about to be rewritten in place by their only holder: out of the prefix
+        cache, with what was cached below them (freed unless someone holds it)."""
+        if self.radix is None:
+            return
+        self._to_free([b for b in self.radix.detach(blocks) if self.refs[b] == 0])
+
     def clear_prefix_cache(self) -> int:
         if self.radix is None:
             return 0

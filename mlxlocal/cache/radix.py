@@ -118,6 +118,24 @@ class RadixCache:
             self.by_block[leaf.block] = leaf
         return held
 
+    def detach(self, blocks: list[int]) -> list[int]:
+        """Take these blocks' nodes out of the tree (their content is about to be rewritten),
+        with every node below them; returns the blocks of those other nodes."""
+        mine, others = set(blocks), []
+        for b in blocks:
+            node = self.by_block.get(b)
+            if node is None:
+                continue
+            del node.parent.children[node.key]
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                del self.by_block[n.block]
+                if n.block not in mine:
+                    others.append(n.block)
+                stack.extend(n.children.values())
+        return others
+
     def contains(self, block: int) -> bool:
         return block in self.by_block
 

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, err, fail, parse_size
+from mlxlocal.compaction.policy import POLICY_HELP
 
 
 def serve(
@@ -42,9 +43,17 @@ def serve(
         "all", "--max-tools", help="A request with more tools than this gets only the top K for its latest user "
         "message (plus the tools its history called); the response header x-mlxlocal-tools-dropped says how many "
         "were left out. Default all: clients such as Claude Code expect every tool they send to be callable"),
+    kv_compact: str = typer.Option(
+        "off", "--kv-compact", help="Cache compaction for session requests (X-Session-Id) that send no "
+        "drop_message: " + POLICY_HELP + "; e.g. keep-last-tool-outputs=12,reposition. See docs/akv.md"),
+    max_sessions: int = typer.Option(32, "--max-sessions", min=1, help="Sessions (X-Session-Id) kept per model, "
+                                     "each pinning its conversation's KV; the least recently used is freed first"),
+    session_idle: str = typer.Option("30m", "--session-idle", help="Free a session's KV after this idle time "
+                                     "(30s, 5m, 1h; -1 never)"),
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
     from mlxlocal.agents.pruning import parse_max_tools
+    from mlxlocal.compaction.policy import parse_policy
     from mlxlocal.engine.embedding import is_embedding_spec
     from mlxlocal.server import ServerConfig
     from mlxlocal.server.banner import run_server
@@ -71,8 +80,16 @@ def serve(
         fail(str(e), 2)
     try:
         max_tools_k = parse_max_tools(max_tools)
+        policy = parse_policy(kv_compact)
+        if policy.reposition and not policy.active:  # nothing it would reposition: refused, not ignored
+            raise ValueError("--kv-compact: reposition closes the gaps drops leave; add keep-last-tool-outputs=K "
+                             "or drop-thinking")
     except ValueError as e:
         fail(str(e), 2)
+    try:
+        idle = parse_duration(session_idle)
+    except APIError as e:
+        fail(e.message.replace("keep_alive", "--session-idle"), 2)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the models", highlight=False)
@@ -80,7 +97,9 @@ def serve(
                           allowed_origins=list(allow_origin), max_body_bytes=parse_size(max_body),
                           keep_alive=keep, engine_options=options, served_model_names=list(served_model_name),
                           allowed_hosts=list(allow_host), mcp_endpoint=mcp_endpoint,
-                          embed_models=embed_model, max_tools=max_tools_k)
+                          embed_models=embed_model, max_tools=max_tools_k,
+                          kv_compact=policy if policy.active else None, max_sessions=max_sessions,
+                          session_idle=idle)
     if not run_server(config, err):
         raise typer.Exit(1)
 

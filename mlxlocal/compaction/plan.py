@@ -9,6 +9,7 @@ before it keeps what it learned from them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,9 @@ class DropPlan:
 
 
 def _index(value: Any, n: int, field: str, what: str) -> int:
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    # JSON object keys are strings ("3"); only plain ASCII integers count (str.isdigit takes
+    # "²", which int() refuses, and lstrip("-") took "--3").
+    if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise PlanError(field, f"{what} must be a message index (an integer), got {value!r}")

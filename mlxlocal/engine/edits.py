@@ -232,9 +232,17 @@ def apply_edit(seq, pools: KVPools, blocks: BlockManager, rotate: Rotator | None
     start_block = first // bs
     j0 = bisect_left(lay.keep, start_block * bs)  # kept slots before the first touched block stay put
     rows = lay.keep[j0:]
-    fresh = blocks.allocate(-(-(j0 + len(rows)) // bs) - start_block) if rows else []
-    table = seq.block_table
-    dst = [(fresh[(j0 + i) // bs - start_block], (j0 + i) % bs) for i in range(len(rows))]
+    table, old = seq.block_table, seq.block_table[start_block:]
+    n_new = -(-(j0 + len(rows)) // bs) - start_block if rows else 0
+    in_place = all(blocks.refs[b] == 1 for b in old)
+    if in_place:
+        # Ours alone: rewritten where they are (the rows are read before any is written),
+        # so an edit never needs more blocks than it frees, however full the pool.
+        blocks.detach(old)
+        dest = old[:n_new]
+    else:  # someone else reads them: fresh blocks (OutOfBlocks here leaves seq untouched)
+        dest = blocks.allocate(n_new)
+    dst = [(dest[(j0 + i) // bs - start_block], (j0 + i) % bs) for i in range(len(rows))]
     rot = [i for i in range(len(rows)) if j0 + i in moved and lay.new[j0 + i] != lay.old[rows[i]]]
     if rows:
         pools.move_rows(mx.array([table[s // bs] for s in rows]), mx.array([s % bs for s in rows]),
@@ -242,8 +250,8 @@ def apply_edit(seq, pools: KVPools, blocks: BlockManager, rotate: Rotator | None
                         rotate=None if not rot else (
                             mx.array(rot), mx.array([lay.old[rows[i]] for i in rot]),
                             mx.array([lay.new[j0 + i] for i in rot]), rotate))
-    blocks.release(table[start_block:])
-    seq.block_table = table[:start_block] + fresh
+    blocks.release(old[n_new:] if in_place else old)
+    seq.block_table = table[:start_block] + dest
     for s in reversed(lay.gone):
         del seq.tokens[s]
         del seq.prompt[s]

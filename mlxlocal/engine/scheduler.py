@@ -149,21 +149,27 @@ class Scheduler:
         if candidate is None and self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting.popleft()
             self.admit(head)
-            if not self._edits_due(head) or not self._reserve(head, min(len(head.tokens) - head.num_computed, budget)):
+            if not self._edits_due(head) or not self._reserve(head, self._chunk(head, budget)):
                 self._unadmit(head)
                 if not self.running:
                     plan.starved.append(head)
                 return plan
             candidate = head
         if candidate is not None:
-            n = min(len(candidate.tokens) - candidate.num_computed, budget)
-            if self.snapshot_chunks:
-                n = self._snapshot_chunk(candidate, n)
-            if candidate.edit is not None and candidate.edit.pending:  # the chunk ends where the next edit applies
-                n = min(n, candidate.edit.next_edit_slot() - candidate.num_computed)
+            n = self._chunk(candidate, budget)
             if n > 0 and self._reserve(candidate, n):
                 plan.prefill, plan.prefill_tokens = candidate, n
         return plan
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq's next prefill chunk: within the budget, ending where a hybrid's
+        snapshot or a cache edit is due."""
+        n = min(len(seq.tokens) - seq.num_computed, budget)
+        if self.snapshot_chunks:
+            n = self._snapshot_chunk(seq, n)
+        if seq.edit is not None and seq.edit.pending:
+            n = min(n, seq.edit.next_edit_slot() - seq.num_computed)
+        return n
 
     def _edits_due(self, seq: Sequence) -> bool:
         """Apply the cache edits due before seq's next chunk; False when the pool has no

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal.engine import SamplingParams
 from mlxlocal.grammar.parse import Event
-from mlxlocal.server import formats
+from mlxlocal.server import akv, formats
 from mlxlocal.server.anthropic_request import (
     Thinking,
     check_fields,
@@ -45,7 +45,6 @@ from mlxlocal.server.validation import (
     stop_strings,
     string,
     text_bytes,
-    tokenize,
 )
 
 router = APIRouter()
@@ -78,21 +77,24 @@ def sampling_params(body: dict) -> SamplingParams:
 
 
 async def prepare(request: Request, body: dict, params: SamplingParams | None = None):
-    """Validate, load the model, build the prompt: (engine, ids, tools, thinking). With `params`, the
-    prompt is also checked against the model (context, vocabulary), as it will be generated."""
+    """Validate, load the model, build the prompt: (engine, ids, tools, thinking, cache use). With
+    `params` (a generation, not count_tokens), the prompt is also checked against the model (context,
+    vocabulary), as it will be generated, and the AKV session and drop fields are read."""
     model = string(body, "model", required=True)
     registry = request.app.state.registry
     registry.find(model)  # 404 before anything else
     check_fields(body)
+    cache = akv.read(request, body, "messages") if params is not None else None
     thinking = thinking_mode(body, params.max_tokens if params is not None else None)
-    messages = convert_messages(body, thinking_turns_kept(body))
+    origins = akv.Origins()
+    messages = convert_messages(body, thinking_turns_kept(body), origins)
     tools = await prune_tools(request, convert_tools(body, messages), messages, "/v1/messages")
     engine = await registry.engine(model)
     # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
     sure = text_bytes(*(m["content"] for m in messages if m["role"] in ("system", "user", "tool")))
     kwargs = thinking.template_kwargs(getattr(engine.tokenizer, "chat_template", None))
-    ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools,
-                         template_kwargs=kwargs, check_length=params is not None)
+    ids, use = await akv.encode(request, engine, model, cache, messages, origins, tools, "messages", sure,
+                                template_kwargs=kwargs, check_length=params is not None)
     if params is not None:
         forced = forced_call(body)
         choice = body.get("tool_choice")
@@ -106,7 +108,7 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
             thinking = replace(thinking, budget=None)
     if params is not None:
         check_params(params, _NAMES, engine, ids)
-    return engine, ids, tools, thinking
+    return engine, ids, tools, thinking, use
 
 
 def new_message_id() -> str:
@@ -193,7 +195,8 @@ def stop_info(engine, done: Finish, stops: list[str]) -> tuple[str, str | None]:
 def usage(stats, prompt_len: int, out_tokens: int) -> dict:
     cached = stats.cached_tokens if stats else 0
     return {"input_tokens": prompt_len - cached, "output_tokens": out_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
+            **akv.usage_fields(stats)}  # AKV's: prompt tokens dropped from the cache, keys re-rotated
 
 
 async def _events(engine, ids, params, thinking: Thinking,
@@ -231,12 +234,12 @@ async def messages(request: Request):
     body = await read_body(request)
     params = sampling_params(body)
     constraint = await formats.anthropic(body.get("output_config"))  # a bad schema: 400 before loading
-    engine, ids, tools, thinking = await prepare(request, body, params)
+    engine, ids, tools, thinking, use = await prepare(request, body, params)
     await formats.constrain(params, constraint, engine, ids, think_budget=thinking.budget)
     model = body["model"]
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors.
     parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
-                               think_budget=None if constraint is not None else thinking.budget)
+                               think_budget=None if constraint is not None else thinking.budget, cache=use)
     events = _events(engine, ids, params, thinking, parsed)
 
     if not body.get("stream", False):
@@ -286,5 +289,5 @@ async def messages(request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     body = await read_body(request)
-    _, ids, _, _ = await prepare(request, body)
+    _, ids, _, _, _ = await prepare(request, body)
     return {"input_tokens": len(ids)}

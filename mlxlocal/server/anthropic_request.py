@@ -18,6 +18,10 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
   output_config.format                      json_schema: the text is constrained to it
                                             (server/formats.py; a bad schema -> 400)
   cache_control (top level and on blocks)   accepted: the prefix cache is automatic
+  drop_message, reposition, drop_rule,      honoured with a session (X-Session-Id header or
+  session_id                                session_id): AKV cache engineering, server/akv.py;
+                                            indices are `messages` entries (the top-level
+                                            system prompt has none), docs/akv.md
   metadata, service_tier, speed,            accepted, ignored (accounting and routing)
   inference_geo, diagnostics, container
   mcp_servers                               non-empty -> 400 (server-side tools)
@@ -186,8 +190,12 @@ def text_of(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def convert_messages(body: dict, keep_thinking: int | None = None) -> list[dict]:
+def convert_messages(body: dict, keep_thinking: int | None = None, origins=None) -> list[dict]:
     """Anthropic system + messages -> OpenAI-style messages for the chat template.
+
+    `origins` (server/akv.Origins, for AKV drop fields) learns which `messages` entries
+    each chat message holds: a user entry with tool_result blocks is one tool message per
+    result (plus its text as a user message); system entries are all in the system prompt.
 
     Echoed thinking blocks become the assistant message's `reasoning_content`, which
     templates that render reasoning (Qwen3's) put back in a think block, so a tool loop's
@@ -203,17 +211,21 @@ def convert_messages(body: dict, keep_thinking: int | None = None) -> list[dict]
     thinking_from = (len(messages) if keep_thinking == 0 else assistants[-keep_thinking]
                      if keep_thinking is not None and keep_thinking < len(assistants) else 0)
     out: list[dict] = []
+    system_entries: list[int] = []
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         role = m.get("role") if isinstance(m, dict) else None
         if role == "system":
             systems.append(text_of(m.get("content"), f"{where}.content"))
+            system_entries.append(i)
             continue
+        first = len(out)
         if role not in ("user", "assistant"):
             raise APIError(400, f"{where}.role: must be 'user', 'assistant' or 'system'", param=f"{where}.role")
         content = m.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
+            _owned(origins, out[first:], i)
             continue
         if not isinstance(content, list):
             raise APIError(400, f"{where}.content: must be a string or a list of blocks", param=f"{where}.content")
@@ -258,9 +270,22 @@ def convert_messages(body: dict, keep_thinking: int | None = None) -> list[dict]
             out.append(msg)
         elif texts or not results:
             out.append({"role": "user", "content": "".join(texts)})
+        _owned(origins, out[first:], i)
     if systems:
         out.insert(0, {"role": "system", "content": "\n\n".join(s for s in systems if s)})
+        _owned(origins, out[:1], *system_entries)
+        if body.get("system") and origins is not None:  # text no entry's index names
+            origins.seal(out[0])
+    if origins is not None:
+        origins.size = len(messages)
     return out
+
+
+def _owned(origins, held: list[dict], *indices: int) -> None:
+    if origins is not None:
+        for message in held:
+            for i in indices:
+                origins.add(message, i)
 
 
 def forced_call(body: dict) -> tuple[str | None, bool] | None:

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from mlxlocal import __version__
+from mlxlocal.compaction.policy import CompactionPolicy
 from mlxlocal.server.errors import APIError, error_response
 from mlxlocal.server.metrics import Metrics
 from mlxlocal.server.registry import ModelRegistry
@@ -44,6 +45,11 @@ class ServerConfig:
     mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
     max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
+    # AKV (server/akv.py): --kv-compact's policy for session requests without drop fields
+    # (None: off), sessions kept per model, their idle expiry.
+    kv_compact: CompactionPolicy | None = None
+    max_sessions: int = 32
+    session_idle: float = 1800.0
 
 
 def is_loopback_origin(origin: str) -> bool:
@@ -232,7 +238,8 @@ def cors_options(config: ServerConfig) -> dict:
 
 def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> FastAPI:
     registry = registry or ModelRegistry(config.models, config.engine_options, config.keep_alive,
-                                         config.served_model_names, config.embed_models)
+                                         config.served_model_names, config.embed_models,
+                                         config.max_sessions, config.session_idle)
     metrics = Metrics()
 
     mcp_sessions = None  # the MCP endpoint's session manager, run by the lifespan
@@ -245,9 +252,12 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
             await registry.embedder(e.name)
 
         async def unloader():
+            from mlxlocal.server.akv import reset_quietly
+
             while True:
                 await asyncio.sleep(1.0)
                 await asyncio.to_thread(registry.unload_idle)
+                await reset_quietly(registry.expired_sessions())  # --session-idle
 
         task = asyncio.create_task(unloader())
         try:

@@ -51,6 +51,10 @@ def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None 
     lines.append(f"  APIs     {DIALECTS}")
     if config.mcp_endpoint:
         lines.append(f"  MCP      {url_of(config.host, port or config.port)}/mcp (Streamable HTTP)")
+    policy = config.kv_compact.describe() if config.kv_compact is not None else "off"
+    idle = "never" if config.session_idle == float("inf") else f"{config.session_idle:g} s idle"
+    lines.append(f"  sessions X-Session-Id: up to {config.max_sessions} per model, freed after {idle} · "
+                 f"--kv-compact {policy}")
     lines.append(f"  API key  {'on' if config.api_key else 'off'}")
     return "\n".join(lines)
 

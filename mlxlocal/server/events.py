@@ -21,6 +21,7 @@ from mlxlocal.engine import Chunk, SamplingParams
 from mlxlocal.engine.types import GenerationStats
 from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
 from mlxlocal.server import generation
+from mlxlocal.server.akv import CacheUse
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.metrics import Metrics
 
@@ -44,10 +45,10 @@ StreamEvent = Token | Event | Finish
 
 
 async def open_chunks(request: Request, engine, ids: list[int], params: SamplingParams,
-                      metrics: Metrics) -> AsyncIterator[Chunk]:
+                      metrics: Metrics, cache: CacheUse | None = None) -> AsyncIterator[Chunk]:
     """Start the request and await its first chunk (errors raise here, as HTTP errors);
-    return all of its chunks, that first one included."""
-    chunks = generation.run(request, engine, ids, params, metrics)
+    return all of its chunks, that first one included. `cache`: its session and edits."""
+    chunks = generation.run(request, engine, ids, params, metrics, cache)
     try:
         first = await chunks.__anext__()
     except StopAsyncIteration:  # the engine always ends with a final chunk
@@ -70,18 +71,19 @@ async def _rest(first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chu
 
 async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
                       tools: list[dict] | None, metrics: Metrics,
-                      think_budget: int | None = None) -> AsyncIterator[StreamEvent]:
+                      think_budget: int | None = None, cache: CacheUse | None = None) -> AsyncIterator[StreamEvent]:
     """`open_chunks`, parsed into events (see the module docstring). With `think_budget`,
     a think block still open after that many generated tokens is closed (`_budgeted`)."""
     parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning(engine, ids))
     if think_budget is None or not parser.think_end or think_budget >= params.max_tokens:
-        return parse_chunks(await open_chunks(request, engine, ids, params, metrics), parser)
-    first = await open_chunks(request, engine, ids, replace(params, max_tokens=think_budget), metrics)
-    return parse_chunks(_budgeted(request, engine, ids, params, metrics, parser, first), parser)
+        return parse_chunks(await open_chunks(request, engine, ids, params, metrics, cache), parser)
+    first = await open_chunks(request, engine, ids, replace(params, max_tokens=think_budget), metrics, cache)
+    return parse_chunks(_budgeted(request, engine, ids, params, metrics, parser, first, cache), parser)
 
 
 async def _budgeted(request: Request, engine, ids: list[int], params: SamplingParams, metrics: Metrics,
-                    parser: OutputParser, first: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+                    parser: OutputParser, first: AsyncIterator[Chunk],
+                    cache: CacheUse | None = None) -> AsyncIterator[Chunk]:
     """A thinking budget: the request runs with max_tokens = budget first. If that cut it
     (not a stop, not the context) the request goes on as a second one over prompt +
     generated ids (a prefix-cache hit), with the think-end marker written in between when
@@ -113,13 +115,15 @@ async def _budgeted(request: Request, engine, ids: list[int], params: SamplingPa
         close = f"\n{parser.think_end}\n\n"
         extra = list(engine.tokenizer.encode(close, add_special_tokens=False))
         yield Chunk(close)  # no token: the marker is prompt for the second part, not output
+    # The same session and edits (all inside `ids`): the second part continues the first.
     rest = await open_chunks(request, engine, ids + generated + extra,
-                             replace(params, max_tokens=params.max_tokens - len(generated)), metrics)
+                             replace(params, max_tokens=params.max_tokens - len(generated)), metrics, cache)
     try:
         async for chunk in rest:
             if chunk.stats is not None:
                 chunk = replace(chunk, stats=replace(
                     chunk.stats, prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
+                    dropped_tokens=stats.dropped_tokens, repositioned_tokens=stats.repositioned_tokens,
                     ttft_s=stats.ttft_s, completion_tokens=stats.completion_tokens + chunk.stats.completion_tokens))
             yield chunk
     finally:

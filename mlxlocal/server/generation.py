@@ -1,8 +1,10 @@
-"""Run one request on an engine from async code: errors as API errors, metrics, disconnects."""
+"""Run one request on an engine from async code: errors as API errors, metrics, disconnects,
+and its KV cache use (akv.py): the session it continues, the edits of its prompt."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -11,14 +13,36 @@ from fastapi import Request
 from mlxlocal.engine import CapacityError, Chunk, Engine, EngineDeadError, SamplingParams
 from mlxlocal.engine.paged import QueueFullError
 from mlxlocal.errors import ContextLengthError
+from mlxlocal.server import akv
 from mlxlocal.server.errors import RETRY_AFTER, APIError
 from mlxlocal.server.metrics import Metrics
 
+log = logging.getLogger("mlxlocal.server")
+BUSY = "this session is already generating"  # Session.claim's refusal
 
-def start(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
+
+def _busy(session_id: str) -> APIError:
+    return APIError(409, f"session {session_id!r} is already generating a reply; a session runs one request at "
+                         f"a time (wait for it, or use another {akv.SESSION_HEADER})", param=akv.SESSION_HEADER,
+                    code="session_busy")
+
+
+def start(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+          session=None, cache: akv.CacheUse | None = None):
     """Submit; return (async chunk stream, cancel function). Raises APIError on a bad request."""
+    edits = cache.edits if cache is not None else []
+    # Only what the request uses: a plain request is the plain submit call.
+    extra = {**({"session": session} if session is not None else {}), **({"edits": edits} if edits else {})}
     try:
-        handle = engine.submit(prompt, params, loop=loop)
+        try:
+            handle = engine.submit(prompt, params, loop=loop, **extra)
+        except ValueError as e:
+            if not edits or cache.field is not None or session is not None and BUSY in str(e):
+                raise
+            # The server's --kv-compact policy on a model or engine that cannot edit its cache
+            # (the engine says why): the request runs uncompacted rather than failing.
+            log.warning("--kv-compact skipped for session %r: %s", cache.session_id, e)
+            handle = engine.submit(prompt, params, loop=loop, **({"session": session} if session is not None else {}))
     except ContextLengthError as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
     except QueueFullError as e:
@@ -26,7 +50,10 @@ def start(engine: Engine, prompt: list[int], params: SamplingParams, loop: async
     except CapacityError as e:
         raise APIError(400, str(e)) from None
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        if session is not None and BUSY in str(e):  # a second request raced to the same session
+            raise _busy(cache.session_id) from None
+        field = cache.field if cache is not None and edits else None
+        raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
     except EngineDeadError as e:  # the registry restarts it on the next request
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER}) from None
     return handle.astream(), handle.cancel
@@ -53,14 +80,32 @@ async def _dead_is_503(stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER}) from None
 
 
+async def _session(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
+                   cache: akv.CacheUse | None):
+    """The engine session a request continues (None without a session id); 409 while it
+    generates. Looked up on the event loop, right before submit. Idle sessions that pin
+    the room this request needs are freed first (the engine would wait for it for ever)."""
+    registry = request.app.state.registry
+    session, evicted = None, []
+    if cache is not None and cache.session_id is not None:
+        session, evicted = registry.session(cache.model, cache.session_id)
+        if session.busy:
+            raise _busy(cache.session_id)
+    need = len(prompt) + min(params.max_tokens, max(engine.context_length - len(prompt), 0))
+    evicted += registry.make_room(engine, need, session)
+    await akv.reset_quietly(evicted)
+    return session
+
+
 async def run(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
-              metrics: Metrics) -> AsyncIterator[Chunk]:
+              metrics: Metrics, cache: akv.CacheUse | None = None) -> AsyncIterator[Chunk]:
     """Stream a request's chunks; a client that goes away cancels it (blocks freed next step)."""
     loop = asyncio.get_running_loop()
+    session = await _session(request, engine, prompt, params, cache)
     if params.grammar is None:
-        stream, cancel = start(engine, prompt, params, loop)
+        stream, cancel = start(engine, prompt, params, loop, session, cache)
     else:  # submit compiles the grammar (the first one also indexes the vocabulary): off the loop
-        stream, cancel = await asyncio.to_thread(start, engine, prompt, params, loop)
+        stream, cancel = await asyncio.to_thread(start, engine, prompt, params, loop, session, cache)
     watcher = asyncio.create_task(_watch(request, cancel))
     t0, last, generated, finished = time.perf_counter(), None, 0, False
     try:

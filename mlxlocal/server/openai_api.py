@@ -22,6 +22,9 @@ Notes on behaviour:
 - response_format (json_object, json_schema with strict) and the extension fields
   structured_outputs / guided_* / grammar / regex constrain the output (see formats.py);
   an invalid or unsupported schema is a 400 naming the keyword. n > 1 is refused (400).
+- AKV (akv.py, docs/akv.md): the X-Session-Id header or session_id field names a session
+  (its KV pinned between turns; 409 while it generates); drop_message / reposition /
+  drop_rule index `messages` and need one; usage adds drop_skipped_tokens, repos_tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import Chunk, SamplingParams
-from mlxlocal.server import formats, model_cards
+from mlxlocal.server import akv, formats, model_cards
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import StreamEvent, open_chunks, open_events
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
@@ -215,6 +218,7 @@ def _usage(stats) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
+        **akv.usage_fields(stats),  # AKV's: prompt tokens dropped from the cache, keys re-rotated
     }
 
 
@@ -301,7 +305,8 @@ def _text_of(content: str | list[ContentPart] | None, where: str) -> str | None:
     return "\n".join(texts)
 
 
-def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+def _template_messages(messages: list[ChatMessage], origins: akv.Origins | None = None) -> list[dict]:
+    """`origins` (AKV drop fields): message i of the request is chat message i."""
     out = []
     for i, m in enumerate(messages):
         where = f"messages.{i}.content"
@@ -325,6 +330,10 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.name:
             msg["name"] = m.name
         out.append(msg)
+        if origins is not None:
+            origins.add(msg, i)
+    if origins is not None:
+        origins.size = len(out)
     return out
 
 
@@ -342,27 +351,29 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     constraint = await formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    messages = _template_messages(req.messages)
+    cache = akv.read(request, req.model_extra or {}, "messages")
+    origins = akv.Origins()
+    messages = _template_messages(req.messages, origins)
     tools = await prune_tools(request, _tools(req, messages), messages, "/v1/chat/completions")
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
              "logprobs": "top_logprobs", "prompt": "messages"}
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
     engine = await request.app.state.registry.engine(req.model)
-    ids = await encode_messages(engine, messages, tools, "messages")
+    ids, use = await encode_messages(request, engine, req.model, messages, tools, "messages", cache, origins)
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
                                         req.parallel_tool_calls is not False)
     await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
-    return engine, ids, params, tools
+    return engine, ids, params, tools, use
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
-    engine, ids, params, tools = await _prepare_chat(req, request)
-    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
+    engine, ids, params, tools, use = await _prepare_chat(req, request)
+    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use)
     meta = {"id": _new_id("chatcmpl"), "created": int(time.time()), "model": req.model}
     text_of = _TokenText(engine.tokenizer)
     if req.stream:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlxlocal.server import akv
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.tool_choice import require_call
-from mlxlocal.server.validation import text_bytes, tokenize
+from mlxlocal.server.validation import text_bytes
 
 
 def template_arguments(arguments: str | dict) -> Any:
@@ -47,9 +48,12 @@ def apply_tool_choice(tools: list[dict] | None, choice: str | None, name: str | 
     return tools
 
 
-async def encode_messages(engine, messages: list[dict], tools: list[dict] | None, where: str) -> list[int]:
+async def encode_messages(request, engine, model: str, messages: list[dict], tools: list[dict] | None, where: str,
+                          cache: akv.CacheRequest | None = None,
+                          origins: akv.Origins | None = None) -> tuple[list[int], akv.CacheUse]:
     """The chat template over `messages` (and tools), tokenized on a worker thread; text that
-    cannot fit the context is refused before the template runs (a 400 on `where`)."""
+    cannot fit the context is refused before the template runs (a 400 on `where`). Also
+    what the request asks of the KV cache (session, edits: akv.encode)."""
     # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
     sure = text_bytes(*(m["content"] for m in messages if m["role"] != "assistant"))
-    return await tokenize(engine, sure, where, engine.encode_chat, messages, tools)
+    return await akv.encode(request, engine, model, cache, messages, origins, tools, where, sure)

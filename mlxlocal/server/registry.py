@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,61 @@ def assign_names(specs: list[str], names: list[str]) -> list[list[str]]:
     return groups
 
 
+class Sessions:
+    """A model's engine sessions by client session id (the X-Session-Id header): each
+    pins its conversation's KV between turns. At most `cap`, least recently used evicted
+    first; one idle for `idle` seconds expires. Evicted and expired sessions are returned
+    for the caller to reset (that frees their KV on the engine thread, off the event loop);
+    a generating session is never evicted (the engine still owns it)."""
+
+    def __init__(self, cap: int = 32, idle: float = 1800.0):
+        self.cap, self.idle = cap, idle
+        # id -> (session, its engine, last used)
+        self.held: OrderedDict[str, tuple[Any, Engine, float]] = OrderedDict()
+
+    def get(self, engine: Engine, session_id: str) -> tuple[Any, list]:
+        """(the id's session, sessions evicted to make room for it)."""
+        entry = self.held.pop(session_id, None)
+        # A session of an engine since replaced (unloaded, restarted) holds nothing any more.
+        session = entry[0] if entry is not None and entry[1] is engine else engine.new_session()
+        self.held[session_id] = (session, engine, time.monotonic())
+        evicted = []
+        for sid, (old, _, _) in list(self.held.items()):
+            if len(self.held) <= self.cap:
+                break
+            if sid != session_id and not old.busy:
+                self.held.pop(sid, None)
+                evicted.append(old)
+        return session, evicted
+
+    def make_room(self, pool_tokens: int, need: int, keep: Any = None) -> list:
+        """Idle sessions to free, least recently used first, so that those left pin at most
+        `pool_tokens - need`: the engine never takes pinned blocks back, so a request that
+        needs them would wait for ever. `keep`: the request's own session (its blocks are
+        the start of its prompt, counted in `need`)."""
+        others = [(sid, s) for sid, (s, _, _) in list(self.held.items()) if s is not keep]
+        # A generating session's blocks are pinned again when it finishes: counted, not freed.
+        pinned = sum(s.cached_len for _, s in others)
+        idle = [(sid, s) for sid, s in others if not s.busy]
+        freed = []
+        for sid, s in idle:
+            if pinned + need <= pool_tokens:
+                break
+            if self.held.pop(sid, None) is not None:
+                pinned -= s.cached_len
+                freed.append(s)
+        return freed
+
+    def expired(self, now: float | None = None) -> list:
+        now = time.monotonic() if now is None else now
+        gone = [sid for sid, (s, _, used) in list(self.held.items()) if now - used >= self.idle and not s.busy]
+        return [entry[0] for sid in gone if (entry := self.held.pop(sid, None)) is not None]
+
+    def clear(self) -> None:
+        """Forget every session: the engine that held them is gone (its KV with it)."""
+        self.held.clear()
+
+
 @dataclass
 class ServedModel:
     name: str  # the id listings show
@@ -88,6 +144,7 @@ class ServedModel:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     info: Any = None  # ModelInfo of the last load, kept for /api/show after unload
     capabilities: list[str] | None = None  # model_cards.capabilities_of, from the last load
+    sessions: Sessions = field(default_factory=Sessions)
 
     @property
     def names(self) -> list[str]:
@@ -118,7 +175,8 @@ class ServedEmbedder:
 
 class ModelRegistry:
     def __init__(self, specs: list[str], engine_options: dict, keep_alive: float,
-                 names: list[str] | None = None, embed_specs: list[str] | None = None):
+                 names: list[str] | None = None, embed_specs: list[str] | None = None,
+                 max_sessions: int = 32, session_idle: float = 1800.0):
         self.engine_options = engine_options
         self.embedders = [ServedEmbedder(spec, spec) for spec in dict.fromkeys(embed_specs or [])]
         clash = {e.name for e in self.embedders} & {n for spec, g in zip(specs, assign_names(specs, names or []))
@@ -128,7 +186,7 @@ class ModelRegistry:
         self.default_keep_alive = keep_alive
         self.models: list[ServedModel] = [
             ServedModel(group[0], spec, [n for n in dict.fromkeys([*group[1:], spec]) if n != group[0]],
-                        keep_alive=keep_alive)
+                        keep_alive=keep_alive, sessions=Sessions(max_sessions, session_idle))
             for spec, group in zip(specs, assign_names(specs, names or []))
         ]
 
@@ -158,6 +216,7 @@ class ModelRegistry:
                 # A stopped engine serves nothing: drop it, like a keep_alive unload, and load afresh.
                 log.warning("engine for %s had stopped (%s); restarting it", m.name, m.dead_reason)
                 engine, m.engine = m.engine, None
+                m.sessions.clear()
                 await asyncio.to_thread(engine.shutdown)
             if m.engine is None:
                 try:
@@ -213,6 +272,28 @@ class ModelRegistry:
         # to interpreter exit, where MLX may abort the process.
         return in_own_thread(lambda: open_engine(load(spec), **self.engine_options))
 
+    def make_room(self, engine: Engine, need: int, keep: Any = None) -> list:
+        """Idle sessions on `engine` to free (reset them) before a request that needs `need`
+        tokens of its KV pool (see Sessions.make_room); none on a dense engine. Every route's
+        requests call it, sessions or not: pinned sessions must not starve any of them."""
+        m = next((m for m in self.models if m.engine is engine), None)
+        pool = engine.kv_pool if m is not None else {}
+        if pool.get("kind") != "paged" or not m.sessions.held:
+            return []
+        return m.sessions.make_room(pool["blocks"] * pool["block_size"], need, keep)
+
+    def session(self, name: str, session_id: str) -> tuple[Any, list]:
+        """The loaded model's engine session for a client's session id (created on first
+        use), and the sessions evicted for it (reset them: akv.reset_quietly)."""
+        m = self.find(name)
+        if m.engine is None:
+            raise APIError(503, f"model '{m.name}' was unloaded; retry", headers={"Retry-After": "1"})
+        return m.sessions.get(m.engine, session_id)
+
+    def expired_sessions(self) -> list:
+        """Sessions idle past --session-idle, taken out of their models (reset them)."""
+        return [s for m in self.models if m.engine is not None for s in m.sessions.expired()]
+
     def touch(self, name: str) -> None:
         m = self.find(name)
         m.expires_at = time.monotonic() + m.keep_alive
@@ -230,6 +311,7 @@ class ModelRegistry:
                 continue
             m.engine.shutdown()
             m.engine = None
+            m.sessions.clear()
             dropped.append(m.name)
         return dropped
 
@@ -255,3 +337,4 @@ class ModelRegistry:
             if m.engine is not None:
                 m.engine.shutdown()
             m.engine = None
+            m.sessions.clear()

@@ -40,6 +40,9 @@ Notes on behaviour:
   a grammar over the family's tool-call syntax, see tool_choice.py), plus allowed_tools (the
   tools it names are the ones offered; mode "required" forces a call of one of them). A
   forced call wins over text.format in the same request.
+- AKV (akv.py, docs/akv.md): the X-Session-Id header or session_id field names a session;
+  drop_message / reposition / drop_rule index the conversation's items (a previous
+  response's first, then `input`); usage adds drop_skipped_tokens and repos_tokens.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import SamplingParams
 from mlxlocal.grammar.parse import Event
-from mlxlocal.server import formats
+from mlxlocal.server import akv, formats
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import Finish, StreamEvent, open_events
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages
@@ -198,6 +201,7 @@ def _usage(stats, reasoning_tokens: int) -> dict:
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, completion)},
         "total_tokens": prompt + completion,
+        **akv.usage_fields(stats),  # AKV's: prompt tokens dropped from the cache, keys re-rotated
     }
 
 
@@ -366,12 +370,14 @@ def _response_object(req: ResponsesRequest, tools: list | None) -> dict:
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, request: Request):
     _refuse(req)
+    cache = akv.read(request, req.model_extra or {}, "input")
     items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) \
         else list(sized_list(req.input, "input", MAX_MESSAGES))
     if req.previous_response_id is not None:
         previous_items, previous = store_of(request).get(req.previous_response_id, "previous_response_id")
         items = previous_items + previous["output"] + items
-    messages = input_messages(items, req.instructions)
+    origins = akv.Origins()  # AKV indices: the conversation's items (previous response's first)
+    messages = input_messages(items, req.instructions, origins)
     if not any(m["role"] != "system" for m in messages):
         raise APIError(400, "input: no message to answer", param="input")
     offered, hosted, namespaces = chat_tools(req.tools)
@@ -386,12 +392,12 @@ async def create_response(req: ResponsesRequest, request: Request):
     check_params(params, names)
     constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
-    ids = await encode_messages(engine, messages, tools, "input")
+    ids, use = await encode_messages(request, engine, req.model, messages, tools, "input", cache, origins)
     params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
                                         req.parallel_tool_calls is not False)
     await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
-    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
+    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use)
 
     builder = _Builder(_response_object(req, req.tools), req.parallel_tool_calls is not False,
                        "reasoning.encrypted_content" in (req.include or []), namespaces)

@@ -87,62 +87,79 @@ class _Fold:
             self.messages.append(m)
         return m
 
-    def add(self, message: dict) -> None:
+    def add(self, message: dict) -> dict:
+        """Append `message`; return the message that holds it (the first, for a system prompt folded in)."""
         self.open = None
         # One system prompt: instructions and the developer / system messages before the
         # conversation starts (Codex sends both). Many templates take only a first system
         # message, and some refuse a second one.
         if message["role"] == "system" and self.messages and all(m["role"] == "system" for m in self.messages):
             self.messages[0]["content"] = f"{self.messages[0]['content']}\n\n{message['content']}"
-            return
+            return self.messages[0]
         self.messages.append(message)
+        return message
 
 
-def input_messages(items: list[Any], instructions: str | None) -> list[dict]:
-    """The request's instructions and input items as chat-template messages."""
+def input_messages(items: list[Any], instructions: str | None, origins=None) -> list[dict]:
+    """The request's instructions and input items as chat-template messages. `origins`
+    (server/akv.Origins, for AKV drop fields) learns which items each message holds."""
     fold = _Fold()
     if instructions:
-        fold.add({"role": "system", "content": instructions})
+        held = fold.add({"role": "system", "content": instructions})
+        if origins is not None:  # text no item index names: this message never leaves whole
+            origins.seal(held)
     for i, item in enumerate(items):
-        at = f"input.{i}"
-        item = _dict(item, at)
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            text = content_text(item.get("content"), f"{at}.content")
-            if role == "assistant":
-                fold.assistant(after_text=True)["content"] = text
-            elif role in ("user", "system", "developer"):
-                fold.add({"role": "system" if role == "developer" else role, "content": text})
-            else:
-                raise APIError(400, f"{at}.role: must be user, assistant, system or developer, got {role!r}",
-                               param=f"{at}.role")
-        elif kind == "function_call":
-            call_id = string(item, "call_id", f"{at}.call_id", required=True)
-            name = qualified(string(item, "namespace", f"{at}.namespace"),
-                             string(item, "name", f"{at}.name", required=True))
-            arguments = string(item, "arguments", f"{at}.arguments") or "{}"
-            fold.assistant().setdefault("tool_calls", []).append(
-                {"id": call_id, "type": "function",
-                 "function": {"name": name, "arguments": template_arguments(arguments)}})
-        elif kind == "function_call_output":
-            call_id = string(item, "call_id", f"{at}.call_id", required=True)
-            output = item.get("output")
-            if output is None:
-                raise APIError(400, f"{at}.output: required", param=f"{at}.output")
-            fold.add({"role": "tool", "tool_call_id": call_id, "content": content_text(output, f"{at}.output")})
-        elif kind == "reasoning":
-            text = _reasoning_text(item, at)
-            m = fold.assistant()
-            if m["content"] or m.get("tool_calls") or m.get("reasoning_content"):
-                fold.open = None
-                m = fold.assistant()
-            if text:
-                m["reasoning_content"] = text
-        else:
-            raise APIError(400, f"{at}.type: input item type {kind!r} is not supported (message, function_call, "
-                                "function_call_output and reasoning are)", param=f"{at}.type")
+        held = _item(fold, i, item)
+        if origins is not None:
+            origins.add(held, i)
+    if origins is not None:
+        origins.size = len(items)
     return fold.messages
+
+
+def _item(fold: _Fold, i: int, item: Any) -> dict:
+    """Fold input item i into the conversation; return the message that holds it."""
+    at = f"input.{i}"
+    item = _dict(item, at)
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        text = content_text(item.get("content"), f"{at}.content")
+        if role == "assistant":
+            m = fold.assistant(after_text=True)
+            m["content"] = text
+            return m
+        if role in ("user", "system", "developer"):
+            return fold.add({"role": "system" if role == "developer" else role, "content": text})
+        raise APIError(400, f"{at}.role: must be user, assistant, system or developer, got {role!r}",
+                       param=f"{at}.role")
+    if kind == "function_call":
+        call_id = string(item, "call_id", f"{at}.call_id", required=True)
+        name = qualified(string(item, "namespace", f"{at}.namespace"),
+                         string(item, "name", f"{at}.name", required=True))
+        arguments = string(item, "arguments", f"{at}.arguments") or "{}"
+        m = fold.assistant()
+        m.setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": template_arguments(arguments)}})
+        return m
+    if kind == "function_call_output":
+        call_id = string(item, "call_id", f"{at}.call_id", required=True)
+        output = item.get("output")
+        if output is None:
+            raise APIError(400, f"{at}.output: required", param=f"{at}.output")
+        return fold.add({"role": "tool", "tool_call_id": call_id, "content": content_text(output, f"{at}.output")})
+    if kind == "reasoning":
+        text = _reasoning_text(item, at)
+        m = fold.assistant()
+        if m["content"] or m.get("tool_calls") or m.get("reasoning_content"):
+            fold.open = None
+            m = fold.assistant()
+        if text:
+            m["reasoning_content"] = text
+        return m
+    raise APIError(400, f"{at}.type: input item type {kind!r} is not supported (message, function_call, "
+                        "function_call_output and reasoning are)", param=f"{at}.type")
 
 
 def _reasoning_text(item: dict, at: str) -> str:
