@@ -342,10 +342,6 @@ def test_policy_applies_to_sessions_only(oai, model, engine, captured):
 
 
 # --- acceptance: the engine drops -------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "engine: an edit rebuilds the block table by copying every kept block after the first one it "
-    "touches while the originals are still held, so the first drop at ~5k cached tokens needs ~600 "
-    "blocks here, more than the 519 the whole prompt needs uncompacted"))
 def test_keep_last_12_stays_within_the_pool(oai, model, engine):
     """A session's 20 tool outputs under the server's keep-last-12: every turn fits the pool
     and the last reports dropped tokens; the same conversation uncompacted does not fit."""
