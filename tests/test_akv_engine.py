@@ -98,6 +98,8 @@ def test_session_turns_reuse_the_edited_cache(loaded, repos):
                        reposition=((50, 70), (80, len(p2 + t2))) if repos else (), close_tail=repos)
         t3, l3, st3 = greedy_with_logprobs(eng, p3, 4, [e1, e2], session=s)
         assert st3.cached_tokens > 60 and st3.dropped_tokens == 40
+        # Computed: neither the cached tokens nor the 20 turn 2 dropped (not cached, not fed).
+        assert st3.prefill_tokens == len(p3) - st3.cached_tokens - 20
         want3 = greedy_with_logprobs(fresh, p3, 4, [e1, e2])
         assert_same((t3, l3), want3[:2])
         # The session forgotten (evicted): the prefix cache still holds its blocks under

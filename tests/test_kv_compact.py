@@ -303,11 +303,12 @@ def bench_model(tmp_path_factory) -> Path:
 
 def test_akv_bench_numbers_are_consistent(bench_model):
     result = CliRunner().invoke(app, ["bench", "-m", str(bench_model), "--scenario", "agent", "--akv",
-                                      "--turns", "8", "--akv-keep", "2", "-g", "4", "--json"])
+                                      "--turns", "8", "--akv-keep", "2", "-g", "4", "-n", "2", "--json"])
     assert result.exit_code == 0, result.output
     a = json.loads(result.output.strip().splitlines()[-1])["akv"]
     assert a["steps"] == 8 and a["keep"] == 2 and a["modes"] == ["standard", "akv_drop", "akv_drop_reposition", "text"]
     assert a["final_prompt_tokens"] <= a["context"] and a["prices"]["cached_input"] == 0.1
+    assert a["repeats"] == 2 and all(a["runs"][m]["passes"] == 2 for m in a["modes"])
     t, r = a["totals"], a["ratios_vs_standard"]
     runs = a["runs"]
     assert all(len(runs[m]["steps"]) == 8 for m in a["modes"])

@@ -44,7 +44,7 @@ from mlxlocal.agents.pruning import (
 )
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
 from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.compaction.spans import ConversationSpans, computed_tokens
+from mlxlocal.compaction.spans import ConversationSpans
 from mlxlocal.engine import GenerationStats, Grammar, SamplingParams
 from mlxlocal.engine.contract import Engine
 from mlxlocal.errors import MlxLocalError
@@ -113,11 +113,7 @@ class StepStats:
     finish_reason: str | None = None
     tools: int = 0  # tool schemas in the prompt (search_tools included)
     dropped_tokens: int = 0  # prompt tokens out of the KV cache (--kv-compact): not attended
-    dropped_before: int = 0  # of those, dropped by earlier steps: neither cached nor computed now
-
-    @property
-    def new_tokens(self) -> int:
-        return computed_tokens(self.prompt_tokens, self.cached_tokens, self.dropped_before)
+    new_tokens: int = 0  # prompt tokens computed (the engine's prefill_tokens)
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
@@ -382,7 +378,6 @@ class ToolLoop:
         calls = []
         stats = None
         extra = {"edits": edits} if edits is not None else {}  # no policy: the engine sees no edits at all
-        step.stats.dropped_before = self.session.dropped_len
         for chunk in self.engine.generate(prompt, params, session=self.session, cancel=cancel, **extra):
             if chunk.token is not None:
                 generated.append(chunk.token)
@@ -402,6 +397,7 @@ class ToolLoop:
         if stats is not None:
             self.last_stats = stats
             step.stats.prompt_tokens, step.stats.cached_tokens = stats.prompt_tokens, stats.cached_tokens
+            step.stats.new_tokens = stats.prefill_tokens
             step.stats.completion_tokens, step.stats.finish_reason = stats.completion_tokens, stats.finish_reason
             step.stats.dropped_tokens = stats.dropped_tokens
         if not generated and cancel.is_set():

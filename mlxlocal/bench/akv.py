@@ -25,6 +25,7 @@ output x output price ratio (dropped tokens are not attended, so not billed).
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 from mlxlocal.bench.common import log
 from mlxlocal.bench.scenarios import SYSTEM_SENTENCES, TOOLS
 from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.compaction.spans import ConversationSpans, computed_tokens
+from mlxlocal.compaction.spans import ConversationSpans
 from mlxlocal.engine.base import REPLY_MARKER
 
 MODES = ("standard", "akv_drop", "akv_drop_reposition", "text")
@@ -177,7 +178,8 @@ def text_view(messages: list[dict[str, Any]], keep: int) -> list[dict[str, Any]]
 
 
 # ------------------------------------------------------------------ one mode
-def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens: int, kv_tokens: int) -> dict:
+def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens: int, kv_tokens: int,
+             warmup: int = 1) -> dict:
     from mlxlocal.engine import SamplingParams, open_engine
 
     policy = {"akv_drop": CompactionPolicy(keep), "akv_drop_reposition": CompactionPolicy(keep, reposition=True)}
@@ -186,8 +188,9 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
     params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
     rows: list[dict[str, Any]] = []
     try:
-        for _ in engine.generate([7] * 8, SamplingParams(max_tokens=2, ignore_eos=True)):  # warm-up, shares nothing
-            pass
+        for _ in range(warmup):  # warm-up requests that share nothing with the trace
+            for _ in engine.generate([7] * 8, SamplingParams(max_tokens=2, ignore_eos=True)):
+                pass
         session = engine.new_session()
         conv = trace.messages(0)
         ids: list[int] = []
@@ -200,7 +203,7 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
                 prompt = spans.prompt(engine, conv, ids, reply_at, AKV_TOOLS)
                 edits = spans.edits(conv)
             extra = {"edits": edits} if edits is not None else {}
-            stats, blocks, dropped_before = None, 0, session.dropped_len
+            stats, blocks = None, 0
             t0 = time.perf_counter()
             for chunk in engine.generate(prompt, params, session=session, **extra):
                 if chunk.stats is not None:
@@ -211,8 +214,7 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
             peak_blocks = max(peak_blocks, blocks)
             attended = stats.prompt_tokens - stats.dropped_tokens
             rows.append(dict(step=k + 1, prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
-                             prefill_tokens=computed_tokens(stats.prompt_tokens, stats.cached_tokens,
-                                                            dropped_before),
+                             prefill_tokens=stats.prefill_tokens,
                              dropped_tokens=stats.dropped_tokens, repositioned_tokens=stats.repositioned_tokens,
                              attended_tokens=attended, output_tokens=stats.completion_tokens,
                              blocks_used=blocks, ttft_s=stats.ttft_s, decode_tps=stats.decode_tps, wall_s=wall))
@@ -253,9 +255,22 @@ def summarize(run: dict, discount: float, output_price: float) -> dict:
 RATIO_KEYS = ("prefill_tokens", "attended_mean", "attended_last", "peak_blocks", "ttft_total_s", "cost")
 
 
+def median_run(passes: list[dict]) -> dict:
+    """One run from repeated passes of a mode: token counts from the first (the trace is
+    scripted and greedy: every pass counts the same), timings the per-step medians."""
+    run = dict(passes[0], steps=[dict(r) for r in passes[0]["steps"]], passes=len(passes))
+    for i, row in enumerate(run["steps"]):
+        for key in ("ttft_s", "decode_tps", "wall_s"):
+            row[key] = statistics.median(p["steps"][i][key] for p in passes)
+    return run
+
+
 def akv_scenario(loaded, *, steps: int = 30, keep: int = 12, gen_tokens: int = 16, system_tokens: int = 400,
-                 discount: float = 0.1, output_price: float = 4.0, modes: tuple[str, ...] = MODES) -> dict:
-    """Every mode on the same scripted trace; per-step rows, totals, ratios vs standard."""
+                 discount: float = 0.1, output_price: float = 4.0, modes: tuple[str, ...] = MODES,
+                 repeats: int = 1, warmup: int = 1) -> dict:
+    """Every mode on the same scripted trace, `repeats` passes alternating between the
+    modes (a slow moment of the machine hits them alike); per-step rows (median timings),
+    totals, ratios vs standard."""
     from mlxlocal.engine import open_engine
 
     probe = open_engine(loaded, kv_tokens=64, max_num_seqs=1)
@@ -270,16 +285,19 @@ def akv_scenario(loaded, *, steps: int = 30, keep: int = 12, gen_tokens: int = 1
     log(f"akv: {steps} steps, tool results {min(trace.result_tokens)}..{max(trace.result_tokens)} tokens, "
         f"final prompt {trace.final_prompt_tokens} tokens, keep last {keep}" + (f"; {note}" if note else ""))
     kv_tokens = trace.final_prompt_tokens + 4 * gen_tokens + 256
-    runs = {}
-    for mode in modes:
-        t0 = time.perf_counter()
-        runs[mode] = run_mode(loaded, mode, trace, steps, keep, gen_tokens, kv_tokens)
-        log(f"akv: {mode} done in {time.perf_counter() - t0:.1f} s")
+    passes: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for r in range(repeats):
+        for mode in modes:
+            t0 = time.perf_counter()
+            passes[mode].append(run_mode(loaded, mode, trace, steps, keep, gen_tokens, kv_tokens, warmup))
+            log(f"akv: {mode} pass {r + 1}/{repeats} done in {time.perf_counter() - t0:.1f} s")
+    runs = {mode: median_run(p) for mode, p in passes.items()}
     totals = {m: summarize(r, discount, output_price) for m, r in runs.items()}
     base = totals.get("standard")
     ratios = {m: {k: (t[k] / base[k] if base and base[k] else None) for k in RATIO_KEYS}
               for m, t in totals.items()} if base else {}
     return dict(steps=steps, keep=keep, gen_tokens=gen_tokens, context=context, system_tokens=system_tokens,
+                repeats=repeats,
                 tool_result_tokens=trace.result_tokens, tool_result_scale=trace.scale, note=note,
                 final_prompt_tokens=trace.final_prompt_tokens, placeholder=PLACEHOLDER,
                 prices=dict(input=1.0, cached_input=discount, output=output_price,
@@ -336,6 +354,6 @@ def print_akv(a: dict, con) -> None:
     p = a["prices"]
     con.print(f"API cost in uncached-input-token units: input 1, cached input {p['cached_input']:g}, output "
               f"{p['output']:g} (--cached-discount, --output-price); dropped tokens are not billed. "
-              "One pass per mode on a "
-              "fresh engine; the trace is scripted (random weights would say gibberish): token counts and "
+              f"{a['repeats']} pass(es) per mode, alternating, each on a fresh engine (timings: per-step "
+              "medians); the trace is scripted (random weights would say gibberish): token counts and "
               "timings come from the engine.", style="dim")

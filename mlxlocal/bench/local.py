@@ -36,13 +36,15 @@ from mlxlocal.bench.sessions import sessions_scenario
 METAL_DEFAULTS = dict(model="synthetic:qwen3-0.6b", prompt_tokens=512, gen_tokens=128,
                       system_tokens=1500, turn_tokens=16, concurrency=8,
                       sessions=8, session_tokens=2048, session_gen_tokens=16,
-                      akv_model="synthetic:qwen3-0.6b", akv_steps=30, akv_keep=12, akv_gen_tokens=32)
+                      akv_model="synthetic:qwen3-0.6b", akv_steps=30, akv_keep=12, akv_gen_tokens=32,
+                      akv_repeats=3)
 # The CPU backend (reference BLAS) runs the 0.6B shape at a few tok/s: use the tiny preset.
 # The AKV trace (30 steps of tool results) needs more than tiny's 4096 positions.
 CPU_DEFAULTS = dict(model="synthetic:tiny", prompt_tokens=256, gen_tokens=64,
                     system_tokens=400, turn_tokens=8, concurrency=8,
                     sessions=8, session_tokens=2048, session_gen_tokens=8,
-                    akv_model="synthetic:tiny:context=10240", akv_steps=30, akv_keep=4, akv_gen_tokens=16)
+                    akv_model="synthetic:tiny:context=10240", akv_steps=30, akv_keep=4, akv_gen_tokens=16,
+                    akv_repeats=1)
 
 
 def on_metal() -> bool:
@@ -210,7 +212,8 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         res["akv"] = akv_scenario(
             loaded, steps=turns or d["akv_steps"], keep=akv.get("keep") or d["akv_keep"],
             gen_tokens=gen_tokens or d["akv_gen_tokens"], system_tokens=system_tokens or d["system_tokens"],
-            discount=akv["discount"], output_price=akv["output_price"])
+            discount=akv["discount"], output_price=akv["output_price"],
+            repeats=akv.get("repeats") or d["akv_repeats"], warmup=warmup)
     elif scenario == "agent":
         res["agent"] = scenarios.agent_scenario(
             loaded, system_tokens=system_tokens or d["system_tokens"], turns=turns or 6,

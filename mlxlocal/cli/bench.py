@@ -54,7 +54,9 @@ def bench(
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", "-p", help="Prompt length in tokens"),
     gen_tokens: Optional[int] = typer.Option(None, "--gen-tokens", "-g", help="Tokens to generate per request"),
     batch: int = typer.Option(1, "--batch", "-b", help="Concurrent identical-length requests per run"),
-    repeats: int = typer.Option(3, "--repeats", "-n", help="Timed runs (mean ± sd; medians for scenarios)"),
+    repeats: Optional[int] = typer.Option(None, "--repeats", "-n", help="Timed runs (mean ± sd; medians for "
+                                          "scenarios); default 3 (--akv: passes of every mode, alternating: 3 on "
+                                          "Metal, 1 on the CPU backend)"),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs"),
     compare: Optional[str] = typer.Option(None, "--compare", help="Also run the same model through: mlx-lm"),
     scenario: Optional[str] = typer.Option(None, "--scenario", help="agent | concurrent | sessions"),
@@ -100,7 +102,7 @@ def bench(
 
         try:
             res = run_embed_bench(model, batch_sizes=(batch,) if batch != 1 else (1, 8, 32),
-                                  repeats=max(1, repeats), warmup=max(0, warmup))
+                                  repeats=max(1, repeats or 3), warmup=max(0, warmup))
         except MlxLocalError as e:
             fail(str(e), 1)
         print(json.dumps(res) if as_json else format_report(res))
@@ -141,7 +143,7 @@ def bench(
             fail("--cached-discount must be in [0, 1] (a share of the uncached input price)")
         if output_price < 0:
             fail("--output-price must be >= 0 (a multiple of the uncached input price)")
-        akv_options = dict(keep=akv_keep, discount=cached_discount, output_price=output_price)
+        akv_options = dict(keep=akv_keep, discount=cached_discount, output_price=output_price, repeats=repeats)
     elif akv_keep is not None or cached_discount != 0.1 or output_price != 4.0:
         fail("--akv-keep, --cached-discount and --output-price apply to --scenario agent --akv only")
     if compare not in (None, "mlx-lm"):
@@ -178,7 +180,7 @@ def bench(
             fail("--plot needs matplotlib: pip install 'mlxlocal[bench]' (or matplotlib)", 1)
     try:
         res = run_local(model=model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch,
-                        repeats=repeats, warmup=warmup, compare=compare, scenario=scenario,
+                        repeats=3 if repeats is None else repeats, warmup=warmup, compare=compare, scenario=scenario,
                         concurrency=concurrency, bandwidth=bandwidth, prefix_cache=not no_prefix_cache,
                         turns=turns, grammar=grammar, akv=akv_options)
     except MlxLocalError as e:

@@ -179,14 +179,6 @@ def think_spans(engine, ids: list[int], messages: list[dict], spans: list[Span])
 Messages = list[dict[str, Any]]
 
 
-def computed_tokens(prompt_tokens: int, cached_tokens: int, dropped_before: int) -> int:
-    """Prompt tokens a request computed (prefilled). With cache edits a request's
-    `cached_tokens` counts the cache slots it reused, and the tokens its session had dropped
-    before (`session.dropped_len` at submit) were neither reused nor computed; a session that
-    started over (nothing reused) computed the whole prompt."""
-    return prompt_tokens - cached_tokens - (dropped_before if cached_tokens else 0)
-
-
 def token_bounds(decode: Callable[[list[int]], str], ids: list[int], chars: list[int]) -> list[int]:
     """For each character offset (ascending) into the text `ids` decode to, the number of
     tokens whose text reaches it: a token straddling a boundary goes to the earlier side.

@@ -30,14 +30,16 @@ class Output:
         self.generated = 0
         self._stopped = False  # a stop string matched: finish() has no text to add
 
-    def first_token(self) -> None:
-        """The prompt is computed: time to first token and prefill speed (once)."""
+    def first_token(self, prefilled: int | None = None) -> None:
+        """The prompt is computed: time to first token and prefill speed (once). `prefilled`:
+        the prompt tokens computed, when not simply those not cached (cache edits)."""
         if self.t_first:
             return
         self.t_first = time.perf_counter()
         st = self.stats
         st.ttft_s = self.t_first - self.t_submit
-        st.prefill_tps = (st.prompt_tokens - st.cached_tokens) / max(st.ttft_s, 1e-9)
+        st.prefill_tokens = st.prompt_tokens - st.cached_tokens if prefilled is None else prefilled
+        st.prefill_tps = st.prefill_tokens / max(st.ttft_s, 1e-9)
 
     def token(self, token: int, logprob: float | None = None,
               top: list[tuple[int, float]] | None = None) -> tuple[Chunk | None, str | None]:

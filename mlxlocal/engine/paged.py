@@ -396,6 +396,9 @@ class PagedEngine(EngineBase):
         for seqs, n in groups:
             logits = self._forward(seqs, n)  # a batch's failure is no one request's: _loop fails all
             for seq in seqs:
+                # Prompt tokens among those fed (a decode of the first sampled token may
+                # already run before that token is handed out).
+                seq.prefilled += max(0, min(seq.num_computed + n, len(seq.prompt)) - seq.num_computed)
                 seq.num_computed += n
             rows = [i for i, seq in enumerate(seqs) if seq.remaining == 0]
             if rows:
@@ -527,7 +530,7 @@ class PagedEngine(EngineBase):
         if not seq.out.t_first:
             if seq.edit is not None:
                 seq.stats.dropped_tokens, seq.stats.repositioned_tokens = seq.edit.dropped, seq.edit.repositioned
-            seq.out.first_token()
+            seq.out.first_token(seq.prefilled)
             # The prompt is now computed: share its full blocks with later requests, and
             # (no session pins it) its partial last block as a leaf they may copy from.
             self.reuse.cache_prefix(seq)

@@ -34,6 +34,7 @@ class Sequence:
     # (holes where a block left the window; cache/window.py).
     window_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    prefilled: int = 0  # prompt tokens this request fed to the model
     status: Status = Status.WAITING
     preemptions: int = 0
     # The token sampled by the step in flight: fed to the next step before its value is

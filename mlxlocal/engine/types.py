@@ -159,6 +159,9 @@ class GenerationStats:
     # are not counted again).
     dropped_tokens: int = 0
     repositioned_tokens: int = 0
+    # Prompt tokens this request computed: prompt_tokens less the cached ones and, with cache
+    # edits, less those its session had dropped before (neither reused nor computed).
+    prefill_tokens: int = 0
 
     def set_finish(self, reason: str, max_tokens: int, cause: str | None = None) -> None:
         """Record the finish reason; call after completion_tokens is final. Both engines
