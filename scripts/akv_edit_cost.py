@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -54,19 +55,25 @@ def turn(eng, first: list[int], second: list[int], edits, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="synthetic:qwen3-0.6b:layers=4")
-    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--model", default="synthetic:tiny:context=20000")
+    ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     loaded = load(args.model)
     rows = []
+    if not args.json:
+        print(f"model {args.model}; drop of a quarter of the context at 10%; 32 new tokens; medians of {args.repeats}")
+        print(f"{'context':>8} {'mode':<18} {'TTFT ms':>9} {'edit ms':>9} {'attended':>9}", flush=True)
     for n in (int(x) for x in args.contexts.split(",")):
         eng = PagedEngine(loaded, EngineConfig(kv_tokens=2 * n + 256, prefix_cache=False))
         try:
+            # Random ids: a periodic prompt would let text engineering's shortened prompt match
+            # the session's cache far past the cut.
+            rng = random.Random(n)
             vocab = min(eng.vocab_size or 1000, 30000)
-            first = [(i * 7919 + 13) % vocab for i in range(n)]
-            new = [(i * 104729 + 7) % vocab for i in range(32)]
+            first = [rng.randrange(vocab) for _ in range(n)]
+            new = [rng.randrange(vocab) for _ in range(32)]
             a, b = n // 10, n // 10 + n // 4
             # The session computed `first` and sampled one token it never fed: the next prompt
             # starts with first + that token, so find it from a plain turn.
@@ -86,15 +93,12 @@ def main() -> None:
             for mode, (prompt, edits) in modes.items():
                 r = turn(eng, first, prompt, edits, args.repeats)
                 rows.append({"context": n, "mode": mode, **r})
+                if not args.json:  # as they come: a long run shows its rows early
+                    print(f"{n:>8} {mode:<18} {r['ttft_ms']:>9.1f} {r['edit_ms']:>9.1f} {r['attended']:>9}", flush=True)
         finally:
             eng.shutdown()
     if args.json:
         print(json.dumps(rows, indent=2))
-        return
-    print(f"model {args.model}; drop of a quarter of the context at 10%; 32 new tokens; medians of {args.repeats}")
-    print(f"{'context':>8} {'mode':<18} {'TTFT ms':>9} {'edit ms':>9} {'attended':>9}")
-    for r in rows:
-        print(f"{r['context']:>8} {r['mode']:<18} {r['ttft_ms']:>9.1f} {r['edit_ms']:>9.1f} {r['attended']:>9}")
 
 
 if __name__ == "__main__":
