@@ -161,18 +161,26 @@ def message_spans(engine, messages: list[dict[str, Any]], tools: list[dict] | No
 def think_spans(engine, ids: list[int], messages: list[dict], spans: list[Span]) -> dict[int, Span]:
     """The think block (markers included) of each assistant message that shows one, by the
     model family's think markers (the tokenizer's, as grammar/parse.py reads them)."""
-    tok = engine.tokenizer
-    if not getattr(tok, "has_thinking", False):
-        return {}
-    start = [int(t) for t in getattr(tok, "think_start_tokens", None) or ()]
-    end = [int(t) for t in getattr(tok, "think_end_tokens", None) or ()]
+    start, end = _marker_ids(engine)
     out = {}
     for i, m in enumerate(messages):
-        if m.get("role") == "assistant":
-            found = think_span(ids, spans[i], start, end)
-            if found is not None:
-                out[i] = found
+        found = think_span(ids, spans[i], start, end) if m.get("role") == "assistant" else None
+        if found is not None:
+            out[i] = found
     return out
+
+
+def _marker_ids(engine: Any) -> tuple[list[int], list[int]]:
+    """The think markers as token ids (empty without thinking: think_span then finds none)."""
+    tok = engine.tokenizer
+    if not getattr(tok, "has_thinking", False):
+        return [], []
+    start = [int(t) for t in getattr(tok, "think_start_tokens", None) or ()]
+    end = [int(t) for t in getattr(tok, "think_end_tokens", None) or ()]
+    if not start and getattr(tok, "think_start", None) and getattr(tok, "think_end", None):
+        start = list(tok.encode(tok.think_start, add_special_tokens=False))
+        end = list(tok.encode(tok.think_end, add_special_tokens=False))
+    return start, end
 
 
 # --- conversations kept as token ids --------------------------------------------------
@@ -292,7 +300,7 @@ class ConversationSpans:
         ids = prompt + generated
         span = (layout.end, len(ids))
         layout.spans.append(span)
-        found = _think(engine, ids, span)
+        found = think_span(ids, span, *_marker_ids(engine))
         if found is not None:
             layout.thinks[len(layout.spans) - 1] = found
         layout.end = len(ids)
@@ -341,12 +349,8 @@ class ConversationSpans:
             return
         bounds = token_bounds(_decoder(engine), ids, chars)
         starts = [0] + bounds[:-1]
-        layout = _Layout(list(zip(starts, bounds)), {}, bounds[-1] if bounds else 0)
-        for i, m in enumerate(conv):
-            found = _think(engine, ids, layout.spans[i]) if m.get("role") == "assistant" else None
-            if found is not None:
-                layout.thinks[i] = found
-        self._pending = layout
+        spans = list(zip(starts, bounds))
+        self._pending = _Layout(spans, think_spans(engine, ids, conv, spans), bounds[-1] if bounds else 0)
 
 
 def _verified(text: str, spans: list[Span], messages: Messages, owner: ConversationSpans) -> bool:
@@ -387,17 +391,3 @@ def _decoder(engine: Any) -> Callable[[list[int]], str]:
             return engine.decode(ids)
 
     return decode
-
-
-def _marker_ids(engine: Any) -> tuple[list[int], list[int]]:
-    tok = engine.tokenizer
-    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
-    end = getattr(tok, "think_end", None) if start else None
-    if not start or not end:
-        return [], []
-    return list(tok.encode(start, add_special_tokens=False)), list(tok.encode(end, add_special_tokens=False))
-
-
-def _think(engine: Any, ids: list[int], span: Span) -> Span | None:
-    open_ids, close_ids = _marker_ids(engine)
-    return think_span(ids, span, open_ids, close_ids)

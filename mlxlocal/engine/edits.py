@@ -119,7 +119,8 @@ class EditState:
         for a, b in edit.reposition:
             for j in range(bisect_left(kept_origin, a), bisect_left(kept_origin, b)):
                 new[j] = new[j - 1] + 1 if j else 0
-                moved.append(j)
+                if new[j] != old[keep[j]]:  # already in place: nothing to re-rotate
+                    moved.append(j)
         return Layout(gone, keep, old, new, moved)
 
     def commit(self, edit: CacheEdit, lay: Layout) -> None:
@@ -132,11 +133,7 @@ class EditState:
         self.pending.pop(0)
         self.applied.append((edit, edit_key(edit, self.full)))
         self.dropped += len(lay.gone)
-        self.repositioned += sum(1 for j in lay.moved if lay.new[j] != lay.old[lay.keep[j]])
-
-    @property
-    def history(self) -> list[str]:
-        return [k for _, k in self.applied]
+        self.repositioned += len(lay.moved)
 
 
 @dataclass
@@ -145,7 +142,7 @@ class Layout:
     keep: list[int]  # kept slots, in order
     old: list[int]  # rope position of every computed slot before the edit
     new: list[int]  # rope position of every kept slot after it
-    moved: list[int]  # kept slots (indices into keep) whose keys are re-rotated
+    moved: list[int]  # kept slots (indices into keep) whose position changes: keys re-rotated
 
 
 def block_tags(st: EditState, n_blocks: int, block_size: int) -> list[str | None]:
@@ -225,9 +222,7 @@ def apply_edit(seq, pools: KVPools, blocks: BlockManager, rotate: Rotator | None
     st: EditState = seq.edit
     edit, bs, n = st.pending[0], pools.block_size, seq.num_computed
     lay = st.layout(edit, n)
-    moved = set(lay.moved)
-    rotated = [j for j in lay.moved if lay.new[j] != lay.old[lay.keep[j]]]
-    touched = lay.gone[:1] + [lay.keep[j] for j in rotated[:1]]
+    touched = lay.gone[:1] + [lay.keep[j] for j in lay.moved[:1]]
     first = min(touched) if touched else n
     start_block = first // bs
     j0 = bisect_left(lay.keep, start_block * bs)  # kept slots before the first touched block stay put
@@ -243,7 +238,7 @@ def apply_edit(seq, pools: KVPools, blocks: BlockManager, rotate: Rotator | None
     else:  # someone else reads them: fresh blocks (OutOfBlocks here leaves seq untouched)
         dest = blocks.allocate(n_new)
     dst = [(dest[(j0 + i) // bs - start_block], (j0 + i) % bs) for i in range(len(rows))]
-    rot = [i for i in range(len(rows)) if j0 + i in moved and lay.new[j0 + i] != lay.old[rows[i]]]
+    rot = [j - j0 for j in lay.moved]  # rows start at kept index j0 <= every moved one
     if rows:
         pools.move_rows(mx.array([table[s // bs] for s in rows]), mx.array([s % bs for s in rows]),
                         mx.array([b for b, _ in dst]), mx.array([o for _, o in dst]),
