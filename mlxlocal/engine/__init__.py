@@ -13,12 +13,19 @@ from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine
 from mlxlocal.engine.runner import NotPageable, make_runner
 from mlxlocal.engine.simple import SimpleEngine
-from mlxlocal.engine.types import CacheEdit, Chunk, GenerationStats, Grammar, SamplingParams
+from mlxlocal.engine.types import (
+    CacheEdit,
+    Chunk,
+    GenerationStats,
+    Grammar,
+    SamplingParams,
+    SpeculativeConfig,
+)
 from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
     "STATS_KEYS", "CacheEdit", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",
-    "GenerationStats", "Grammar", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "engine_kind",
+    "GenerationStats", "Grammar", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "SpeculativeConfig", "engine_kind",
     "open_engine",
 ]
 
@@ -32,6 +39,11 @@ def open_engine(loaded: LoadedModel, **config) -> Engine:
     try:
         runner = make_runner(loaded)
     except NotPageable as e:
+        wanted = [name for name, on in (("speculative decoding", config.get("speculative")),
+                                        ("--kv-bits", config.get("kv_bits"))) if on]
+        if wanted:  # the dense engine has neither: refused, not ignored
+            raise ValueError(f"{' and '.join(wanted)} need the paged engine; {loaded.info.name} runs on the "
+                             f"dense one-sequence engine ({e})") from e
         return SimpleEngine(loaded, paged_reason=str(e), **config)
     return PagedEngine(loaded, EngineConfig(**config), runner)
 

@@ -21,6 +21,8 @@ STATS_KEYS = frozenset({
     "blocks_total", "blocks_used", "blocks_cached", "blocks_free", "block_size", "waste",
     "prefix_hit_tokens", "running", "waiting", "tokens_in", "tokens_out",
     "tokens_dropped", "tokens_repositioned",
+    # Speculative decoding: verify steps, tokens drafted, drafted tokens accepted.
+    "spec_steps", "spec_drafted", "spec_accepted",
 })
 
 

@@ -34,7 +34,7 @@ from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
-from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
+from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams, SpeculativeConfig
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.source.loader import LoadedModel
 
@@ -59,6 +59,9 @@ class EngineConfig:
     max_step_tokens: int = 512  # per-step token budget: decodes + one prefill chunk
     prefix_cache: bool = True
     max_waiting: int = 256  # requests queued beyond this are refused (QueueFullError)
+    speculative: SpeculativeConfig | None = None  # draft tokens and verify them in one forward
+    kv_bits: int | None = None  # 8 or 4: K/V stored quantized in the pools (None: model dtype)
+    kv_group_size: int = 64  # elements sharing one scale and bias in quantized K/V
 
 
 def default_kv_memory() -> int:
@@ -113,6 +116,7 @@ class PagedEngine(EngineBase):
         self.tokens_out = 0
         self.tokens_dropped = 0
         self.tokens_repositioned = 0
+        self.spec_steps = self.spec_drafted = self.spec_accepted = 0
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
         # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
         self._inflight: list = []
@@ -592,4 +596,7 @@ class PagedEngine(EngineBase):
             "tokens_out": self.tokens_out,
             "tokens_dropped": self.tokens_dropped,
             "tokens_repositioned": self.tokens_repositioned,
+            "spec_steps": self.spec_steps,
+            "spec_drafted": self.spec_drafted,
+            "spec_accepted": self.spec_accepted,
         }

@@ -56,6 +56,34 @@ class CacheEdit:
     close_tail: bool = False
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding in the paged engine: how tokens are drafted each decode step.
+
+    method "lookup": prompt lookup (n-gram matches over the prompt and the output so far, no
+    extra model); "draft": a small draft model sharing the target's tokenizer (`draft`: its
+    LoadedModel). Each sequence drafts up to `num_draft_tokens` tokens (fewer while its recent
+    drafts were rejected); the target verifies them all in one forward.
+    """
+
+    method: str = "lookup"
+    draft: object = None  # mlxlocal.source.loader.LoadedModel for method "draft"
+    num_draft_tokens: int = 4
+    ngram_min: int = 1  # prompt lookup: the shortest suffix that may match
+    ngram_max: int = 4  # and the longest, tried first
+
+    def __post_init__(self):
+        if self.method not in ("lookup", "draft"):
+            raise ValueError(f"speculative method must be 'lookup' or 'draft', got {self.method!r}")
+        if self.method == "draft" and self.draft is None:
+            raise ValueError("speculative method 'draft' needs a draft model")
+        if not (_is_int(self.num_draft_tokens) and 1 <= self.num_draft_tokens <= 32):
+            raise ValueError(f"num_draft_tokens must be an integer in [1, 32], got {self.num_draft_tokens!r}")
+        if not (_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got "
+                             f"{self.ngram_min!r}, {self.ngram_max!r}")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -77,6 +105,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only tokens the grammar allows are sampled; it ends the output (EOS) when complete.
     grammar: Grammar | None = None
+    # False: this request decodes one token per step even on an engine that speculates.
+    speculative: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of its range.
@@ -110,6 +140,8 @@ class SamplingParams:
         # mx.random.key takes the seed as a uint64; kept below 2**63 so it is also a valid int64.
         integer("seed", 0, 2**63, "2**63", optional=True)
         integer("logprobs", 0, MAX_TOP_LOGPROBS + 1, str(MAX_TOP_LOGPROBS + 1), optional=True)
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         # A bare string would be taken one character at a time.
@@ -162,6 +194,10 @@ class GenerationStats:
     # Prompt tokens this request computed: prompt_tokens less the cached ones and, with cache
     # edits, less those its session had dropped before (neither reused nor computed).
     prefill_tokens: int = 0
+    # Speculative decoding: tokens drafted for this request, and how many of them the target
+    # accepted (each verify step also yields one token of the target's own).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def set_finish(self, reason: str, max_tokens: int, cause: str | None = None) -> None:
         """Record the finish reason; call after completion_tokens is final. Both engines
