@@ -31,7 +31,8 @@ from rich.text import Text
 
 from mlxlocal.compaction import CompactionPolicy
 from mlxlocal.compaction.spans import ConversationSpans
-from mlxlocal.engine import Engine, GenerationStats, SamplingParams, open_engine
+from mlxlocal.engine import Engine, GenerationStats, SamplingParams
+from mlxlocal.engine.spec_options import open_engine_with, speculation_of
 from mlxlocal.errors import ContextLengthError, MlxLocalError
 from mlxlocal.units import human_bytes
 
@@ -45,7 +46,7 @@ COMMANDS = {
     "/system TEXT": "set the system prompt (clears the conversation)",
     "/save FILE": "save the conversation as JSON",
     "/load FILE": "restore a conversation saved with /save",
-    "/stats": "model info, attended and dropped tokens (--kv-compact), last reply's stats",
+    "/stats": "model info, attended and dropped tokens (--kv-compact), speculative acceptance, last reply's stats",
     "/model SPEC": "switch to another model",
     "/exit": "leave (also /quit, /bye, Ctrl-D)",
 }
@@ -81,7 +82,8 @@ def format_footer(stats: GenerationStats) -> str:
         f"prefill {format_rate(stats.prefill_tps)} tok/s",
         f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached"
         + (f", {stats.dropped_tokens} dropped from the KV cache)" if stats.dropped_tokens else ")"),
-        f"reply {stats.completion_tokens} tokens",
+        f"reply {stats.completion_tokens} tokens"
+        + (f" ({stats.accepted_tokens}/{stats.draft_tokens} drafted accepted)" if stats.draft_tokens else ""),
         f"TTFT {format_seconds(stats.ttft_s)}",
         f"peak {human_bytes(stats.peak_memory_bytes)}",
     ]
@@ -387,6 +389,12 @@ class ChatRepl:
         else:  # dense caches: no blocks to count
             self.say(f"kv cache dense, one per session (mlx-lm path), "
                      f"{st['prefix_hit_tokens']} prompt tokens served from cache")
+        spec = speculation_of(self.engine_options)
+        if spec is not None:
+            drafted, accepted = st["spec_drafted"], st["spec_accepted"]
+            rate = f"{accepted / drafted:.0%}" if drafted else "nothing drafted yet"
+            self.say(f"speculate {spec.describe()}: {accepted} of {drafted} drafted tokens accepted ({rate}) "
+                     f"in {st['spec_steps']} verify steps")
         self.say(f"last     {format_footer(self.last_stats) if self.last_stats else 'no reply yet'}")
 
     def cmd_model(self, arg: str) -> None:
@@ -396,7 +404,7 @@ class ChatRepl:
 
         try:
             with self.console.status(f"loading {arg}…"):
-                engine = open_engine(load(arg), **self.engine_options)
+                engine = open_engine_with(load(arg), self.engine_options)
         except MlxLocalError as e:
             return self.error(f"{e} (still using {self.engine.info.name})")
         except Exception as e:  # a failed switch must not end the chat
@@ -491,7 +499,7 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
     engine_options = {"max_num_seqs": 1, **(engine_options or {})}
     try:
         with console.status(f"loading {model}…"):
-            engine = open_engine(load(model), **engine_options)
+            engine = open_engine_with(load(model), engine_options)
     except MlxLocalError as e:
         console.print(f"error: {e}", style="bold red", markup=False, highlight=False)
         return 1

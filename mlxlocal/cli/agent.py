@@ -10,13 +10,17 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import (
+    DRAFT_MODEL_HELP,
     KV_COMPACT_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
+    NUM_DRAFT_HELP,
+    PROMPT_LOOKUP_HELP,
     agent_limits,
     compaction_policy,
     engine_options,
     fail,
+    speculation,
 )
 from mlxlocal.cli.generate import MAX_TOOLS_HELP, RERANK_HELP, TOOL_EMBEDDER_HELP, sampling_params
 
@@ -42,6 +46,9 @@ def run(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     kv_compact: Optional[str] = typer.Option(None, "--kv-compact", help=KV_COMPACT_HELP),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP),
+    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP),
+    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
 ) -> None:
     """Run one task with MCP tools: the model calls tools until it answers (Rule-of-Two policy
     before every call). Exit 0 answered, 1 stopped short, 2 unusable config."""
@@ -57,6 +64,9 @@ def run(
     compact = compaction_policy(kv_compact)
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
+    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
+    if spec is not None:
+        options["speculative"] = spec
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
                               max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, rerank_tools=rerank_tools, as_json=as_json,
                               yes=yes, compact=compact))

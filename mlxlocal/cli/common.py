@@ -91,3 +91,30 @@ def agent_limits(max_steps: int, max_tools: str) -> int | None:
         return parse_max_tools(max_tools)
     except ValueError as e:
         fail(str(e), 2)
+
+
+DRAFT_MODEL_HELP = ("Speculative decoding with this draft model (any --model spec; it must share the model's "
+                    "tokenizer): it drafts tokens, the model verifies them all in one forward. The draft may be "
+                    "the model itself")
+PROMPT_LOOKUP_HELP = ("Speculative decoding by prompt lookup: tokens drafted from n-gram matches in the prompt and "
+                      "the reply so far (no extra model; pays off on text that repeats its input: code edits, JSON)")
+NUM_DRAFT_HELP = "With --draft-model or --prompt-lookup: tokens drafted per step at most, 1..32 [default: 4]"
+
+
+def speculation(draft_model: Optional[str], prompt_lookup: bool, num_draft_tokens: Optional[int]):
+    """--draft-model / --prompt-lookup / --num-draft-tokens -> a SpeculationChoice (an engine
+    option) or None; exits 2 naming the options when they do not go together."""
+    from mlxlocal.engine.spec_options import DEFAULT_DRAFT_TOKENS, SpeculationChoice
+
+    if draft_model is not None and prompt_lookup:
+        fail("--draft-model and --prompt-lookup: give one drafter, not both", 2)
+    if draft_model is None and not prompt_lookup:
+        if num_draft_tokens is not None:
+            fail("--num-draft-tokens needs a drafter: add --draft-model MODEL or --prompt-lookup", 2)
+        return None
+    n = DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
+    if not 1 <= n <= 32:
+        fail(f"--num-draft-tokens must be in 1..32, got {n}", 2)
+    if draft_model is not None and not draft_model.strip():
+        fail("--draft-model: the model spec is empty", 2)
+    return SpeculationChoice("draft" if draft_model is not None else "lookup", draft_model, n)

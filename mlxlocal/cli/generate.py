@@ -10,17 +10,21 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import (
+    DRAFT_MODEL_HELP,
     FREQ_HELP,
     KV_COMPACT_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
+    NUM_DRAFT_HELP,
     PRES_HELP,
+    PROMPT_LOOKUP_HELP,
     agent_limits,
     compaction_policy,
     engine_options,
     err,
     fail,
     human_bytes,
+    speculation,
 )
 from mlxlocal.errors import MlxLocalError
 
@@ -63,10 +67,13 @@ def generate(
     regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regex"),
     grammar_file: Optional[Path] = typer.Option(None, "--grammar", help="Constrain the output to the GBNF or "
                                                 "Lark grammar in this file"),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP),
+    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP),
+    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
-    from mlxlocal.engine import open_engine
     from mlxlocal.engine.base import EngineBase
+    from mlxlocal.engine.spec_options import open_engine_with
     from mlxlocal.source.loader import load
 
     if prompt is None or prompt == "-":
@@ -80,6 +87,9 @@ def generate(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, grammar=constraint,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
+    if spec is not None:
+        options["speculative"] = spec
     try:
         loaded = load(model)
         prompts = EngineBase(loaded)
@@ -93,9 +103,10 @@ def generate(
             ids = prompts.encode_chat(messages)
         if constraint is not None:
             params.grammar = after_reasoning(constraint, prompts, ids, max_tokens)
-        # One request: a pool just big enough for it, unless told otherwise.
-        options.setdefault("kv_tokens", len(ids) + max_tokens)
-        engine = open_engine(loaded, max_num_seqs=1, **options)
+        # One request: a pool just big enough for it (and a verify step's drafted tokens), unless
+        # told otherwise.
+        options.setdefault("kv_tokens", len(ids) + max_tokens + (spec.num_draft_tokens if spec else 0))
+        engine = open_engine_with(loaded, {"max_num_seqs": 1, **options})
         pieces: list[str] = []
         tokens: list[int] = []
         stats = None
@@ -114,11 +125,11 @@ def generate(
     synthetic = engine.info.source == "synthetic"
     if as_json:
         result = {"model": engine.info.name, "text": "".join(pieces), "tokens": tokens, **stats.as_dict(),
-                  "synthetic": synthetic}
+                  "acceptance_rate": acceptance_rate(stats) if spec else None, "synthetic": synthetic}
         print(json.dumps(result))
         return
     sys.stdout.write("\n")
-    err.print(stats_line(stats, engine.context_length), style="dim", highlight=False, markup=False)
+    err.print(stats_line(stats, engine.context_length) + (spec_line(stats) if spec else ""), style="dim", highlight=False, markup=False)
     if synthetic:
         err.print("(random weights: the text is gibberish on purpose; the numbers above are the "
                   "real speed of this model shape)", style="dim", highlight=False, markup=False)
@@ -180,6 +191,17 @@ def stats_line(stats, context_length: int) -> str:
             f" · finish: {finish}")
 
 
+def acceptance_rate(stats) -> float | None:
+    """Drafted tokens the model accepted, as a share (None: nothing was drafted)."""
+    return stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else None
+
+
+def spec_line(stats) -> str:
+    rate = acceptance_rate(stats)
+    return (f" · speculative: {stats.accepted_tokens}/{stats.draft_tokens} drafted tokens accepted"
+            + (f" ({rate:.0%})" if rate is not None else ""))
+
+
 MAX_TOOLS_HELP = ("With more MCP tools than this, the prompt offers the top K for each user turn, the tools "
                   "called before and a search_tools tool that finds more; 0 or all: every tool")
 TOOL_EMBEDDER_HELP = ("Embedding model (e.g. minilm) for the tool index's dense stage besides BM25 "
@@ -212,6 +234,9 @@ def chat(
     tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help="With --mcp: " + TOOL_EMBEDDER_HELP),
     rerank_tools: bool = typer.Option(False, "--rerank-tools", help="With --mcp: " + RERANK_HELP),
     kv_compact: Optional[str] = typer.Option(None, "--kv-compact", help=KV_COMPACT_HELP),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP),
+    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP),
+    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.chat import run_chat
@@ -223,6 +248,9 @@ def chat(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
+    if spec is not None:
+        options["speculative"] = spec
     if mcp:
         from mlxlocal.agent_chat import run_agent_chat
 

@@ -6,7 +6,18 @@ from typing import Optional
 
 import typer
 
-from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, err, fail, parse_size
+from mlxlocal.cli.common import (
+    DRAFT_MODEL_HELP,
+    KV_MEMORY_HELP,
+    MODEL_HELP,
+    NUM_DRAFT_HELP,
+    PROMPT_LOOKUP_HELP,
+    engine_options,
+    err,
+    fail,
+    parse_size,
+    speculation,
+)
 from mlxlocal.compaction.policy import POLICY_HELP
 
 
@@ -50,6 +61,11 @@ def serve(
                                      "each pinning its conversation's KV; the least recently used is freed first"),
     session_idle: str = typer.Option("30m", "--session-idle", help="Free a session's KV after this idle time "
                                      "(30s, 5m, 1h; -1 never)"),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP + ". Every --model "
+                                              "speculates with it; a request opts out with \"speculative\": false"),
+    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP + ". A request opts out "
+                                       "with \"speculative\": false (Ollama: options.speculative)"),
+    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
     from mlxlocal.agents.pruning import parse_max_tools
@@ -70,6 +86,11 @@ def serve(
              "value and their own name", 2)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
+    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
+    if spec is not None:
+        if not model:
+            fail("--draft-model / --prompt-lookup speed up --model models; embedding models do not generate", 2)
+        options["speculative"] = spec
     try:
         keep = parse_duration(keep_alive)
     except APIError as e:

@@ -42,6 +42,7 @@ from mlxlocal.server.validation import (
     boolean,
     check_params,
     number,
+    speculative,
     stop_strings,
     string,
     text_bytes,
@@ -70,6 +71,7 @@ def sampling_params(body: dict) -> SamplingParams:
         top_p=number(body, "top_p", 1.0, "top_p"),
         top_k=number(body, "top_k", 0, "top_k", integer=True),
         stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
+        speculative=speculative(body),
     )
     check_params(params, _NAMES)
     boolean(body, "stream", False)

@@ -14,6 +14,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxlocal import __version__
 from mlxlocal.engine import Engine
+from mlxlocal.engine.spec_options import speculation_of
 from mlxlocal.server.app import ServerConfig, create_app
 from mlxlocal.server.registry import ModelRegistry
 from mlxlocal.units import human_bytes
@@ -48,6 +49,9 @@ def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None 
         info = e.engine.info if e.engine is not None else None
         detail = f"  ({info.name}: dim {info.dim}, max {info.max_length} tokens)" if info else ""
         lines.append(f"  embed    {e.name}{detail} · /v1/embeddings /api/embed")
+    spec = speculation_of(config.engine_options)
+    if spec is not None:
+        lines.append(f"  speculative decoding {spec.describe()} · per request: \"speculative\": false opts out")
     lines.append(f"  APIs     {DIALECTS}")
     if config.mcp_endpoint:
         lines.append(f"  MCP      {url_of(config.host, port or config.port)}/mcp (Streamable HTTP)")

@@ -24,6 +24,11 @@ class Metrics:
         self.kv_used = Gauge("mlxlocal_kv_blocks_used", "KV blocks referenced by sequences", registry=r)
         self.kv_total = Gauge("mlxlocal_kv_blocks_total", "KV blocks in the pools", registry=r)
         self.prefix_hits = Gauge("mlxlocal_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        # Speculative decoding (serve --draft-model / --prompt-lookup), summed over the loaded
+        # engines since each loaded: verify steps, tokens drafted, drafted tokens accepted.
+        self.spec_steps = Gauge("mlxlocal_spec_verify_steps", "Speculative verify steps", registry=r)
+        self.spec_drafted = Gauge("mlxlocal_spec_draft_tokens", "Tokens drafted for speculative decoding", registry=r)
+        self.spec_accepted = Gauge("mlxlocal_spec_accepted_tokens", "Drafted tokens the model accepted", registry=r)
         self.ttft = Histogram("mlxlocal_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram("mlxlocal_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
@@ -36,7 +41,8 @@ class Metrics:
 
     def refresh(self, engines: list[Engine]) -> None:
         """Gauges from the engines' own counters, at scrape time."""
-        totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "prefix_hit_tokens": 0}
+        totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "prefix_hit_tokens": 0,
+                  "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0}
         for engine in engines:
             stats = engine.stats()
             for key in totals:
@@ -46,6 +52,9 @@ class Metrics:
         self.kv_used.set(totals["blocks_used"])
         self.kv_total.set(totals["blocks_total"])
         self.prefix_hits.set(totals["prefix_hit_tokens"])
+        self.spec_steps.set(totals["spec_steps"])
+        self.spec_drafted.set(totals["spec_drafted"])
+        self.spec_accepted.set(totals["spec_accepted"])
 
 
 class _WithoutCreated:

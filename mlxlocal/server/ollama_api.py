@@ -27,6 +27,7 @@ from mlxlocal.server.validation import (
     check_params,
     number,
     sized_list,
+    speculative,
     stop_strings,
     string,
     text_bytes,
@@ -85,6 +86,7 @@ def sampling_params(options: Any, context_length: int) -> SamplingParams:
         presence_penalty=opt("presence_penalty", 0.0),
         seed=seed if seed is None or seed >= 0 else None,  # Ollama: -1 is a random seed
         stop=stop_strings(options.get("stop"), "options.stop"),
+        speculative=speculative(options, "options.speculative"),
     )
     check_params(params, _NAMES)
     return params

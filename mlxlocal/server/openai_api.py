@@ -52,6 +52,7 @@ from mlxlocal.server.validation import (
     MAX_TOOLS,
     CheckedBodyRoute,
     check_params,
+    speculative,
     stop_strings,
     text_bytes,
     tokenize,
@@ -205,6 +206,7 @@ def _sampling(req: SamplingFields, max_tokens: int, logprobs: int | None, names:
         seed=req.seed,
         stop=stop_strings(req.stop, "stop"),  # how many: SamplingParams.validate
         logprobs=logprobs,
+        speculative=speculative(req.model_extra),
     )
     check_params(params, names)
     return params

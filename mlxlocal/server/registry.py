@@ -13,8 +13,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxlocal.engine import Engine, open_engine
+from mlxlocal.engine import Engine
 from mlxlocal.engine.base import in_own_thread
+from mlxlocal.engine.spec_options import open_engine_with, speculation_of
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.model_cards import capabilities_of
@@ -270,7 +271,7 @@ class ModelRegistry:
 
         # On a thread of its own that clears its MLX streams: a pooled one would keep them
         # to interpreter exit, where MLX may abort the process.
-        return in_own_thread(lambda: open_engine(load(spec), **self.engine_options))
+        return in_own_thread(lambda: open_engine_with(load(spec), self.engine_options))
 
     def make_room(self, engine: Engine, need: int, keep: Any = None) -> list:
         """Idle sessions on `engine` to free (reset them) before a request that needs `need`
@@ -321,6 +322,8 @@ class ModelRegistry:
     def health(self) -> tuple[int, dict]:
         """/health: 200 while every loaded engine runs; 503 naming the models whose engine stopped."""
         body = {"status": "ok", "models": [m.name for m in self.models], "loaded": [m.name for m in self.loaded()]}
+        spec = speculation_of(self.engine_options)  # --draft-model / --prompt-lookup: every model's engine
+        body["speculative"] = spec.as_dict() if spec is not None else None
         dead = [m for m in self.loaded() if m.dead_reason is not None]
         if not dead:
             return 200, body

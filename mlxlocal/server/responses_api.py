@@ -80,6 +80,7 @@ from mlxlocal.server.validation import (
     CheckedBodyRoute,
     check_params,
     sized_list,
+    speculative,
 )
 
 log = logging.getLogger("mlxlocal.server")
@@ -388,7 +389,8 @@ async def create_response(req: ResponsesRequest, request: Request):
     names = {"max_tokens": "max_output_tokens", "prompt": "input"}
     params = SamplingParams(max_tokens=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
                             temperature=1.0 if req.temperature is None else req.temperature,
-                            top_p=1.0 if req.top_p is None else req.top_p)
+                            top_p=1.0 if req.top_p is None else req.top_p,
+                            speculative=speculative(req.model_extra))
     check_params(params, names)
     constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)

@@ -150,6 +150,14 @@ def boolean(obj: dict, key: str, default: bool | None, where: str | None = None)
     return v
 
 
+def speculative(obj: dict | None, where: str = "speculative") -> bool:
+    """The per-request opt-out of speculative decoding (`serve --draft-model / --prompt-lookup`),
+    an extension field in every dialect: "speculative": false decodes this request one token per
+    step (Ollama: options.speculative). Absent or null: true; on a server that does not
+    speculate it changes nothing."""
+    return boolean(obj or {}, "speculative", True, where)
+
+
 def string(obj: dict, key: str, where: str | None = None, required: bool = False) -> str | None:
     v = obj.get(key)
     where = where or key

@@ -215,3 +215,28 @@ def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -
     return assemble(path, config, weights,
                     lambda: load_gguf_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
                     report, name or path.stem, source, t0, notes, config_path=str(path))
+
+
+def check_draft_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model proposes token ids the target verifies: both must mean the same text by
+    the same id. Raises ModelLoadError naming both models when the vocabularies differ in
+    size or in any token's id (checked before an engine starts, not at the first step)."""
+    if draft is target:
+        return
+    tv, dv = _vocab_of(target.tokenizer), _vocab_of(draft.tokenizer)
+    names = f"draft model {draft.info.name} and target model {target.info.name}"
+    if len(tv) != len(dv):
+        raise ModelLoadError(f"{names} have different tokenizers: {len(dv)} tokens in the draft's vocabulary, "
+                             f"{len(tv)} in the target's; a draft model must share the target's tokenizer")
+    differ = [tok for tok, i in tv.items() if dv.get(tok) != i]
+    if differ:
+        tok = differ[0]
+        where = f"id {dv[tok]} in the draft" if tok in dv else "absent from the draft"
+        raise ModelLoadError(f"{names} have different tokenizers: {len(differ)} of {len(tv)} tokens map to other "
+                             f"ids (e.g. {tok!r} is id {tv[tok]} in the target, {where}); a draft model must share "
+                             "the target's tokenizer")
+
+
+def _vocab_of(tokenizer: Any) -> dict[str, int]:
+    """token -> id, added tokens included (mlx-lm's wrapper passes get_vocab through)."""
+    return dict(tokenizer.get_vocab())

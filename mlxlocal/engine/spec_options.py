@@ -1,0 +1,84 @@
+"""What a front end's --draft-model / --prompt-lookup / --num-draft-tokens ask for, made into
+the engine's SpeculativeConfig for a loaded target model.
+
+The CLI, the chat REPL, the agent loop, the server's registry and bench open engines through
+`open_engine_with(loaded, options)`: a `SpeculationChoice` in the options is resolved for that
+target (the draft loaded once and kept for later targets: chat's /model, the server's reloads
+after keep_alive), its tokenizer checked against the target's before any engine starts.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from mlxlocal.engine.types import SpeculativeConfig
+from mlxlocal.errors import ModelLoadError
+from mlxlocal.source.loader import LoadedModel, check_draft_tokenizer
+
+DEFAULT_DRAFT_TOKENS = 4
+
+
+@dataclass
+class SpeculationChoice:
+    method: str  # "lookup" (prompt lookup) or "draft" (a draft model)
+    draft_spec: str | None = None  # the draft's model spec (method "draft")
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    _draft: LoadedModel | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self):
+        # The engine's own checks, at parse time: a bad value is refused before any model loads.
+        SpeculativeConfig(method=self.method, draft=self.draft_spec, num_draft_tokens=self.num_draft_tokens)
+
+    def describe(self) -> str:
+        how = "prompt lookup" if self.method == "lookup" else f"draft model {self.draft_spec}"
+        return f"{how}, up to {self.num_draft_tokens} draft tokens per step"
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "draft_model": self.draft_spec, "num_draft_tokens": self.num_draft_tokens}
+
+    def draft_for(self, target: LoadedModel) -> LoadedModel:
+        """The draft model for `target`: the target itself when the spec names the same model
+        directory (self-draft: no second copy of the weights), else loaded once."""
+        from mlxlocal.source import hub
+        from mlxlocal.source.loader import load
+
+        with self._lock:
+            if self._draft is None:
+                resolved = hub.resolve(self.draft_spec)
+                same = resolved.path.resolve() == target.info.path.resolve()
+                self._draft = target if same else load(self.draft_spec)
+            draft = self._draft
+        check_draft_tokenizer(target, draft)
+        return draft
+
+    def config_for(self, target: LoadedModel) -> SpeculativeConfig:
+        draft = self.draft_for(target) if self.method == "draft" else None
+        return SpeculativeConfig(method=self.method, draft=draft, num_draft_tokens=self.num_draft_tokens)
+
+
+class SpeculationError(ModelLoadError):
+    """Speculative decoding asked of a model that cannot do it (the dense engine, a draft the
+    engine refuses): said when the engine opens, as one line, like a load error."""
+
+
+def open_engine_with(loaded: LoadedModel, options: dict):
+    """open_engine(loaded, **options) with a SpeculationChoice under "speculative" made into
+    the engine's SpeculativeConfig for this model. The engine's refusal of speculation (a
+    model on the dense engine, a draft vocabulary it cannot verify) is a SpeculationError."""
+    from mlxlocal.engine import open_engine
+
+    choice = options.get("speculative")
+    if not isinstance(choice, SpeculationChoice):
+        return open_engine(loaded, **options)
+    config = choice.config_for(loaded)
+    try:
+        return open_engine(loaded, **{**options, "speculative": config})
+    except ValueError as e:
+        raise SpeculationError(f"{loaded.info.name}: speculative decoding ({choice.describe()}): {e}") from None
+
+
+def speculation_of(options: dict) -> SpeculationChoice | None:
+    choice = options.get("speculative")
+    return choice if isinstance(choice, SpeculationChoice) else None
