@@ -83,6 +83,7 @@ class StreamTimes:
     t0: float
     times: list[float] = field(default_factory=list)
     stats: Any = None  # the engine's GenerationStats (None for mlx-lm)
+    tokens: list[int] = field(default_factory=list)  # the ids, in order (engine streams)
 
     @property
     def ttft(self) -> float:
@@ -108,6 +109,7 @@ class Consumer(threading.Thread):
             for c in self.handle:
                 if c.token is not None:
                     self.st.times.append(time.perf_counter())
+                    self.st.tokens.append(c.token)
                 if c.finish_reason is not None:
                     self.st.stats = c.stats
         except BaseException as e:  # surfaced by the caller

