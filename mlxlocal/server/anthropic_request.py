@@ -22,6 +22,8 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
   session_id                                session_id): AKV cache engineering, server/akv.py;
                                             indices are `messages` entries (the top-level
                                             system prompt has none), docs/akv.md
+  speculative                               extension: false opts out of the server's
+                                            speculative decoding; not a bool -> 400
   metadata, service_tier, speed,            accepted, ignored (accounting and routing)
   inference_geo, diagnostics, container
   mcp_servers                               non-empty -> 400 (server-side tools)

@@ -61,6 +61,7 @@ def sampling_params(options: Any, context_length: int) -> SamplingParams:
     (0, 1] (Ollama lets 0 through; here it is refused rather than guessed at), top_k at most
     the vocabulary (checked with the prompt), seed in [0, 2**63) or negative for a random one.
     num_ctx is the model's context here (the KV pool is shared): other values are ignored.
+    options.speculative (extension): false opts out of the server's speculative decoding.
     """
     if options is None:
         options = {}

@@ -8,6 +8,8 @@ Notes on behaviour:
   4096 for chat (the engine clips it to what is left of the context) and 16 for completions.
 - frequency_penalty and presence_penalty count the tokens generated so far (as OpenAI);
   logit_bias maps token-id strings to a bias in [-100, 100] added to that token's logit.
+- "speculative": false (extension, validation.speculative) opts the request out of the
+  server's speculative decoding (--draft-model / --prompt-lookup).
 - top_k, min_p and repetition_penalty are accepted as extensions; user, metadata, store are
   accepted and ignored; parallel_tool_calls=false limits a forced call (below) to one.
 - Bodies go through the shared checks (validation.py) before FastAPI parses them: nested
