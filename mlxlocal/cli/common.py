@@ -1,6 +1,7 @@
 """What every command module of the CLI shares: the stderr console, `fail`, size and count
-formatting, --kv-* option parsing and the common help strings. It imports nothing else of the
-CLI, so command modules depend on it (and convert on models), never on the package."""
+formatting, --kv-* and speculative (--draft-model, --prompt-lookup) option parsing and the
+common help strings. It imports nothing else of the CLI, so command modules depend on it (and
+convert on models), never on the package."""
 
 from __future__ import annotations
 
