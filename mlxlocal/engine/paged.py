@@ -34,6 +34,7 @@ from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
+from mlxlocal.engine.speculative import ModelDrafter, Speculator
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams, SpeculativeConfig
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.source.loader import LoadedModel
@@ -81,7 +82,10 @@ class PagedEngine(EngineBase):
         bs = cfg.block_size
         windowed = [w is not None for w in runner.windows]
         full = [sh for sh, w in zip(runner.shapes, windowed) if not w]
-        per_full = KVPools.bytes_per_block(full, bs, runner.dtype)
+        spec = cfg.speculative
+        drafter = ModelDrafter(spec.draft, loaded) if spec is not None and spec.method == "draft" else None
+        # A draft model's K/V lives in pools of its own with the same block ids: same budget.
+        per_full = KVPools.bytes_per_block(full, bs, runner.dtype) + (drafter.bytes_per_block(bs) if drafter else 0)
         per_window = KVPools.bytes_per_block(runner.shapes, bs, runner.dtype) - per_full
         window = max((w for w in runner.windows if w is not None), default=0)
         # Sliding-window layers hold each running sequence's window, a prefill chunk, and
@@ -100,10 +104,13 @@ class PagedEngine(EngineBase):
         # Hybrid and window models resume a prefix only where their extra state is; a partly
         # matching block is never reused (no recurrent state mid-block, window blocks whole).
         whole = self.reuse.whole_blocks
+        if drafter is not None:
+            drafter.allocate(self.num_blocks, bs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens,
-                                   None if whole else self.pools.copy_block, self.reuse.resume if whole else None,
+                                   None if whole else self._copy_block, self.reuse.resume if whole else None,
                                    self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit,
                                    match_edited=self.reuse.match_edited)
+        self.spec = spec and Speculator(spec, runner, self.pools, self.scheduler, self.context_length, drafter)
         self._rotator: cache_edits.Rotator | None = None  # built at the first reposition
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
@@ -116,7 +123,6 @@ class PagedEngine(EngineBase):
         self.tokens_out = 0
         self.tokens_dropped = 0
         self.tokens_repositioned = 0
-        self.spec_steps = self.spec_drafted = self.spec_accepted = 0
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
         # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
         self._inflight: list = []
@@ -196,6 +202,11 @@ class PagedEngine(EngineBase):
         if any(e.reposition for e in edits) and self._rotator is None:
             self._rotator = cache_edits.Rotator(self.runner.model)
         return cache_edits.fit(len(prompt), edits, self.context_length)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.pools.copy_block(src, dst)
+        if self.spec is not None and self.spec.drafter is not None:
+            self.spec.drafter.copy_block(src, dst)
 
     def _apply_edit(self, seq: Sequence) -> None:
         """The scheduler's hook: seq's next cache edit is due (raises OutOfBlocks)."""
@@ -388,9 +399,15 @@ class PagedEngine(EngineBase):
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.cancelled.is_set():
                 self._guarded(seq, self._finish, seq, "cancelled")
+        if self.spec is not None and self._inflight and self.spec.wants_known_tokens(self.scheduler.running):
+            self._take(self._inflight)  # drafting needs the last tokens' values
+            self._inflight = []
         plan = self.scheduler.plan()
         for seq in plan.starved:  # alone and still no free block: the KV pool is full
             self._guarded(seq, self._finish, seq, "length", cause="kv_cache")
+        verify, drafts = self.spec.select(plan.decode) if self.spec is not None else ([], [])
+        if verify:
+            plan.decode = [seq for seq in plan.decode if seq not in verify]
         groups = []
         if plan.decode:
             groups.append((plan.decode, 1))
@@ -410,6 +427,8 @@ class PagedEngine(EngineBase):
         previous, self._inflight = self._inflight, []
         masks: list = [None] * len(ready)
         state = self.pools.state() + self.runner.state([q for g, _ in groups for q in g]) if groups else []
+        if groups and self.spec is not None:
+            state += self.spec.state()
         if any(seq.constraint is not None for seqs, _ in ready for seq in seqs):
             # A grammar's mask needs the previous token: start the forward on the device,
             # take the previous step's tokens meanwhile, then work out the masks.
@@ -427,6 +446,8 @@ class PagedEngine(EngineBase):
         for seq, token, _, src in sampled:
             if seq.status is not Status.FINISHED:
                 seq.pending, seq.pending_from = token, src
+        if verify:  # drafts checked in one forward; the accepted tokens handed out now
+            self.spec.verify(verify, drafts, lambda seq, token, lp: self._guarded(seq, self._accept, seq, token, lp))
 
     def _take(self, previous: list[tuple]) -> None:
         """Hand out the tokens a step sampled: one host read per sampled batch."""
@@ -490,6 +511,8 @@ class PagedEngine(EngineBase):
 
     def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
         """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
+        if self.spec is not None:
+            self.spec.mirror(seqs, n)  # a draft model sees every token the target does
         return self.runner.forward(self.pools, seqs, n)
 
     def _sample(self, seqs: list[Sequence], logits: mx.array, allowed: tuple | None = None) -> list[tuple]:
@@ -510,24 +533,11 @@ class PagedEngine(EngineBase):
         for i, seq in enumerate(seqs):
             try:
                 token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending, mask_of.get(i))
-                sampled.append((seq, token, self._logprob_arrays(seq, token, logprobs), None))
+                sampled.append((seq, token, sampling.logprob_arrays(seq.params.logprobs, token, logprobs), None))
             except Exception as e:
                 log.exception("sampling failed for request %d", seq.id)
                 self._fail(seq, e)
         return sampled
-
-    @staticmethod
-    def _logprob_arrays(seq: Sequence, token: mx.array, logprobs: mx.array) -> list[mx.array]:
-        """[chosen logprob, top ids, top logprobs] when the request asked for logprobs
-        (the one-by-one path; sample_batch works them out for a whole batch)."""
-        k = seq.params.logprobs
-        if k is None:
-            return []
-        chosen = mx.take_along_axis(logprobs, token.reshape(1, 1), axis=-1)
-        if k == 0:
-            return [chosen]
-        top = mx.argsort(-logprobs, axis=-1)[:, :k]
-        return [chosen, top, mx.take_along_axis(logprobs, top, axis=-1)]
 
     def _accept(self, seq: Sequence, token: int | mx.array, lp: list[mx.array] | None = None) -> None:
         token = token if isinstance(token, int) else int(token.item())
@@ -596,7 +606,7 @@ class PagedEngine(EngineBase):
             "tokens_out": self.tokens_out,
             "tokens_dropped": self.tokens_dropped,
             "tokens_repositioned": self.tokens_repositioned,
-            "spec_steps": self.spec_steps,
-            "spec_drafted": self.spec_drafted,
-            "spec_accepted": self.spec_accepted,
+            "spec_steps": self.spec.steps if self.spec else 0,
+            "spec_drafted": self.spec.drafted if self.spec else 0,
+            "spec_accepted": self.spec.accepted if self.spec else 0,
         }

@@ -92,9 +92,16 @@ class NativeRunner:
 
     def forward(self, pools: KVPools, seqs: list[Sequence], n: int) -> mx.array:
         starts = [s.num_computed for s in seqs]
-        batch = step_batch(seqs, starts, n, pools.block_size, any(pools.windowed))
+        return self.run(pools, seqs, starts, step_inputs(seqs, starts, n))
+
+    def run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], inputs: mx.array,
+            every: bool = False) -> mx.array:
+        """Feed inputs [B, n] at positions starts[i].. (not each sequence's own num_computed:
+        speculative drafts and verification); logits [B, n, V] with `every`, else [B, V]."""
+        batch = step_batch(seqs, starts, inputs.shape[1], pools.block_size, any(pools.windowed))
         views = [PagedLayerView(pools, i, batch, w) for i, w in enumerate(self.windows)]
-        return self.model(step_inputs(seqs, starts, n), views, last_only=True)[:, -1, :]
+        logits = self.model(inputs, views, last_only=not every)
+        return logits if every else logits[:, -1, :]
 
     def state(self, seqs: list[Sequence]) -> list[mx.array]:
         return []
@@ -133,17 +140,30 @@ class MlxLmRunner:
             return mx.concatenate([self._run(pools, [s], [p], n) for s, p in zip(seqs, starts)])
         return self._run(pools, seqs, starts, n)
 
-    def _run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], n: int) -> mx.array:
+    def run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], inputs: mx.array,
+            every: bool = False) -> mx.array:
+        """NativeRunner.run for mlx-lm models (speculative drafts and verification): no
+        snapshots are kept, since the fed tokens may yet be rejected."""
+        if len(seqs) > 1 and self.batched_decode is False:
+            return mx.concatenate([self._run(pools, [s], [p], 0, inputs[i : i + 1], every, False)
+                                   for i, (s, p) in enumerate(zip(seqs, starts))])
+        return self._run(pools, seqs, starts, 0, inputs, every, False)
+
+    def _run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], n: int,
+             inputs: mx.array | None = None, every: bool = False, snapshot: bool = True) -> mx.array:
+        inputs = step_inputs(seqs, starts, n) if inputs is None else inputs
+        n = inputs.shape[1]
         batch = step_batch(seqs, starts, n, pools.block_size, any(pools.windowed))
         states = [s.state_at(p) for s, p in zip(seqs, starts)] if self.recurrent else [None]
         if self.recurrent and any(st is None for st in states) and any(starts):
             raise RuntimeError("a recurrent state is missing for a sequence that has computed tokens")
         caches = self.layout.build(pools, batch, states)
-        logits = self.model(step_inputs(seqs, starts, n), cache=caches)[:, -1, :]
+        logits = self.model(inputs, cache=caches)
+        logits = logits if every else logits[:, -1, :]
         if self.recurrent:
             for s, p, new in zip(seqs, starts, self.layout.collect(caches, len(seqs))):
                 s.recurrent_prev, s.recurrent = s.recurrent, (p + n, new)
-                if (p + n) % pools.block_size == 0 and self.snapshots is not None:
+                if snapshot and (p + n) % pools.block_size == 0 and self.snapshots is not None:
                     self.snapshots.put(s.block_table[(p + n) // pools.block_size - 1], new)
         return logits
 

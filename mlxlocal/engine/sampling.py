@@ -205,6 +205,18 @@ def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list
     return tokens, rows
 
 
+def logprob_arrays(k: int | None, token: mx.array, logprobs: mx.array) -> list[mx.array]:
+    """[chosen logprob, top ids, top logprobs] of one sampled token (logprobs [1, V]) when
+    the request asked for k top logprobs: [] for None, [chosen] for 0."""
+    if k is None:
+        return []
+    chosen = mx.take_along_axis(logprobs, token.reshape(1, 1), axis=-1)
+    if k == 0:
+        return [chosen]
+    top = mx.argsort(-logprobs, axis=-1)[:, :k]
+    return [chosen, top, mx.take_along_axis(logprobs, top, axis=-1)]
+
+
 def mask_logprobs(logprobs: mx.array, allowed: mx.array) -> mx.array:
     """Log-probabilities over the allowed tokens only, renormalised (top-p and min-p read
     them as a distribution)."""

@@ -62,7 +62,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- blocks --------------------------------------------------------------------
-    def _reserve(self, seq: Sequence, n_tokens: int) -> bool:
+    def reserve(self, seq: Sequence, n_tokens: int) -> bool:
         """Make sure seq's block table covers its next n_tokens positions."""
         need = -(-(seq.num_computed + n_tokens) // self.block_size) - len(seq.block_table)
         if need <= 0:
@@ -79,6 +79,16 @@ class Scheduler:
                 return False
         seq.block_table += new
         return True
+
+    def trim(self, seq: Sequence, n_tokens: int) -> None:
+        """Give back the blocks past seq's first n_tokens positions (speculative rollback)."""
+        keep = -(-n_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            self.blocks.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        if self.windows is not None and len(seq.window_table) > keep:
+            self.windows.release(seq.window_table[keep:])
+            del seq.window_table[keep:]
 
     def free(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
@@ -129,7 +139,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.id):
             if seq.status is not Status.RUNNING or not seq.may_decode or seq in blocked:
                 continue
-            while not self._reserve(seq, 1):
+            while not self.reserve(seq, 1):
                 victim = max(self.running, key=lambda s: s.id)
                 if victim is seq and len(self.running) == 1:
                     plan.starved.append(seq)
@@ -149,7 +159,7 @@ class Scheduler:
         if candidate is None and self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting.popleft()
             self.admit(head)
-            if not self._edits_due(head) or not self._reserve(head, self._chunk(head, budget)):
+            if not self._edits_due(head) or not self.reserve(head, self._chunk(head, budget)):
                 self._unadmit(head)
                 if not self.running:
                     plan.starved.append(head)
@@ -157,7 +167,7 @@ class Scheduler:
             candidate = head
         if candidate is not None:
             n = self._chunk(candidate, budget)
-            if n > 0 and self._reserve(candidate, n):
+            if n > 0 and self.reserve(candidate, n):
                 plan.prefill, plan.prefill_tokens = candidate, n
         return plan
 

@@ -48,6 +48,7 @@ class Sequence:
     snapshot_at: int = 0  # hybrids: a prefill chunk ends here, so the state there is kept
     constraint: Any = None  # engine.constraint.Constraint: the request's grammar, if any
     edit: Any = None  # engine.edits.EditState: a request with cache edits (AKV), else None
+    spec: Any = None  # engine.speculative.SpecState: its draft length and lookup index, if it speculates
 
     def __post_init__(self):
         if not self.tokens:
