@@ -3,12 +3,13 @@
 Two engines over one loaded model (the same weights), one plain and one speculating with the
 drafter asked for (--draft-model D or --prompt-lookup). Two prompts through the chat
 template: a repetitive one (a JSON list to copy with one edit: prompt lookup finds its
-n-grams) and a free-text one. Greedy, EOS ignored, -g tokens per stream; at batch 1 (and -b
-B when asked); after the warm-up, `repeats` passes, each one plain and one speculative run
-(in ABBA order). Per cell, medians over the passes:
+n-grams; fewer items where the context is short) and a free-text one. Greedy, EOS ignored,
+-g tokens per stream; at batch 1 (and -b B when asked); after the warm-up, `repeats` passes,
+each one plain and one speculative run (in ABBA order). Per cell, medians over the passes:
 
 - acceptance: drafted tokens the model accepted ÷ tokens drafted (GenerationStats);
-- accepted per verify step: the engine's spec_accepted ÷ spec_steps over the run;
+- accepted per verify step: the engine's spec_accepted ÷ spec_steps over the run (a verify
+  step is one forward over every stream's drafts: at batch B, summed over the streams);
 - tokens per forward: a stream's tokens ÷ the forwards that made them (each forward of a
   sequence yields one token of the model's own plus the drafts it accepted), plain = 1;
 - decode tok/s (summed over the batch's streams) and speculative ÷ plain per pass;
@@ -26,16 +27,35 @@ import json
 from typing import Any
 
 from mlxlocal.bench.common import log, median, run_streams
+from mlxlocal.errors import ContextLengthError
 
 _ITEMS = [{"sku": f"A-{100 + i}", "name": name, "qty": (i * 7) % 5 + 1, "price": round(2.5 + i * 1.25, 2)}
           for i, name in enumerate(["bolt", "washer", "hinge", "bracket", "spring", "gasket", "rivet", "clamp",
                                     "pulley", "bearing", "spacer", "bushing"])]
-PROMPTS = {
-    "repetitive": ("Return this JSON list unchanged, except that every \"qty\" is doubled. Reply with the "
-                   "JSON only.\n```json\n" + json.dumps(_ITEMS, indent=2) + "\n```"),
-    "free": ("Write a short story about a lighthouse keeper who finds a message in a bottle: the sea, the "
-             "weather, and what the message says."),
-}
+FREE = ("Write a short story about a lighthouse keeper who finds a message in a bottle: the sea, the weather, "
+        "and what the message says.")
+
+
+def repetitive(items: int) -> str:
+    return ("Return this JSON list unchanged, except that every \"qty\" is doubled. Reply with the JSON only.\n"
+            "```json\n" + json.dumps(_ITEMS[:items], indent=2) + "\n```")
+
+
+def prompt_ids(engine, room: int) -> dict[str, list[int]]:
+    """Both prompts through the chat template; the JSON list cut to fewer items where the
+    model's context leaves less than `room` tokens of prompt."""
+    def encode(text: str) -> list[int]:
+        return engine.encode_chat([{"role": "user", "content": text}])
+
+    ids = {"repetitive": encode(repetitive(len(_ITEMS))), "free": encode(FREE)}
+    items = len(_ITEMS)
+    while len(ids["repetitive"]) > room and items > 1:
+        items -= 1
+        ids["repetitive"] = encode(repetitive(items))
+    for kind, prompt in ids.items():
+        if len(prompt) > room:
+            raise ContextLengthError(len(prompt), engine.context_length, f"the {kind} bench prompt")
+    return ids
 
 
 def _decode_tps(streams) -> float | None:
@@ -71,7 +91,7 @@ def speculative_bench(loaded, choice, *, gen_tokens: int, batches: tuple[int, ..
 
     top = max(batches)
     chat = EngineBase(loaded)
-    ids = {kind: chat.encode_chat([{"role": "user", "content": text}]) for kind, text in PROMPTS.items()}
+    ids = prompt_ids(chat, chat.context_length - gen_tokens - choice.num_draft_tokens - 1)
     # Room for every stream's prompt, reply and a verify step's drafts.
     kv = top * (max(len(p) for p in ids.values()) + gen_tokens + choice.num_draft_tokens + 32)
     plain = open_engine(loaded, prefix_cache=False, max_num_seqs=top, kv_tokens=kv)

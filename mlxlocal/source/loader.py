@@ -224,11 +224,14 @@ def check_draft_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
     if draft is target:
         return
     tv, dv = _vocab_of(target.tokenizer), _vocab_of(draft.tokenizer)
-    names = f"draft model {draft.info.name} and target model {target.info.name}"
+    d, t = draft.info, target.info
+    same = d.name == t.name  # two directories of one name: say which is which
+    names = f"draft model {d.name}{f' ({d.path})' if same else ''} and target model {t.name}" + (
+        f" ({t.path})" if same else "")
     if len(tv) != len(dv):
         raise ModelLoadError(f"{names} have different tokenizers: {len(dv)} tokens in the draft's vocabulary, "
                              f"{len(tv)} in the target's; a draft model must share the target's tokenizer")
-    differ = [tok for tok, i in tv.items() if dv.get(tok) != i]
+    differ = sorted((tok for tok, i in tv.items() if dv.get(tok) != i), key=tv.__getitem__)
     if differ:
         tok = differ[0]
         where = f"id {dv[tok]} in the draft" if tok in dv else "absent from the draft"
