@@ -189,7 +189,7 @@ def bench_json(*args: str) -> dict:
 
 
 ROW_KEYS = {"prompt", "batch", "prompt_tokens", "acceptance", "accepted_per_step", "tokens_per_forward",
-            "plain_decode_tps", "spec_decode_tps", "ratio", "identical", "verdict", "passes"}
+            "plain_decode_tps", "spec_decode_tps", "ratio", "identical", "verdict", "reply_distinct", "passes"}
 
 
 def test_bench_prompt_lookup_json(tiny_model):

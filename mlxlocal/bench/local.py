@@ -37,14 +37,14 @@ METAL_DEFAULTS = dict(model="synthetic:qwen3-0.6b", prompt_tokens=512, gen_token
                       system_tokens=1500, turn_tokens=16, concurrency=8,
                       sessions=8, session_tokens=2048, session_gen_tokens=16,
                       akv_model="synthetic:qwen3-0.6b", akv_steps=30, akv_keep=12, akv_gen_tokens=32,
-                      akv_repeats=3)
+                      akv_repeats=3, spec_gen_tokens=128)
 # The CPU backend (reference BLAS) runs the 0.6B shape at a few tok/s: use the tiny preset.
 # The AKV trace (30 steps of tool results) needs more than tiny's 4096 positions.
 CPU_DEFAULTS = dict(model="synthetic:tiny", prompt_tokens=256, gen_tokens=64,
                     system_tokens=400, turn_tokens=8, concurrency=8,
                     sessions=8, session_tokens=2048, session_gen_tokens=8,
                     akv_model="synthetic:tiny:context=10240", akv_steps=30, akv_keep=4, akv_gen_tokens=16,
-                    akv_repeats=1)
+                    akv_repeats=1, spec_gen_tokens=128)
 
 
 def on_metal() -> bool:
@@ -201,7 +201,7 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
     if speculation is not None:
         from mlxlocal.bench.speculative import speculative_bench
 
-        res["speculative"] = speculative_bench(loaded, speculation, gen_tokens=g,
+        res["speculative"] = speculative_bench(loaded, speculation, gen_tokens=gen_tokens or d["spec_gen_tokens"],
                                                batches=(1, batch) if batch > 1 else (1,), repeats=repeats,
                                                warmup=warmup)
     elif grammar is not None:

@@ -79,6 +79,7 @@ def _run(engine, prompts: list[list[int]], params) -> dict:
         # every forward of a sequence yields one token of its own: forwards = tokens - accepted
         tokens_per_forward=tokens / (tokens - accepted) if tokens > accepted else None,
         outputs=[s.tokens for s in streams],
+        distinct=len({t for s in streams for t in s.tokens}) / max(len(streams[0].tokens), 1),
     )
 
 
@@ -137,12 +138,17 @@ def _row(kind: str, batch: int, prompt_tokens: int, passes: list[dict]) -> dict:
         tokens_per_forward=_none_if_nan(med("tokens_per_forward")),
         plain_decode_tps=_none_if_nan(med("decode_tps", "plain")), spec_decode_tps=_none_if_nan(med("decode_tps")),
         ratio=_none_if_nan(ratio), identical=all(p["identical"] for p in passes),
+        # distinct tokens ÷ tokens of the plain reply: near 0, the reply loops (random weights
+        # often do), and prompt lookup matches the reply itself whatever the prompt
+        reply_distinct=med("distinct", "plain"),
         verdict=_verdict(ratio),
         passes=[dict(plain={k: v for k, v in p["plain"].items() if k != "outputs"},
                      spec={k: v for k, v in p["spec"].items() if k != "outputs"},
                      identical=p["identical"], ratio=p["ratio"]) for p in passes],
     )
 
+
+LOOPING = 0.2  # a plain reply with fewer distinct tokens than this share is called looping
 
 # Alternating runs of the same engine twice differ by a few per cent on a busy CPU: a ratio
 # this close to 1 is called even rather than a win or a loss.
@@ -184,6 +190,13 @@ def print_speculative(s: dict, con) -> None:
               "identical to plain decoding")
     con.print(f"wins / loses: speculative ÷ plain beyond ±{NOISE:.0%} (the noise of alternating runs here), "
               "else even")
+    looping = [f"{r['prompt']} (b {r['batch']})" for r in s["rows"] if r["reply_distinct"] < LOOPING]
+    if looping:
+        con.print(f"the plain reply loops on {', '.join(looping)}: under {LOOPING:.0%} of its tokens distinct "
+                  "(random weights): easy to draft, by lookup in the reply itself or a draft model, whatever the "
+                  "prompt")
     if any(r["verdict"] == "loses" for r in s["rows"]):
-        con.print("where speculation loses, drafting and verifying cost more than the accepted tokens save "
-                  "(random weights guess badly; a tiny model's forward is cheap next to the overhead)")
+        why = ("a draft model runs a forward of its own per drafted token; a self-draft or a draft as large as the "
+               "model cannot win, it shows the mechanism (acceptance)" if s["drafter"]["method"] == "draft"
+               else "looking up and verifying drafts costs more than the accepted tokens save")
+        con.print(f"where speculation loses: {why}")

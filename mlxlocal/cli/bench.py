@@ -48,7 +48,8 @@ Speculative decoding (--draft-model D or --prompt-lookup, --num-draft-tokens N, 
 one plain and one speculative engine on the same loaded model, greedy, on a repetitive prompt
 (a JSON list to copy with an edit) and a free-text one, at batch 1 (and -b B), -n passes of
 plain then speculative: acceptance, accepted tokens per verify step, tokens per forward,
-decode tok/s speculative ÷ plain, and whether the outputs are identical (they must be).
+decode tok/s speculative ÷ plain, and whether the outputs are identical (they must be); -g
+defaults to 128.
 --draft-model may name the model itself (self-draft: acceptance 100%, shows the mechanism;
 on random weights another draft model guesses badly and loses).
 
