@@ -117,6 +117,19 @@ def test_tokenizer_check_names_the_token_that_differs(tiny_model, swapped_ids_mo
     check_draft_tokenizer(target, load_from_dir(tiny_model))  # another copy of the same tokenizer: fine
 
 
+def test_self_draft_shares_the_targets_weights_and_a_draft_loads_once(tiny_model, tmp_path):
+    from mlxlocal.engine.spec_options import SpeculationChoice
+
+    self_draft = SpeculationChoice("draft", str(tiny_model))
+    first, reloaded = load_from_dir(tiny_model), load_from_dir(tiny_model)  # e.g. after a keep_alive unload
+    assert self_draft.draft_for(first) is first and self_draft.draft_for(reloaded) is reloaded
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)
+    other = SpeculationChoice("draft", str(copy))
+    draft = other.draft_for(first)
+    assert draft is not first and draft.info.path == copy and other.draft_for(reloaded) is draft
+
+
 def test_speculation_on_the_dense_engine_is_a_clear_error(monkeypatch, tiny_model):
     from mlxlocal.engine import NotPageable
 

@@ -129,7 +129,8 @@ def generate(
         print(json.dumps(result))
         return
     sys.stdout.write("\n")
-    err.print(stats_line(stats, engine.context_length) + (spec_line(stats) if spec else ""), style="dim", highlight=False, markup=False)
+    line = stats_line(stats, engine.context_length) + (spec_line(stats) if spec else "")
+    err.print(line, style="dim", highlight=False, markup=False)
     if synthetic:
         err.print("(random weights: the text is gibberish on purpose; the numbers above are the "
                   "real speed of this model shape)", style="dim", highlight=False, markup=False)

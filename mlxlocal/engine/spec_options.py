@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mlxlocal.engine.types import SpeculativeConfig
 from mlxlocal.errors import ModelLoadError
@@ -24,7 +25,8 @@ class SpeculationChoice:
     method: str  # "lookup" (prompt lookup) or "draft" (a draft model)
     draft_spec: str | None = None  # the draft's model spec (method "draft")
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
-    _draft: LoadedModel | None = field(default=None, repr=False)
+    _path: Path | None = field(default=None, repr=False)  # the draft's resolved directory
+    _draft: LoadedModel | None = field(default=None, repr=False)  # loaded once, unless a self-draft
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
@@ -40,15 +42,18 @@ class SpeculationChoice:
 
     def draft_for(self, target: LoadedModel) -> LoadedModel:
         """The draft model for `target`: the target itself when the spec names the same model
-        directory (self-draft: no second copy of the weights), else loaded once."""
+        directory (a self-draft: no second copy of the weights, nothing kept past the target's
+        life), else loaded once and kept for the next targets."""
         from mlxlocal.source import hub
         from mlxlocal.source.loader import load
 
         with self._lock:
+            if self._path is None:
+                self._path = hub.resolve(self.draft_spec).path.resolve()
+            if self._path == target.info.path.resolve():
+                return target
             if self._draft is None:
-                resolved = hub.resolve(self.draft_spec)
-                same = resolved.path.resolve() == target.info.path.resolve()
-                self._draft = target if same else load(self.draft_spec)
+                self._draft = load(self.draft_spec)
             draft = self._draft
         check_draft_tokenizer(target, draft)
         return draft
