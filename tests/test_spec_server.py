@@ -122,7 +122,7 @@ def test_health_banner_and_metrics_say_speculation_is_on(server):
     health = httpx.get(url + "/health").json()
     assert health["speculative"] == {"method": "lookup", "draft_model": None, "num_draft_tokens": 3}
     text = banner_text(app.state.config, app.state.registry, 8080)
-    assert "speculative decoding prompt lookup, up to 3 draft tokens per step" in text
+    assert "spec     speculative decoding, prompt lookup, up to 3 draft tokens per step" in text
     metrics = httpx.get(url + "/metrics").text
     st = engine_stats(server)
     for series, key in (("mlxlocal_spec_verify_steps", "spec_steps"), ("mlxlocal_spec_draft_tokens", "spec_drafted"),

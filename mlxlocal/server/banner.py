@@ -51,7 +51,8 @@ def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None 
         lines.append(f"  embed    {e.name}{detail} · /v1/embeddings /api/embed")
     spec = speculation_of(config.engine_options)
     if spec is not None:
-        lines.append(f"  speculative decoding {spec.describe()} · per request: \"speculative\": false opts out")
+        lines.append(f"  spec     speculative decoding, {spec.describe()} · a request opts out with "
+                     "\"speculative\": false")
     lines.append(f"  APIs     {DIALECTS}")
     if config.mcp_endpoint:
         lines.append(f"  MCP      {url_of(config.host, port or config.port)}/mcp (Streamable HTTP)")
