@@ -34,6 +34,8 @@ from mlxlocal.engine.runner import make_runner
 from mlxlocal.engine.sampling import MIN_TEMPERATURE, _draw, _filter, _replace_rows, logprob_arrays
 from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.types import SpeculativeConfig
+from mlxlocal.errors import ModelLoadError
+from mlxlocal.source.loader import check_draft_tokenizer
 
 
 class LookupIndex:
@@ -82,26 +84,15 @@ class SpecState:
         self.k = min(k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
 
 
-def same_vocabulary(target, draft) -> str | None:
-    """Why the draft's tokenizer cannot draft for the target's (None: it can)."""
-    a, b = target.tokenizer, draft.tokenizer
-    va, vb = a.vocab if hasattr(a, "vocab") else a.get_vocab(), b.vocab if hasattr(b, "vocab") else b.get_vocab()
-    if len(va) != len(vb):
-        return f"vocabulary sizes differ ({len(va)} vs {len(vb)} tokens)"
-    if va != vb:
-        diff = next(t for t in va if vb.get(t) != va[t])
-        return f"token {diff!r} is id {va[diff]} in the target and {vb.get(diff)} in the draft"
-    return None
-
-
 class ModelDrafter:
     """A draft model on pools of its own with the target's block ids: `mirror` feeds it
     whatever the target is fed, `propose` drafts k tokens per sequence (batched)."""
 
     def __init__(self, loaded, target):
-        why = same_vocabulary(target, loaded)
-        if why:
-            raise ValueError(f"draft model {loaded.info.name} cannot draft for {target.info.name}: {why}")
+        try:
+            check_draft_tokenizer(target, loaded)
+        except ModelLoadError as e:
+            raise ValueError(f"draft model {loaded.info.name} cannot draft for {target.info.name}: {e}") from None
         self.runner = make_runner(loaded)  # NotPageable: the draft's cache cannot be paged
         if self.runner.recurrent or any(w is not None for w in self.runner.windows):
             raise ValueError(f"draft model {loaded.info.name} has recurrent or sliding-window layers; "
@@ -320,5 +311,4 @@ class Speculator:
         return u[:, : n - 1], u[:, n:]
 
 
-__all__ = ["LookupIndex", "ModelDrafter", "SpecState", "Speculator", "accept_drafts", "distribution",
-           "same_vocabulary"]
+__all__ = ["LookupIndex", "ModelDrafter", "SpecState", "Speculator", "accept_drafts", "distribution"]
