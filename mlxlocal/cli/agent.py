@@ -10,7 +10,9 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import (
+    KV_BITS_HELP,
     KV_COMPACT_HELP,
+    KV_GROUP_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
     agent_limits,
@@ -41,6 +43,8 @@ def run(
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
     kv_compact: Optional[str] = typer.Option(None, "--kv-compact", help=KV_COMPACT_HELP),
 ) -> None:
     """Run one task with MCP tools: the model calls tools until it answers (Rule-of-Two policy
@@ -56,7 +60,7 @@ def run(
     k = agent_limits(max_steps, max_tools)
     compact = compaction_policy(kv_compact)
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, False, kv_bits, kv_group_size)
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
                               max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, rerank_tools=rerank_tools, as_json=as_json,
                               yes=yes, compact=compact))

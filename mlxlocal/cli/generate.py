@@ -11,7 +11,9 @@ import typer
 
 from mlxlocal.cli.common import (
     FREQ_HELP,
+    KV_BITS_HELP,
     KV_COMPACT_HELP,
+    KV_GROUP_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
     PRES_HELP,
@@ -58,6 +60,8 @@ def generate(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the output to JSON "
                                                "valid against the JSON schema in this file"),
     regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regex"),
@@ -65,7 +69,7 @@ def generate(
                                                 "Lark grammar in this file"),
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
-    from mlxlocal.engine import open_engine
+    from mlxlocal.engine import KVPrecisionError, open_engine
     from mlxlocal.engine.base import EngineBase
     from mlxlocal.source.loader import load
 
@@ -79,7 +83,7 @@ def generate(
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, grammar=constraint,
     )
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
     try:
         loaded = load(model)
         prompts = EngineBase(loaded)
@@ -108,13 +112,15 @@ def generate(
             if not as_json and chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+    except KVPrecisionError as e:  # the model's head_dim and --kv-group-size disagree
+        fail(str(e), 2)
     except MlxLocalError as e:
         fail(str(e))
     assert stats is not None
     synthetic = engine.info.source == "synthetic"
     if as_json:
         result = {"model": engine.info.name, "text": "".join(pieces), "tokens": tokens, **stats.as_dict(),
-                  "synthetic": synthetic}
+                  "synthetic": synthetic, "kv_bits": engine.kv_pool.get("kv_bits")}
         print(json.dumps(result))
         return
     sys.stdout.write("\n")
@@ -205,6 +211,8 @@ def chat(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
     mcp: list[Path] = typer.Option([], "--mcp", help="MCP config file (mcpServers, as Claude Desktop / Cursor "
                                    "write it): the model may call its servers' tools; repeatable"),
     max_steps: int = typer.Option(8, "--max-steps", help="With --mcp: generations per turn at most"),
@@ -222,7 +230,7 @@ def chat(
         repetition_penalty=repetition_penalty, seed=seed,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
     if mcp:
         from mlxlocal.agent_chat import run_agent_chat
 
