@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_kernels import assert_close, emulate, f32, from_kernel, needs_emu, needs_metal, to_dtype
 
 from mlxlocal.metal import paged_attention_quant as pq
 
@@ -145,3 +147,122 @@ def test_cpu_dispatch_is_the_reference():
     got = pq.paged_attention_quantized(q, kq, vq, tables, lens, scale, 32, 4, 16)
     want = pq.paged_attention_quantized_reference(q, kq, vq, tables, lens, scale, 32, 4, 16)
     assert mx.array_equal(got, want)
+
+
+def test_kernel_support_rules():
+    q = mx.zeros((2, 8, 1, 128), mx.bfloat16)
+    pool = mx.quantize(mx.zeros((10, 16, 2, 128), mx.bfloat16), group_size=64, bits=4)
+    tables = mx.zeros((2, 4), mx.int32)
+    assert pq.kernel_supports_quantized(q, pool, pool, tables, 64, 4, None)
+    assert pq.kernel_supports_quantized(q, pool, pool, tables, 64, 4, 100)
+    assert not pq.kernel_supports_quantized(q, pool, pool, tables, 64, 8, None)  # words != D*8/32
+    assert not pq.kernel_supports_quantized(q, pool, pool, tables, 32, 4, None)  # scales shape
+    assert not pq.kernel_supports_quantized(mx.zeros((2, 8, 3, 128), mx.bfloat16), pool, pool,
+                                            tables, 64, 4, None)  # prefill (L > 1)
+    assert not pq.kernel_supports_quantized(q.astype(mx.float16), pool, pool, tables, 64, 4,
+                                            None)  # scales in another dtype than q
+    small = tuple(a[:, :8] for a in pool)
+    assert not pq.kernel_supports_quantized(q, small, small, tables, 64, 4, None)  # bs 8
+    q6 = mx.zeros((2, 6, 1, 128), mx.bfloat16)
+    pool4 = mx.quantize(mx.zeros((10, 16, 4, 128), mx.bfloat16), group_size=64, bits=4)
+    assert not pq.kernel_supports_quantized(q6, pool4, pool4, tables, 64, 4, None)  # Hq % Hkv
+
+
+# ---------------------------------------------------------------- emulation
+
+
+
+def quant_kernel_case(ctx_lens, Hq, Hkv, D, bs, dtype, gs, bits, window, seed=0):
+    """Kernel inputs (numpy, bf16 as bit patterns) over shuffled padded tables, and the float32
+    reference on the exact values the kernel reads."""
+    rng = np.random.default_rng(seed)
+    B = len(ctx_lens)
+    max_blocks = max(math.ceil(c / bs) for c in ctx_lens) + 1
+    num_blocks = B * max_blocks + 3
+    tables = rng.permutation(num_blocks)[: B * max_blocks].reshape(B, max_blocks).astype(np.int32)
+    q, qf = to_dtype(rng.normal(size=(B, Hq, 1, D)), dtype)
+    tensors, pools = [q], []
+    for _ in "kv":
+        x = mx.array(rng.normal(size=(num_blocks, bs, Hkv, D)).astype(np.float32))
+        packed, scales, biases = mx.quantize(x.astype(MX_DTYPES[dtype]), group_size=gs, bits=bits)
+        s, sf = to_dtype(np.array(scales.astype(mx.float32)), dtype)  # exact: already in dtype
+        z, zf = to_dtype(np.array(biases.astype(mx.float32)), dtype)
+        tensors += [np.array(packed), s, z]
+        pools.append((packed, f32(sf), f32(zf)))
+    lens = np.array(ctx_lens, dtype=np.int32)
+    scale = D ** -0.5
+    want = pq.paged_attention_quantized_reference(
+        f32(qf), pools[0], pools[1], mx.array(tables), mx.array(lens), scale, gs, bits, window)
+    return tensors + [tables, lens], np.array(want), max_blocks, scale
+
+
+QUANT_PAGED_EMU = [
+    # context lens, Hq, Hkv, D, block size, dtype, group size, bits, window
+    ([1, 15, 16, 17], 4, 4, 64, 16, "float16", 32, 4, None),  # GQA 1; W = 8: 4 keys per simdgroup
+    ([100, 33], 8, 4, 64, 32, "bfloat16", 64, 8, None),  # GQA 2; W = 16: 2 keys at once
+    ([1000, 17], 8, 2, 128, 16, "float16", 128, 4, None),  # GQA 4; 63 blocks, 8 rounds
+    ([50, 16, 3], 8, 1, 96, 16, "float16", 32, 4, 20),  # GQA 8; W = 12 (4 idle lanes); window
+    ([160, 9], 4, 1, 96, 32, "bfloat16", 32, 8, 37),  # W = 24 (8 idle lanes); window mid-block
+    ([300, 45], 2, 2, 128, 32, "float16", 64, 8, None),  # W = 32: one key per simdgroup step
+    ([75, 1], 2, 1, 64, 16, "float32", 64, 8, 64),
+    ([1001], 16, 2, 128, 32, "bfloat16", 32, 4, 256),  # GQA 8, long context, 9-block window
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("ctx,Hq,Hkv,D,bs,dtype,gs,bits,window", QUANT_PAGED_EMU)
+def test_paged_attention_quant_emulated(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window):
+    tensors, want, max_blocks, scale = quant_kernel_case(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window)
+    spec = pq.launch_spec(len(ctx), Hq, Hkv, D, bs, max_blocks, dtype, scale, window, gs, bits)
+    assert_close(emulate(spec, tensors), want, dtype)
+
+
+# Deliberately broken kernels: the emulated comparison must catch each one.
+BROKEN = {
+    "nibble order": ("(word >> (BITS * j))", "(word >> (BITS * (PACK - 1 - j)))"),
+    "scale of another group": ("const int g = owns ? (w * PACK) / GS : 0;",
+                               "const int g = owns ? ((w * PACK) / GS + 1) % G : 0;"),
+    "key slot skipped": ("tb += KPS", "tb += KPS + 1"),
+}
+
+
+@needs_emu
+@pytest.mark.parametrize("what", list(BROKEN))
+def test_broken_quant_kernel_fails_emulation(what):
+    ctx, Hq, Hkv, D, bs, dtype, gs, bits, window = [75, 1], 2, 1, 64, 16, "float32", 32, 4, None
+    tensors, want, max_blocks, scale = quant_kernel_case(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window)
+    spec = pq.launch_spec(len(ctx), Hq, Hkv, D, bs, max_blocks, dtype, scale, window, gs, bits)
+    assert_close(emulate(spec, tensors), want, dtype)  # the intact kernel passes this case
+    old, new = BROKEN[what]
+    assert old in spec.source
+    broken = dataclasses.replace(spec, name=f"{spec.name}_broken", source=spec.source.replace(old, new))
+    with pytest.raises(AssertionError):
+        assert_close(emulate(broken, tensors), want, dtype)
+
+
+# ---------------------------------------------------------------- real Metal
+
+
+def _mx(t: np.ndarray, dtype: str) -> mx.array:
+    if t.dtype == np.uint16:  # bfloat16 bits
+        return mx.array(from_kernel(t, dtype)).astype(mx.bfloat16)
+    return mx.array(t)
+
+
+@needs_metal
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D,gs", [(64, 32), (64, 64), (96, 32), (128, 64), (128, 128)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 4), (8, 2), (16, 2)])
+@pytest.mark.parametrize("ctx,window", [([1, 15, 16, 17], None), ([1000, 33, 4097], None),
+                                        ([500, 64], 128)])
+def test_paged_attention_quant_metal(ctx, window, Hq, Hkv, bs, bits, D, gs, dtype):
+    tensors, want, _, scale = quant_kernel_case(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window)
+    q = _mx(tensors[0], dtype)
+    k = (mx.array(tensors[1]), _mx(tensors[2], dtype), _mx(tensors[3], dtype))
+    v = (mx.array(tensors[4]), _mx(tensors[5], dtype), _mx(tensors[6], dtype))
+    tables, lens = mx.array(tensors[7]), mx.array(tensors[8])
+    assert pq.kernel_supports_quantized(q, k, v, tables, gs, bits, window)
+    got = pq.paged_attention_quantized(q, k, v, tables, lens, scale, gs, bits, window)
+    assert_close(np.array(got.astype(mx.float32)), want, dtype)
