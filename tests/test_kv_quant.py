@@ -15,7 +15,7 @@ from akv_reference import MaskedKV, Reference
 from conftest import BASE, FAMILY_CONFIGS, build_tiny
 from engine_util import assert_no_leak
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 from test_akv_engine import inv_freq_of
 from test_paged import paused, tokens_of
 from typer.testing import CliRunner
@@ -184,6 +184,49 @@ def test_quantization_changes_the_output(models):
     assert fp != q4
     k = next(i for i, (a, b) in enumerate(zip(fp, q4)) if a != b)
     assert max(abs(a - b) for a, b in zip(fp_lp[:k], q4_lp[:k])) > 1e-2
+
+
+class FakeQuantRotating(RotatingKVCache):
+    """mlx-lm cannot quantize a RotatingKVCache: this one stores each row quantized and
+    dequantized (what our window layers' pools give back), for the gemma3 reference."""
+
+    kv_bits = 8  # not `bits`: mlx-lm takes a cache with `bits` for a quantized one
+
+    def update_and_fetch(self, keys, values):
+        fake = lambda x: mx.dequantize(*mx.quantize(x, group_size=64, bits=self.kv_bits),  # noqa: E731
+                                       group_size=64, bits=self.kv_bits)
+        return super().update_and_fetch(fake(keys), fake(values))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sliding_window_layers_are_quantized_too(tmp_path, bits):
+    """gemma3 (sliding-window layers of 32 tokens and global ones) with kv_bits: every pool is
+    a triple, and greedy tokens equal mlx-lm's model over QuantizedKVCache (global layers) and
+    fake-quantized rotating caches (window layers), past several window lengths."""
+    d = build_tiny(tmp_path / "gemma3", dict(BASE, **WIDE, model_type="gemma3_text", sliding_window=32,
+                                             sliding_window_pattern=2, query_pre_attn_scalar=64,
+                                             rope_theta=1e6, rope_local_base_freq=1e4), seed=1)
+    model = mlx_lm.load(str(d))[0]
+    caches = []
+    for c in model.make_cache():
+        if isinstance(c, RotatingKVCache):
+            caches.append(FakeQuantRotating(max_size=c.max_size, keep=c.keep))
+            caches[-1].kv_bits = bits
+        else:
+            caches.append(QuantizedKVCache(64, bits))
+    prompt = [(i * 37 + 11) % 300 for i in range(100)]
+    steps = generate_step(mx.array(prompt), model, max_tokens=40, sampler=lambda x: mx.argmax(x, axis=-1),
+                          prompt_cache=caches)
+    want = [(int(t), lp[int(t)].item()) for t, lp in steps]
+    eng = open_engine(load_from_dir(d), kv_bits=bits, kv_tokens=512)
+    try:
+        assert any(eng.pools.windowed) and all(isinstance(p, tuple) for p in eng.pools.k + eng.pools.v)
+        got = greedy(eng, prompt, 40)
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+    assert got[0] == [t for t, _ in want]
+    assert max(abs(a - b) for a, (_, b) in zip(got[1], want)) < 2e-3
 
 
 # --- (c) batching, prefix sharing, sessions, preemption, cache edits --------------------------
@@ -397,3 +440,14 @@ def test_generate_json_reports_the_kv_precision(models):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["kv_bits"] == 4 and len(out["tokens"]) == 3
+
+
+def test_show_lists_kv_bytes_per_token_per_precision(models, tiny_model):
+    res = CliRunner().invoke(app, ["show", str(models["native"])])
+    assert res.exit_code == 0, res.output
+    # 2 layers x K and V x 1 kv head x head_dim 64: fp32 1 KiB; 8-bit 64 B + fp32 scale and
+    # bias per row = 72 B (x4 = 288 B); 4-bit 32 + 8 = 40 B (x4 = 160 B).
+    row = next(line for line in res.output.splitlines() if "KV per token" in line)
+    assert "1.00 KiB" in row and "288 B" in row and "160 B" in row, row
+    res = CliRunner().invoke(app, ["show", str(tiny_model)])  # head_dim 16: no group divides it
+    assert "8-bit: not with this model" in res.output

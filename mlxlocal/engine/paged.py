@@ -227,9 +227,9 @@ class PagedEngine(EngineBase):
     @property
     def kv_pool(self) -> dict:
         pool = {"kind": "paged", "blocks": self.num_blocks, "block_size": self.config.block_size,
-                "bytes": self.pools.nbytes, "kv_bits": self.config.kv_bits}
-        if self.config.kv_bits:
-            pool["kv_group_size"] = self.config.kv_group_size
+                "bytes": self.pools.nbytes}
+        if self.config.kv_bits:  # quantized K/V (absent: the model dtype)
+            pool.update(kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size)
         if self.windows is not None:  # sliding-window layers' own blocks
             pool.update(window_blocks=self.windows.num_blocks, window=self.windows.window)
         return pool
