@@ -451,3 +451,18 @@ def test_show_lists_kv_bytes_per_token_per_precision(models, tiny_model):
     assert "1.00 KiB" in row and "288 B" in row and "160 B" in row, row
     res = CliRunner().invoke(app, ["show", str(tiny_model)])  # head_dim 16: no group divides it
     assert "8-bit: not with this model" in res.output
+
+
+def test_bench_kv_bits_reads_quantized_kv_per_token(models):
+    """bench --kv-bits runs the speed section on quantized pools: its roofline counts the
+    quantized bytes per token (2 layers x K and V x 72 B at 8 bits, fp32 scales)."""
+    args = ["bench", "-m", str(models["native"]), "-p", "16", "-g", "4", "-n", "1", "--warmup", "0",
+            "--bandwidth", "100", "--json"]
+    out = {}
+    for bits in (None, 8):
+        res = CliRunner().invoke(app, args + (["--kv-bits", str(bits)] if bits else []))
+        assert res.exit_code == 0, res.output
+        out[bits] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out[8]["kv_bits"] == 8 and out[None]["kv_bits"] is None
+    assert out[None]["speed"]["roofline"]["kv_bytes_per_token"] == 2 * 2 * 64 * 4
+    assert out[8]["speed"]["roofline"]["kv_bytes_per_token"] == 2 * 2 * 72

@@ -149,6 +149,9 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
     if mc is not None:
         kv = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                 DTYPE_BYTES.get(loaded.info.dtype, 2))
+        pool = engine.kv_pool
+        if pool.get("kv_bits"):  # quantized K/V: what the pool holds per token, scales included
+            kv = pool["bytes"] // (pool["blocks"] * pool["block_size"])
         decode = out["mlxlocal"]["decode_tps"]["mean"]
         if batch > 1:  # the bound is per stream: compare the per-stream rate
             decode = statistics.fmean(r["per_stream_decode_tps"] for r in ours)
