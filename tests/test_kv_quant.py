@@ -402,9 +402,10 @@ def test_perplexity_with_quantized_kv(models):
     assert 0 < d8 < d4
 
 
-def test_paged_perplexity_unquantized_equals_the_dense_path(models):
+def test_paged_perplexity_scores_as_mlx_lm_caches_do(models):
     """The pools path with no bits scores as the model's own cache does (so the --kv-bits
-    delta is the quantization's alone), for a native and an mlx-lm-path model."""
+    delta is the quantization's alone), and with bits as mlx-lm's QuantizedKVCache does, for
+    a native and an mlx-lm-path model."""
     from mlxlocal.quant.kv_perplexity import PagedScorer
 
     for which in ("native", "mlx_lm"):
@@ -413,6 +414,13 @@ def test_paged_perplexity_unquantized_equals_the_dense_path(models):
         dense = loaded.model(windows, loaded.make_cache())
         paged = PagedScorer(loaded, 3, 40, None).logits(windows)
         assert mx.allclose(dense, paged, atol=1e-4).item(), which
+        # With bits: mlx-lm's model over its QuantizedKVCache, the whole batch of windows.
+        model = mlx_lm.load(str(models[which]))[0]
+        for bits in (8, 4):
+            want = model(windows, cache=[QuantizedKVCache(64, bits) for _ in make_prompt_cache(model)])
+            got = PagedScorer(loaded, 3, 40, bits).logits(windows)
+            assert mx.allclose(got, want, atol=2e-3).item(), (which, bits)
+            assert not mx.allclose(got, dense, atol=2e-3).item(), (which, bits)
 
 
 # --- (f) CLI ------------------------------------------------------------------------------------
