@@ -382,9 +382,11 @@ class ChatRepl:
                      + (f" · last reply {self.last_stats.dropped_tokens} prompt tokens not attended"
                         if self.last_stats else "")
                      + (f" · {self.spans.note}" if self.spans.note else ""))
-        if self.engine.kv_pool["kind"] == "paged":
+        pool = self.engine.kv_pool
+        if pool["kind"] == "paged":
+            bits = f"K/V {pool['kv_bits']}-bit, " if pool.get("kv_bits") else ""
             self.say(f"kv cache {st['blocks_used']}/{st['blocks_total']} blocks of {st['block_size']} tokens "
-                     f"in use, {st['blocks_cached']} cached for reuse, "
+                     f"in use, {st['blocks_cached']} cached for reuse, {bits}"
                      f"{st['prefix_hit_tokens']} prompt tokens served from cache")
         else:  # dense caches: no blocks to count
             self.say(f"kv cache dense, one per session (mlx-lm path), "

@@ -108,7 +108,8 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, repeats: int = 3,
-                warmup: int = 1, compare: str | None = None, bandwidth: float | None = None) -> dict:
+                warmup: int = 1, compare: str | None = None, bandwidth: float | None = None,
+                kv: dict | None = None) -> dict:
     """Warm-up, then `repeats` timed runs (A B A B with mlx-lm); mean and sd of each metric."""
     from mlxlocal.engine import open_engine
 
@@ -116,7 +117,7 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
     vocab = mc.vocab_size if mc else loaded.config.get("vocab_size", 32000)
     # Prefix cache off: every repeat prefills its whole prompt, as mlx-lm does.
     engine = open_engine(loaded, prefix_cache=False, max_num_seqs=max(batch, 1),
-                         kv_tokens=batch * (prompt_tokens + gen_tokens + 32))
+                         kv_tokens=batch * (prompt_tokens + gen_tokens + 32), **(kv or {}))
     ref = None
     if compare == "mlx-lm":
         log(f"loading {loaded.info.path} with mlx_lm.load ...")
@@ -148,6 +149,9 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
     if mc is not None:
         kv = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                 DTYPE_BYTES.get(loaded.info.dtype, 2))
+        pool = engine.kv_pool
+        if pool.get("kv_bits"):  # quantized K/V: what the pool holds per token, scales included
+            kv = pool["bytes"] // (pool["blocks"] * pool["block_size"])
         decode = out["mlxlocal"]["decode_tps"]["mean"]
         if batch > 1:  # the bound is per stream: compare the per-stream rate
             decode = statistics.fmean(r["per_stream_decode_tps"] for r in ours)
@@ -175,7 +179,7 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
               batch: int = 1, repeats: int = 3, warmup: int = 1, compare: str | None = None,
               scenario: str | None = None, concurrency: int | None = None, bandwidth: float | None = None,
               prefix_cache: bool = True, turns: int | None = None, system_tokens: int | None = None,
-              grammar=None, akv: dict | None = None, speculation=None) -> dict:
+               grammar=None, akv: dict | None = None, speculation=None, kv: dict | None = None) -> dict:
     """Load the model and run the speed section, one scenario, (a grammar given) the
     structured-output comparison or (a SpeculationChoice given) plain vs speculative decode;
     one JSON-able dict."""
@@ -196,6 +200,7 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         model_path=str(info.path), native=info.native,
         params=f"{info.n_params / 1e6:.1f}M params, {info.dtype}, {info.quantization}",
         weight_bytes=info.weights.total_bytes, scenario=scenario, compare=compare,
+        kv_bits=(kv or {}).get("kv_bits"),
     )
     t0 = time.perf_counter()
     if speculation is not None:
@@ -212,7 +217,7 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
                                              repeats=repeats, warmup=warmup)
     elif scenario is None:
         res["speed"] = speed_bench(loaded, prompt_tokens=p, gen_tokens=g, batch=batch, repeats=repeats,
-                                   warmup=warmup, compare=compare, bandwidth=bandwidth)
+                                   warmup=warmup, compare=compare, bandwidth=bandwidth, kv=kv)
     elif scenario == "agent" and akv is not None:
         from mlxlocal.bench.akv import akv_scenario
 

@@ -38,6 +38,8 @@ def print_report(res: dict, console: Console | None = None) -> None:
     con = console or Console()
     con.print(f"[bold]model[/] {res['model']}  ({res['model_note']})")
     con.print(f"backend {res['backend']}, {res['params']}, weights {_mib(res['weight_bytes'])}")
+    if res.get("kv_bits"):
+        con.print(f"KV cache quantized to {res['kv_bits']} bits (--kv-bits)")
     if "speed" in res:
         print_speed(res["speed"], con)
     if "agent" in res:

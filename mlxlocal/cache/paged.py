@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlxlocal.cache import quantized
 from mlxlocal.metal import paged_attention
 from mlxlocal.metal.paged_attention import step_mask
+from mlxlocal.metal.paged_attention_quant import paged_attention_quantized
 
 
 @dataclass(frozen=True)
@@ -25,15 +27,22 @@ class KVPools:
 
     Sliding-window layers (`windowed`) have pools of their own block ids, `window_blocks`
     of them: they only ever hold the last window of each sequence (cache/window.py).
+    With `bits` (8 or 4) every pool is the (packed, scales, biases) triple of mx.quantize
+    over the last axis, `group_size` elements per scale (cache/quantized.py): rows are
+    quantized as they are written and dequantized as they are read.
     """
 
     def __init__(self, shapes: list[KVShape], num_blocks: int, block_size: int, dtype: mx.Dtype,
-                 windowed: list[bool] | None = None, window_blocks: int = 0):
+                 windowed: list[bool] | None = None, window_blocks: int = 0,
+                 bits: int | None = None, group_size: int = 64):
+        quantized.check([d for s in shapes for d in (s.k_dim, s.v_dim)], bits, group_size)
+        self.bits, self.group_size = bits, group_size
         self.windowed = windowed or [False] * len(shapes)
         sizes = [window_blocks if w else num_blocks for w in self.windowed]
-        self.k = [mx.zeros((n, block_size, s.k_heads, s.k_dim), dtype) for n, s in zip(sizes, shapes)]
-        self.v = [mx.zeros((n, block_size, s.v_heads, s.v_dim), dtype) for n, s in zip(sizes, shapes)]
-        mx.eval(self.k, self.v)
+        pool = lambda n, h, d: quantized.empty(n, block_size, h, d, dtype, bits, group_size)  # noqa: E731
+        self.k = [pool(n, s.k_heads, s.k_dim) for n, s in zip(sizes, shapes)]
+        self.v = [pool(n, s.v_heads, s.v_dim) for n, s in zip(sizes, shapes)]
+        mx.eval(self.state())
         self.block_size = block_size
 
     @staticmethod
@@ -41,8 +50,11 @@ class KVPools:
         return [KVShape(n_kv_heads, head_dim, n_kv_heads, head_dim)] * n_layers
 
     @staticmethod
-    def bytes_per_block(shapes: list[KVShape], block_size: int, dtype: mx.Dtype) -> int:
-        return block_size * dtype.size * sum(s.k_heads * s.k_dim + s.v_heads * s.v_dim for s in shapes)
+    def bytes_per_block(shapes: list[KVShape], block_size: int, dtype: mx.Dtype,
+                        bits: int | None = None, group_size: int = 64) -> int:
+        quantized.check([d for s in shapes for d in (s.k_dim, s.v_dim)], bits, group_size)
+        row = lambda h, d: quantized.bytes_per_row(h, d, dtype, bits, group_size)  # noqa: E731
+        return block_size * sum(row(s.k_heads, s.k_dim) + row(s.v_heads, s.v_dim) for s in shapes)
 
     def tables(self, layer: int, batch: StepBatch) -> tuple[mx.array, mx.array]:
         """(slot blocks, block tables) of this step in the id space of the layer's pools."""
@@ -52,19 +64,25 @@ class KVPools:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes for a in self.state())
+
+    def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        return quantized.encode(x, self.bits, self.group_size)
+
+    def _decode(self, xs) -> mx.array:
+        return quantized.decode(xs, self.bits, self.group_size)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block src's K/V rows into block dst in every full-attention layer
         (copy-on-write reuse; models with windowed layers reuse whole blocks only)."""
         layers = [i for i, windowed in enumerate(self.windowed) if not windowed]
+        pools = [p for i in layers for pool in (self.k[i], self.v[i]) for p in quantized.parts(pool)]
         # The block as arrays of their own first: a pool updated from a view of itself cannot
         # be updated in place, and MLX would copy the whole pool (146 ms per 268 MB pool here).
-        blocks = [(mx.contiguous(self.k[i][src]), mx.contiguous(self.v[i][src])) for i in layers]
+        blocks = [mx.contiguous(p[src]) for p in pools]
         mx.eval(blocks)
-        for i, (k, v) in zip(layers, blocks):
-            self.k[i][dst] = k
-            self.v[i][dst] = v
+        for p, b in zip(pools, blocks):
+            p[dst] = b
 
     def move_rows(self, src_blocks: mx.array, src_offsets: mx.array, dst_blocks: mx.array,
                   dst_offsets: mx.array, rotate: tuple | None = None) -> None:
@@ -72,31 +90,40 @@ class KVPools:
         `rotate` = (rows, old positions, new positions, fn(layer, keys, old, new)):
         those rows' keys are re-rotated on the way; values are copied as they are."""
         for i in range(len(self.k)):
-            k, v = self.k[i][src_blocks, src_offsets], self.v[i][src_blocks, src_offsets]
+            kp, vp = quantized.parts(self.k[i]), quantized.parts(self.v[i])
+            k = [p[src_blocks, src_offsets] for p in kp]
+            v = [p[src_blocks, src_offsets] for p in vp]
             if rotate is not None:
                 rows, old, new, fn = rotate
-                k[rows] = fn(i, k[rows], old, new)
+                # Quantized keys: dequantized, re-rotated, quantized again. Attention only ever
+                # saw the dequantized keys, so this rotates exactly what the model attended to;
+                # the second rounding is one more error of the size of the first.
+                moved = self._encode(fn(i, self._decode([x[rows] for x in k]), old, new))
+                for x, m in zip(k, moved):
+                    x[rows] = m
             # Arrays of their own first, one layer at a time (see copy_block).
             mx.eval(k, v)
-            self.k[i][dst_blocks, dst_offsets] = k
-            self.v[i][dst_blocks, dst_offsets] = v
+            for p, x in zip(kp + vp, k + v):
+                p[dst_blocks, dst_offsets] = x
 
     def write(self, layer: int, batch: StepBatch, k: mx.array, v: mx.array) -> None:
-        """Store new k/v [B, H, L, D] at the step's slots, in the order of the slot mapping."""
-        rows = lambda x: x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731
+        """Store new k/v [B, H, L, D] at the step's slots, in the order of the slot mapping
+        (quantized first, each token's row on its own, with bits set)."""
+        kp, vp = quantized.parts(self.k[layer]), quantized.parts(self.v[layer])
         if batch.host_slot is not None and not self.windowed[layer]:
             block, offset = batch.host_slot
-            self.k[layer][block, offset] = k[0, :, 0, :]
-            self.v[layer][block, offset] = v[0, :, 0, :]
+            for p, x in zip(kp + vp, self._encode(k[0, :, 0, :]) + self._encode(v[0, :, 0, :])):
+                p[block, offset] = x
             return
+        rows = lambda x: x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731
         slot_blocks, _ = self.tables(layer, batch)
-        self.k[layer][slot_blocks, batch.slot_offsets] = rows(k)
-        self.v[layer][slot_blocks, batch.slot_offsets] = rows(v)
+        for p, x in zip(kp + vp, self._encode(rows(k)) + self._encode(rows(v))):
+            p[slot_blocks, batch.slot_offsets] = x
 
     def gather(self, layer: int, batch: StepBatch, window: int | None = None) -> tuple[mx.array, mx.array]:
         """Every sequence's keys and values [B, H, n_keys, D] from position 0 (a `window`
         layer: from its window_start block), through its block table (positions past a
-        sequence's context are masked by the caller)."""
+        sequence's context are masked by the caller); quantized pools come back dequantized."""
         n_keys = max(batch.host_context_lens)
         _, tables = self.tables(layer, batch)
         if window is not None:
@@ -106,13 +133,15 @@ class KVPools:
         run = None if self.windowed[layer] else batch.host_run
         out = []
         for pool in (self.k[layer], self.v[layer]):
-            x = pool[tables] if run is None else pool[run : run + width]
-            x = x.reshape(B, -1, pool.shape[2], pool.shape[3])[:, :n_keys]
-            out.append(x.transpose(0, 2, 1, 3))
+            xs = []
+            for p in quantized.parts(pool):
+                x = p[tables] if run is None else p[run : run + width]
+                xs.append(x.reshape(B, -1, p.shape[2], p.shape[3])[:, :n_keys])
+            out.append(self._decode(xs).transpose(0, 2, 1, 3))
         return out[0], out[1]
 
     def state(self) -> list[mx.array]:
-        return self.k + self.v
+        return [p for pool in self.k + self.v for p in quantized.parts(pool)]
 
 
 @dataclass
@@ -186,8 +215,10 @@ class PagedLayerView:
         pools.write(self.layer, b, k, v)
         L, bs, w = q.shape[2], pools.block_size, self.window
         # A window layer reads from the first block any query of this step still sees.
-        return paged_attention(q, pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1],
-                               b.context_lens, scale, w, n_keys=max(b.host_context_lens),
-                               mask=b.mask(L, None) if w is None else b.window_mask(L, w, bs),
-                               first_block=b.host_run if w is None else None,
-                               window_start=0 if w is None else b.window_start(w, bs))
+        kw = dict(n_keys=max(b.host_context_lens), mask=b.mask(L, None) if w is None else b.window_mask(L, w, bs),
+                  first_block=b.host_run if w is None else None, window_start=0 if w is None else b.window_start(w, bs))
+        k_pool, v_pool, tables = pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1]
+        if pools.bits is not None:
+            return paged_attention_quantized(q, k_pool, v_pool, tables, b.context_lens, scale,
+                                             pools.group_size, pools.bits, w, **kw)
+        return paged_attention(q, k_pool, v_pool, tables, b.context_lens, scale, w, **kw)

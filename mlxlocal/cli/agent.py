@@ -11,7 +11,9 @@ import typer
 
 from mlxlocal.cli.common import (
     DRAFT_MODEL_HELP,
+    KV_BITS_HELP,
     KV_COMPACT_HELP,
+    KV_GROUP_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
     NUM_DRAFT_HELP,
@@ -45,6 +47,8 @@ def run(
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
     kv_compact: Optional[str] = typer.Option(None, "--kv-compact", help=KV_COMPACT_HELP),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP),
     prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP),
@@ -63,7 +67,7 @@ def run(
     k = agent_limits(max_steps, max_tools)
     compact = compaction_policy(kv_compact)
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, False)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, False, kv_bits, kv_group_size)
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
     if spec is not None:
         options["speculative"] = spec

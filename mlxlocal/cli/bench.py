@@ -95,6 +95,8 @@ def bench(
                                               help="Route for --replay lines that are bare request bodies"),
     json_schema: Optional[str] = typer.Option(None, "--json-schema",
                                               help="Constrained ÷ free decode speed with this JSON schema file"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Speed section: K/V cache quantized to 8 or 4 bits"),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help="With --kv-bits: elements per scale and bias"),
     embed: bool = typer.Option(False, "--embed", help="Embedding throughput (texts/s, tokens/s) instead"),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Plain vs speculative decoding with this "
                                               "draft model (see above)"),
@@ -109,7 +111,7 @@ def bench(
         err.print(f"[bold red]error:[/] {msg}", highlight=False)
         raise typer.Exit(code)
 
-    from mlxlocal.cli.common import speculation
+    from mlxlocal.cli.common import kv_precision, speculation
 
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens)  # exits 2 naming the options
     if spec is not None:
@@ -119,6 +121,11 @@ def bench(
         if given:
             fail(f"{'--draft-model' if draft_model is not None else '--prompt-lookup'} runs its own comparison on "
                  f"its own prompts: no {', '.join(given)}")
+
+    kv = kv_precision(kv_bits, kv_group_size)  # exits 2 naming the option
+    if kv and (embed or url is not None or scenario is not None or json_schema is not None or spec is not None):
+        fail("--kv-bits applies to the speed section (no --embed, --url, --scenario, --json-schema, --draft-model "
+             "or --prompt-lookup)")
     if embed:
         if url is not None or scenario is not None or compare is not None or json_schema is not None:
             fail("--embed runs on its own: no --url, --scenario, --compare or --json-schema")
@@ -207,7 +214,7 @@ def bench(
         res = run_local(model=model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch,
                         repeats=3 if repeats is None else repeats, warmup=warmup, compare=compare, scenario=scenario,
                         concurrency=concurrency, bandwidth=bandwidth, prefix_cache=not no_prefix_cache,
-                        turns=turns, grammar=grammar, akv=akv_options, speculation=spec)
+                        turns=turns, grammar=grammar, akv=akv_options, speculation=spec, kv=kv)
     except MlxLocalError as e:
         fail(str(e), 1)
     if plot:

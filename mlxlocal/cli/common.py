@@ -45,8 +45,9 @@ def parse_size(text: str) -> int:
 
 
 def engine_options(kv_cache_memory: Optional[str], kv_blocks: Optional[int], block_size: int,
-                   no_prefix_cache: bool) -> dict:
-    options: dict = {"block_size": block_size, "prefix_cache": not no_prefix_cache}
+                   no_prefix_cache: bool, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> dict:
+    options: dict = {"block_size": block_size, "prefix_cache": not no_prefix_cache,
+                     **kv_precision(kv_bits, kv_group_size)}
     if kv_blocks is not None:
         if kv_blocks < 1:
             fail("--kv-blocks must be >= 1", 2)
@@ -57,6 +58,23 @@ def engine_options(kv_cache_memory: Optional[str], kv_blocks: Optional[int], blo
         fail("--block-size must be one of 8, 16, 32, 64", 2)
     return options
 
+
+def kv_precision(kv_bits: Optional[int], kv_group_size: int) -> dict:
+    """--kv-bits / --kv-group-size as EngineConfig fields; exits 2 naming the option otherwise
+    (the model's head_dim is checked when the engine is built)."""
+    if kv_bits is not None and kv_bits not in (4, 8):
+        fail(f"--kv-bits must be 8 or 4, not {kv_bits}", 2)
+    if kv_group_size not in (32, 64, 128):
+        fail(f"--kv-group-size must be 32, 64 or 128, not {kv_group_size}", 2)
+    if kv_bits is None:
+        if kv_group_size != 64:
+            fail("--kv-group-size applies with --kv-bits only", 2)
+        return {}
+    return {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
+
+
+KV_BITS_HELP = "Store the KV cache quantized to 8 or 4 bits (about 1/2 or 1/4 of the memory; default: model dtype)"
+KV_GROUP_HELP = "With --kv-bits: elements sharing one scale and bias (32, 64, 128; must divide the head dim)"
 
 KV_MEMORY_HELP = "Memory for the paged KV cache, e.g. 4GB (default: sized from the request, at most 15% of RAM)"
 

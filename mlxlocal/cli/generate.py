@@ -12,7 +12,9 @@ import typer
 from mlxlocal.cli.common import (
     DRAFT_MODEL_HELP,
     FREQ_HELP,
+    KV_BITS_HELP,
     KV_COMPACT_HELP,
+    KV_GROUP_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
     NUM_DRAFT_HELP,
@@ -62,6 +64,8 @@ def generate(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the output to JSON "
                                                "valid against the JSON schema in this file"),
     regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regex"),
@@ -72,6 +76,7 @@ def generate(
     num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
+    from mlxlocal.engine import KVPrecisionError
     from mlxlocal.engine.base import EngineBase
     from mlxlocal.engine.spec_options import open_engine_with
     from mlxlocal.source.loader import load
@@ -86,7 +91,7 @@ def generate(
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, grammar=constraint,
     )
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
     if spec is not None:
         options["speculative"] = spec
@@ -119,13 +124,16 @@ def generate(
             if not as_json and chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+    except KVPrecisionError as e:  # the model's head_dim and --kv-group-size disagree
+        fail(str(e), 2)
     except MlxLocalError as e:
         fail(str(e))
     assert stats is not None
     synthetic = engine.info.source == "synthetic"
     if as_json:
         result = {"model": engine.info.name, "text": "".join(pieces), "tokens": tokens, **stats.as_dict(),
-                  "acceptance_rate": acceptance_rate(stats) if spec else None, "synthetic": synthetic}
+                  "acceptance_rate": acceptance_rate(stats) if spec else None, "synthetic": synthetic,
+                  "kv_bits": engine.kv_pool.get("kv_bits")}
         print(json.dumps(result))
         return
     sys.stdout.write("\n")
@@ -228,6 +236,8 @@ def chat(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
     mcp: list[Path] = typer.Option([], "--mcp", help="MCP config file (mcpServers, as Claude Desktop / Cursor "
                                    "write it): the model may call its servers' tools; repeatable"),
     max_steps: int = typer.Option(8, "--max-steps", help="With --mcp: generations per turn at most"),
@@ -248,7 +258,7 @@ def chat(
         repetition_penalty=repetition_penalty, seed=seed,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
     if spec is not None:
         options["speculative"] = spec

@@ -135,7 +135,7 @@ def rm(
 
 def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
     """Load a model and print its architecture, size, quantization and how it was loaded."""
-    from mlxlocal.engine import engine_kind
+    from mlxlocal.engine import engine_kind, kv_bytes_per_token
     from mlxlocal.source.loader import load
 
     try:
@@ -151,6 +151,7 @@ def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
         ("source", f"{info.source}: {info.path}"),
         ("architecture", f"{info.model_type} ({'native mlxlocal' if info.native else 'mlx-lm compatibility path'})"),
         ("engine", engine_kind(loaded)),
+        *kv_rows(kv_bytes_per_token(loaded)),
         ("parameters", f"{human_count(info.n_params)} ({info.n_params:,})"),
         ("quantization", info.quantization),
         ("dtype", info.dtype),
@@ -178,6 +179,15 @@ def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+
+
+def kv_rows(per_token: dict | None) -> list[tuple[str, str]]:
+    """`show`'s KV-cache row: bytes per token at the model dtype and with --kv-bits 8 / 4."""
+    if per_token is None:
+        return []
+    parts = [f"{label} {human_bytes(n)}" if isinstance(n, int) else f"{label}: not with this model"
+             for label, n in per_token.items()]
+    return [("KV per token", " · ".join(parts) + " (--kv-bits 8 / 4 quantize it, group 64)")]
 
 
 def register(app: typer.Typer) -> None:

@@ -94,28 +94,35 @@ def perplexity_cmd(
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Text file (default: a built-in English text)"),
     seq_len: int = typer.Option(512, "--seq-len", help="Window length; windows do not overlap"),
     batch_size: int = typer.Option(8, "--batch-size", help="Windows per forward pass"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Score with the K/V quantized to 8 or 4 bits "
+                                          "as the engine's paged pools store them (--kv-bits of generate/serve)"),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help="With --kv-bits: elements per scale and bias"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
 ) -> None:
     """Perplexity of a model on a text (mlx-lm's chunking: non-overlapping windows)."""
+    from mlxlocal.cli.common import kv_precision
     from mlxlocal.quant.quantize import perplexity
     from mlxlocal.quant.text import BUILTIN_TEXT
     from mlxlocal.source.loader import load
 
+    kv = kv_precision(kv_bits, kv_group_size)  # exits 2 naming the option
     text = _read_text(file) or BUILTIN_TEXT
     try:
         loaded = load(model)
         with _progress() as prog:
             task = prog.add_task("perplexity", total=None)
             res = perplexity(loaded, text, seq_len=seq_len, batch_size=batch_size,
-                             on_batch=lambda i, n: prog.update(task, completed=i, total=n))
+                             on_batch=lambda i, n: prog.update(task, completed=i, total=n), **kv)
     except MlxLocalError as e:
         _fail(str(e))
     if as_json:
         typer.echo(json.dumps({"perplexity": res.ppl, "nll": res.nll, "tokens": res.tokens,
-                               "windows": res.windows, "seq_len": res.seq_len}))
+                               "windows": res.windows, "seq_len": res.seq_len, "kv_bits": kv_bits,
+                               "kv_group_size": kv_group_size if kv_bits else None}))
     else:
+        kv_note = f", K/V {kv_bits}-bit group {kv_group_size}" if kv_bits else ""
         typer.echo(f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f} over {res.tokens} tokens, "
-                   f"{res.windows} windows of {res.seq_len})")
+                   f"{res.windows} windows of {res.seq_len}{kv_note})")
 
 
 def register(app: typer.Typer) -> None:

@@ -8,6 +8,8 @@ import typer
 
 from mlxlocal.cli.common import (
     DRAFT_MODEL_HELP,
+    KV_BITS_HELP,
+    KV_GROUP_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
     NUM_DRAFT_HELP,
@@ -48,6 +50,8 @@ def serve(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
     mcp_endpoint: bool = typer.Option(True, "--mcp-endpoint/--no-mcp-endpoint", help="The models as MCP tools "
                                       "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks"),
     max_tools: str = typer.Option(
@@ -84,7 +88,7 @@ def serve(
     if served_model_name and not model:
         fail("--served-model-name names --model models; embedding models answer to their --embed-model "
              "value and their own name", 2)
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
     if spec is not None:

@@ -7,7 +7,9 @@ the `Engine` protocol (contract.py), the whole of what front ends may use.
 
 from __future__ import annotations
 
+from mlxlocal.cache import KVPools
 from mlxlocal.cache.mlx_lm_views import CacheLayout
+from mlxlocal.cache.quantized import KVPrecisionError
 from mlxlocal.engine.contract import STATS_KEYS, Engine, EngineSession
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine
@@ -25,7 +27,8 @@ from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
     "STATS_KEYS", "CacheEdit", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",
-    "GenerationStats", "Grammar", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "SpeculativeConfig", "engine_kind",
+    "GenerationStats", "Grammar", "KVPrecisionError", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "SpeculativeConfig", "engine_kind",
+    "kv_bytes_per_token",
     "open_engine",
 ]
 
@@ -46,6 +49,22 @@ def open_engine(loaded: LoadedModel, **config) -> Engine:
                              f"dense one-sequence engine ({e})") from e
         return SimpleEngine(loaded, paged_reason=str(e), **config)
     return PagedEngine(loaded, EngineConfig(**config), runner)
+
+
+def kv_bytes_per_token(loaded: LoadedModel, group_size: int = 64) -> dict[str, int | str] | None:
+    """For `show`: bytes one token's K/V takes in the paged pools at the model dtype and with
+    --kv-bits 8 / 4 (or why that precision cannot be used); None for dense-engine models."""
+    try:
+        runner = make_runner(loaded)
+    except NotPageable:
+        return None
+    out: dict[str, int | str] = {}
+    for label, bits in (("model dtype", None), ("8-bit", 8), ("4-bit", 4)):
+        try:
+            out[label] = KVPools.bytes_per_block(runner.shapes, 1, runner.dtype, bits, group_size)
+        except ValueError as e:
+            out[label] = str(e)
+    return out
 
 
 def engine_kind(loaded: LoadedModel) -> str:

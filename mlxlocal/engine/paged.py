@@ -84,16 +84,18 @@ class PagedEngine(EngineBase):
         full = [sh for sh, w in zip(runner.shapes, windowed) if not w]
         spec = cfg.speculative
         drafter = ModelDrafter(spec.draft, loaded) if spec is not None and spec.method == "draft" else None
+        q = dict(bits=cfg.kv_bits, group_size=cfg.kv_group_size)  # quantized pools: more blocks per byte
+        per_full = KVPools.bytes_per_block(full, bs, runner.dtype, **q)
+        per_window = KVPools.bytes_per_block(runner.shapes, bs, runner.dtype, **q) - per_full
         # A draft model's K/V lives in pools of its own with the same block ids: same budget.
-        per_full = KVPools.bytes_per_block(full, bs, runner.dtype) + (drafter.bytes_per_block(bs) if drafter else 0)
-        per_window = KVPools.bytes_per_block(runner.shapes, bs, runner.dtype) - per_full
+        per_full += drafter.bytes_per_block(bs) if drafter else 0
         window = max((w for w in runner.windows if w is not None), default=0)
         # Sliding-window layers hold each running sequence's window, a prefill chunk, and
         # as much again for window blocks kept with cached prefixes.
         window_need = 2 * (cfg.max_num_seqs * (-(-window // bs) + 2) + -(-cfg.max_step_tokens // bs)) if window else 0
         self.num_blocks = self._pool_blocks(cfg, per_full, per_window, window_need, self.context_length)
         window_blocks = min(self.num_blocks, window_need)
-        self.pools = KVPools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks)
+        self.pools = KVPools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks, **q)
         self.blocks = BlockManager(self.num_blocks, bs, cfg.prefix_cache)
         self.windows = WindowBlocks(window_blocks, bs, window) if window else None
         snapshots = None
@@ -238,6 +240,8 @@ class PagedEngine(EngineBase):
     def kv_pool(self) -> dict:
         pool = {"kind": "paged", "blocks": self.num_blocks, "block_size": self.config.block_size,
                 "bytes": self.pools.nbytes}
+        if self.config.kv_bits:  # quantized K/V (absent: the model dtype)
+            pool.update(kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size)
         if self.windows is not None:  # sliding-window layers' own blocks
             pool.update(window_blocks=self.windows.num_blocks, window=self.windows.window)
         return pool

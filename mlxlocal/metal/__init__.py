@@ -8,6 +8,7 @@ the shape is supported; everywhere else the reference runs.
 from mlxlocal.metal.attention import sdpa
 from mlxlocal.metal.gemv_wide import linear
 from mlxlocal.metal.paged_attention import paged_attention
+from mlxlocal.metal.paged_attention_quant import paged_attention_quantized
 from mlxlocal.metal.qgemv_wide import quantized_linear
 
-__all__ = ["linear", "paged_attention", "quantized_linear", "sdpa"]
+__all__ = ["linear", "paged_attention", "paged_attention_quantized", "quantized_linear", "sdpa"]

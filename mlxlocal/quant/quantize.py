@@ -233,14 +233,29 @@ def perplexity_windows(ids: list[int], seq_len: int) -> mx.array:
 
 
 def perplexity(loaded, text: str, seq_len: int = 512, batch_size: int = 8,
-               on_batch: Callable[[int, int], None] | None = None) -> PerplexityResult:
+               on_batch: Callable[[int, int], None] | None = None, kv_bits: int | None = None,
+               kv_group_size: int = 64) -> PerplexityResult:
+    """With kv_bits, the windows run through the paged engine's pools quantized as the engine
+    stores them (quant/kv_perplexity.py); else through the model's own dense cache."""
     ids = loaded.tokenizer.encode(text)
     data = perplexity_windows(ids, seq_len)
+    forward = lambda batch: loaded.model(batch, loaded.make_cache())  # noqa: E731
+    if kv_bits is not None:
+        from mlxlocal.engine.runner import NotPageable
+        from mlxlocal.quant.kv_perplexity import PagedScorer
+
+        try:
+            forward = PagedScorer(loaded, min(batch_size, data.shape[0]), data.shape[1] - 1, kv_bits,
+                                  kv_group_size).logits
+        except NotPageable as e:
+            raise ConfigError(f"--kv-bits needs the paged engine's K/V pools, which this model cannot use ({e})") from e
+        except ValueError as e:
+            raise ConfigError(str(e).replace("kv_bits", "--kv-bits").replace("kv_group_size", "--kv-group-size")) from e
     total, count = 0.0, 0
     n_batches = (data.shape[0] + batch_size - 1) // batch_size
     for i, s in enumerate(range(0, data.shape[0], batch_size)):
         batch = data[s : s + batch_size]
-        logits = loaded.model(batch[:, :-1], loaded.make_cache()).astype(mx.float32)
+        logits = forward(batch[:, :-1]).astype(mx.float32)
         losses = nn.losses.cross_entropy(logits, batch[:, 1:], reduction="none")
         total += losses.astype(mx.float32).sum().item()
         count += losses.size

@@ -35,7 +35,8 @@ def kv_pool(engine: Engine | None) -> str:
     if kv["kind"] != "paged":  # SimpleEngine (mlx-lm path): one growing cache per request
         return "KV cache: per request (mlx-lm path, no paged pool)"
     blocks, size = kv["blocks"], kv["block_size"]
-    return f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens, {human_bytes(kv['bytes'])}"
+    bits = f", K/V {kv['kv_bits']}-bit (group {kv['kv_group_size']})" if kv.get("kv_bits") else ""
+    return f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens, {human_bytes(kv['bytes'])}{bits}"
 
 
 def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None = None) -> str:
