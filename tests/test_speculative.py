@@ -295,3 +295,22 @@ def test_cancel_mid_speculation_frees_blocks(target):
     assert chunks[-1].finish_reason == "cancelled" and len(chunks) < 400
     assert_no_leak(eng)
     eng.shutdown()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_speculation_over_quantized_kv(tmp_path_factory, bits):
+    """Verify forwards read and write quantized pools like any prefill chunk: greedy outputs
+    equal plain decoding on the same quantized pools, batch 1 and 8."""
+    target = load(str(build_tiny(tmp_path_factory.mktemp("q") / "q", dict(FAMILY_CONFIGS["qwen3"], head_dim=32))))
+    q = dict(kv_bits=bits, kv_group_size=32)
+    plain = open_engine(target, kv_blocks=128, **q)
+    prompts = [REPEAT] + [prompt_of(20 + 5 * i, shift=i) for i in range(7)]
+    want = gen_many(plain, prompts)
+    for cfg in (SpeculativeConfig("lookup"), SpeculativeConfig("draft", draft=target)):
+        eng = open_engine(target, kv_blocks=128, speculative=cfg, **q)
+        assert gen_many(eng, prompts) == want
+        assert [gen(eng, p)[0] for p in prompts[:2]] == want[:2]
+        assert eng.stats()["spec_accepted"] > 0
+        assert_no_leak(eng)
+        eng.shutdown()
+    plain.shutdown()
