@@ -48,3 +48,7 @@ class InputTooLongError(MlxLocalError):
         self.index, self.tokens, self.max_length = index, tokens, max_length
         super().__init__(f"input {index} is {tokens} tokens but the embedding model takes at most "
                          f"{max_length}; shorten it or allow truncation")
+
+
+class EngineOptionError(MlxLocalError, ValueError):
+    """An engine option the model cannot take (e.g. --kv-bits on the dense engine): one line."""

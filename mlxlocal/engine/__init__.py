@@ -10,9 +10,10 @@ from __future__ import annotations
 from mlxlocal.cache import KVPools
 from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.cache.quantized import KVPrecisionError
+from mlxlocal.engine.config import EngineConfig
 from mlxlocal.engine.contract import STATS_KEYS, Engine, EngineSession
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
-from mlxlocal.engine.paged import CapacityError, EngineConfig, PagedEngine
+from mlxlocal.engine.paged import CapacityError, PagedEngine
 from mlxlocal.engine.runner import NotPageable, make_runner
 from mlxlocal.engine.simple import SimpleEngine
 from mlxlocal.engine.types import (
@@ -23,6 +24,7 @@ from mlxlocal.engine.types import (
     SamplingParams,
     SpeculativeConfig,
 )
+from mlxlocal.errors import EngineOptionError
 from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
@@ -45,7 +47,7 @@ def open_engine(loaded: LoadedModel, **config) -> Engine:
         wanted = [name for name, on in (("speculative decoding", config.get("speculative")),
                                         ("--kv-bits", config.get("kv_bits"))) if on]
         if wanted:  # the dense engine has neither: refused, not ignored
-            raise ValueError(f"{' and '.join(wanted)} need the paged engine; {loaded.info.name} runs on the "
+            raise EngineOptionError(f"{' and '.join(wanted)} need the paged engine; {loaded.info.name} runs on the "
                              f"dense one-sequence engine ({e})") from e
         return SimpleEngine(loaded, paged_reason=str(e), **config)
     return PagedEngine(loaded, EngineConfig(**config), runner)

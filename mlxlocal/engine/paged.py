@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -26,6 +24,7 @@ from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine import constraint, sampling
 from mlxlocal.engine import edits as cache_edits
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
+from mlxlocal.engine.config import EngineConfig, size_pools
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.output import Output
 from mlxlocal.engine.reuse import PrefixReuse
@@ -35,7 +34,7 @@ from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
 from mlxlocal.engine.speculative import ModelDrafter, Speculator
-from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams, SpeculativeConfig
+from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.source.loader import LoadedModel
 
@@ -50,29 +49,6 @@ class QueueFullError(MlxLocalError):
     """Too many requests waiting: the caller should retry later (HTTP 429)."""
 
 
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    kv_blocks: int | None = None  # exact pool size; else from kv_memory / kv_tokens
-    kv_memory: int | None = None  # bytes for the K/V pools
-    kv_tokens: int | None = None  # size the pool for this many tokens (e.g. one CLI request)
-    max_num_seqs: int = 16
-    max_step_tokens: int = 512  # per-step token budget: decodes + one prefill chunk
-    prefix_cache: bool = True
-    max_waiting: int = 256  # requests queued beyond this are refused (QueueFullError)
-    speculative: SpeculativeConfig | None = None  # draft tokens and verify them in one forward
-    kv_bits: int | None = None  # 8 or 4: K/V stored quantized in the pools (None: model dtype)
-    kv_group_size: int = 64  # elements sharing one scale and bias in quantized K/V
-
-
-def default_kv_memory() -> int:
-    """15% of physical memory: room for weights, activations and the rest of the system."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.15)
-    except (ValueError, OSError, AttributeError):
-        return 2 << 30
-
-
 class PagedEngine(EngineBase):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  runner: NativeRunner | MlxLmRunner | None = None):
@@ -80,21 +56,12 @@ class PagedEngine(EngineBase):
         self.config = cfg = config or EngineConfig()
         self.runner = runner = runner or make_runner(loaded)
         bs = cfg.block_size
-        windowed = [w is not None for w in runner.windows]
-        full = [sh for sh, w in zip(runner.shapes, windowed) if not w]
         spec = cfg.speculative
         drafter = ModelDrafter(spec.draft, loaded) if spec is not None and spec.method == "draft" else None
-        q = dict(bits=cfg.kv_bits, group_size=cfg.kv_group_size)  # quantized pools: more blocks per byte
-        per_full = KVPools.bytes_per_block(full, bs, runner.dtype, **q)
-        per_window = KVPools.bytes_per_block(runner.shapes, bs, runner.dtype, **q) - per_full
-        # A draft model's K/V lives in pools of its own with the same block ids: same budget.
-        per_full += drafter.bytes_per_block(bs) if drafter else 0
-        window = max((w for w in runner.windows if w is not None), default=0)
-        # Sliding-window layers hold each running sequence's window, a prefill chunk, and
-        # as much again for window blocks kept with cached prefixes.
-        window_need = 2 * (cfg.max_num_seqs * (-(-window // bs) + 2) + -(-cfg.max_step_tokens // bs)) if window else 0
-        self.num_blocks = self._pool_blocks(cfg, per_full, per_window, window_need, self.context_length)
-        window_blocks = min(self.num_blocks, window_need)
+        size = size_pools(cfg, runner, self.context_length, drafter.bytes_per_block(bs) if drafter else 0)
+        self.num_blocks, window_blocks, window = size.num_blocks, size.window_blocks, size.window
+        windowed = [w is not None for w in runner.windows]
+        q = dict(bits=cfg.kv_bits, group_size=cfg.kv_group_size)
         self.pools = KVPools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks, **q)
         self.blocks = BlockManager(self.num_blocks, bs, cfg.prefix_cache)
         self.windows = WindowBlocks(window_blocks, bs, window) if window else None
@@ -128,20 +95,6 @@ class PagedEngine(EngineBase):
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
         # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
         self._inflight: list = []
-
-    @staticmethod
-    def _pool_blocks(cfg: EngineConfig, per_full: int, per_window: int, window_blocks: int, context: int) -> int:
-        """Blocks of the full-attention pools; the window layers' pools take window_blocks
-        (at most as many) out of the same memory budget."""
-        if cfg.kv_blocks:
-            return cfg.kv_blocks
-        per_block = max(per_full, 1)  # a model with window layers only: block ids are bookkeeping
-        budget = (cfg.kv_memory or default_kv_memory()) - window_blocks * per_window
-        if cfg.kv_memory:
-            return max(1, budget // per_block)
-        tokens = cfg.kv_tokens or cfg.max_num_seqs * context
-        wanted = -(-tokens // cfg.block_size) + 1
-        return max(1, min(wanted, budget // per_block))
 
     # --- front-end API (any thread) ----------------------------------------------
     def new_session(self) -> PagedSession:
