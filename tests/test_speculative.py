@@ -15,7 +15,7 @@ from conftest import FAMILY_CONFIGS, build_tiny
 from engine_util import assert_no_leak, prompt_of
 
 from mlxlocal.engine import SamplingParams, SpeculativeConfig, open_engine
-from mlxlocal.engine.speculative import LookupIndex, accept_drafts
+from mlxlocal.engine.speculative import PAUSE, LookupIndex, SpecState, accept_drafts
 from mlxlocal.source.loader import load
 
 REPEAT = [5, 6, 7, 8, 9, 10, 11, 12] * 6  # lookup finds its continuation
@@ -175,6 +175,30 @@ def test_prefix_cache_sessions_and_preemption(target, plain):
     st = eng.stats()
     assert st["spec_accepted"] == st["spec_drafted"] > 0
     assert_no_leak(eng)
+    eng.shutdown()
+
+
+def test_draft_length_adapts_and_pauses_after_misses():
+    state = SpecState(4)
+    state.adapt(4, 4, 6)
+    assert state.k == 6  # all accepted: doubles, up to the maximum
+    state.adapt(6, 2, 6)
+    assert state.k == 3  # one more than was accepted
+    for _ in range(3):
+        state.adapt(state.k, 0, 6)
+    assert state.k == 1 and state.pause == PAUSE  # three misses in a row: plain steps for a while
+
+
+def test_a_missing_drafter_pauses_and_keeps_outputs(target, other_draft, plain):
+    """A draft that is (almost) never right stops drafting for PAUSE steps after MISSES misses:
+    fewer verify steps than tokens, outputs unchanged."""
+    eng = open_engine(target, kv_blocks=128, speculative=SpeculativeConfig("draft", draft=other_draft))
+    prompt = prompt_of(30)  # on this prompt the other draft's guesses all miss
+    tokens, stats = gen(eng, prompt, n=64)
+    assert tokens == gen(plain, prompt, n=64)[0]
+    assert stats.draft_tokens > 0 and stats.accepted_tokens == 0
+    # Three misses, PAUSE plain steps, three misses, ...: about 3 verify steps in every 19.
+    assert eng.stats()["spec_steps"] <= 64 * 3 // (3 + PAUSE) + 3
     eng.shutdown()
 
 

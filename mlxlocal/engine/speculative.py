@@ -68,6 +68,9 @@ class LookupIndex:
         return []
 
 
+MISSES, PAUSE = 3, 16
+
+
 @dataclass
 class SpecState:
     """One sequence's speculation: how many tokens it drafts next, its lookup index, and the
@@ -77,11 +80,18 @@ class SpecState:
     index: LookupIndex | None = None
     key: mx.array | None = None
     history: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per step
+    misses: int = 0  # verify steps in a row that accepted nothing
+    pause: int = 0  # decode steps to go without drafting
 
     def adapt(self, drafted: int, accepted: int, k_max: int) -> None:
-        """One more than was accepted last time; a fully accepted draft doubles."""
+        """One more than was accepted last time; a fully accepted draft doubles. After
+        MISSES steps in a row with nothing accepted, PAUSE plain steps before drafting again:
+        a drafter that keeps missing costs its drafts and verify width for nothing."""
         self.history.append((drafted, accepted))
         self.k = min(k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        if self.misses >= MISSES:
+            self.misses, self.pause = 0, PAUSE
 
 
 class ModelDrafter:
@@ -226,6 +236,9 @@ class Speculator:
             if seq.spec is None:
                 index = None if self.drafter else LookupIndex(self.config.ngram_min, self.config.ngram_max)
                 seq.spec = SpecState(self.config.num_draft_tokens, index)
+            if seq.spec.pause:
+                seq.spec.pause -= 1
+                continue
             room = min(seq.spec.k, seq.max_tokens - seq.num_generated - 1,
                        self.context_length - len(seq.tokens) - 1)
             if room <= 0:
