@@ -144,4 +144,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from mlxlocal.errors import MlxLocalError
+
+    try:
+        main()
+    except MlxLocalError as e:  # e.g. a --group-size the model's head_dim cannot take
+        raise SystemExit(f"error: {e}") from None
