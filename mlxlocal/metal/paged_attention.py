@@ -27,6 +27,31 @@ SIMDGROUPS = 8  # simdgroups per threadgroup, splitting the key blocks between t
 
 HEADER = ""
 
+# The end of both paged attention kernels (this one and paged_attention_quant): after a
+# barrier, threads d < D merge the NPARTS partial online softmaxes (tg_m, tg_l, tg_acc in
+# threadgroup memory; tg_l = 0: a partial that saw no key) and store out[q_off + d].
+COMBINE = """
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid < D) {
+        float mx_all = NEG;
+        for (int s = 0; s < NPARTS; s++) {
+            if (tg_l[s] > 0.0f) {
+                mx_all = max(mx_all, tg_m[s]);
+            }
+        }
+        float num = 0.0f;
+        float den = 0.0f;
+        for (int s = 0; s < NPARTS; s++) {
+            if (tg_l[s] > 0.0f) {
+                const float f = exp(tg_m[s] - mx_all);
+                num += f * tg_acc[s * D + tid];
+                den += f * tg_l[s];
+            }
+        }
+        out[q_off + tid] = static_cast<T>(den > 0.0f ? num / den : 0.0f);
+    }
+"""
+
 # Inputs: q [B, Hq, 1, D] T, k_pool / v_pool [NB, BS, Hkv, D] T, block_tables [B, MB] int32,
 # context_lens [B] int32, params {MB, Hq, Hkv, window (0: none)} int32, scale {scale} float32.
 # Template: T, D, BS, NSG (simdgroups). Output: out [B, Hq, 1, D] T.
@@ -104,26 +129,7 @@ SOURCE = """
             tg_acc[sg * D + d] = acc[i];
         }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (tid < D) {
-        float mx_all = NEG;
-        for (int s = 0; s < NSG; s++) {
-            if (tg_l[s] > 0.0f) {
-                mx_all = max(mx_all, tg_m[s]);
-            }
-        }
-        float num = 0.0f;
-        float den = 0.0f;
-        for (int s = 0; s < NSG; s++) {
-            if (tg_l[s] > 0.0f) {
-                const float f = exp(tg_m[s] - mx_all);
-                num += f * tg_acc[s * D + tid];
-                den += f * tg_l[s];
-            }
-        }
-        out[q_off + tid] = static_cast<T>(den > 0.0f ? num / den : 0.0f);
-    }
-"""
+""" + COMBINE.replace("NPARTS", "NSG")
 
 
 def launch_spec(

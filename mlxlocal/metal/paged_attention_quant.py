@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlxlocal.metal.attention import sdpa
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available, run
-from mlxlocal.metal.paged_attention import BLOCK_SIZES, SIMDGROUPS, step_mask
+from mlxlocal.metal.paged_attention import BLOCK_SIZES, COMBINE, SIMDGROUPS, step_mask
 
 QuantPool = tuple[mx.array, mx.array, mx.array]  # (packed uint32, scales, biases)
 
@@ -136,26 +136,7 @@ SOURCE = """
             tg_acc[pi * D + w * PACK + j] = acc[j];
         }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (tid < D) {
-        float mx_all = NEG;
-        for (int s = 0; s < NP; s++) {
-            if (tg_l[s] > 0.0f) {
-                mx_all = max(mx_all, tg_m[s]);
-            }
-        }
-        float num = 0.0f;
-        float den = 0.0f;
-        for (int s = 0; s < NP; s++) {
-            if (tg_l[s] > 0.0f) {
-                const float f = exp(tg_m[s] - mx_all);
-                num += f * tg_acc[s * D + tid];
-                den += f * tg_l[s];
-            }
-        }
-        out[q_off + tid] = static_cast<T>(den > 0.0f ? num / den : 0.0f);
-    }
-"""
+""" + COMBINE.replace("NPARTS", "NP")
 
 
 def launch_spec(
