@@ -110,7 +110,7 @@ def test_mlx_lm_path_models(gemma_model, mlx_lm_models, name):
     path = gemma_model if name == "gemma" else mlx_lm_models[name]
     loaded = load(str(path))
     plain = open_engine(loaded, kv_blocks=128)
-    prompts = [REPEAT, prompt_of(40, shift=3), prompt_of(19, shift=5)]
+    prompts = [REPEAT] + [prompt_of(19 + 3 * i, shift=i) for i in range(7)]  # a decode batch of 8
     want = gen_many(plain, prompts)
     for cfg in (SpeculativeConfig("lookup"), SpeculativeConfig("draft", draft=loaded)):
         if name != "gemma" and cfg.method == "draft":  # a draft must be plain attention
@@ -119,7 +119,7 @@ def test_mlx_lm_path_models(gemma_model, mlx_lm_models, name):
             continue
         eng = open_engine(loaded, kv_blocks=128, speculative=cfg)
         assert gen_many(eng, prompts) == want
-        assert [gen(eng, p)[0] for p in prompts] == want
+        assert [gen(eng, p)[0] for p in prompts[:3]] == want[:3]
         assert eng.stats()["spec_steps"] > 0
         assert_no_leak(eng)
         eng.shutdown()
