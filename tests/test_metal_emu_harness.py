@@ -439,6 +439,21 @@ def test_init_value_and_threads_outside_grid_do_not_run():
     np.testing.assert_array_equal(out, [1.0] * 40 + [-1.0] * 10)
 
 
+def test_outputs_start_poisoned_so_a_missing_store_fails():
+    """MLX leaves outputs uninitialised. A kernel that skips the store where its result is 0
+    passed when the emulation started outputs at zero; now those elements read NaN / -1."""
+    x = np.array([1.5, 0.0, -2.0, 0.0] * 8, np.float32)
+    skips = "uint i = thread_position_in_grid.x; if (inp0[i] != 0.0f) { out[i] = inp0[i]; }"
+    zeroed = run1(skips, [x], (32,), grid=(32, 1, 1), init_value=0.0)  # the old default
+    np.testing.assert_array_equal(zeroed, x)  # the bug hides
+    got = run1(skips, [x], (32,), grid=(32, 1, 1))
+    assert np.isnan(got[x == 0]).all() and (got[x != 0] == x[x != 0]).all()
+    for dtype, poison in ((np.int32, -1), (np.uint32, 0xFFFFFFFF), (np.float16, None)):
+        out = run1("uint i = thread_position_in_grid.x; if (i > 0) { out[i] = 7; }", [x], (4,), dtype,
+                   grid=(4, 1, 1))
+        assert (np.isnan(out[0]) if poison is None else out[0] == poison) and (out[1:] == 7).all()
+
+
 def test_compiled_kernels_are_cached():
     src = "out[thread_position_in_grid.x] = inp0[thread_position_in_grid.x] + 41.0f;"
     x = np.ones(4, np.float32)

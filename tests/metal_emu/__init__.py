@@ -477,7 +477,8 @@ def run_kernel(name, source, header="", input_names=None, output_names=None, inp
     bfloat16), `metal_emu.bfloat16(uint16_bits)`, or uint16 arrays with `input_dtypes[i] =
     'bfloat16'`. Dtypes (outputs, template) may be numpy dtypes, MLX dtype names or mx.Dtype.
     bfloat16 outputs are returned as uint16 bit patterns (see bf16_to_float32). Outputs start
-    as `init_value` if given, else zeros (MLX leaves them uninitialised).
+    as `init_value` if given, else 0xFF bytes in every element (NaN for floats, -1 for signed
+    integers): MLX leaves them uninitialised, so a missing store must not pass as a zero.
     """
     input_names = list(input_names or [])
     output_names = list(output_names or [])
@@ -533,7 +534,10 @@ def run_kernel(name, source, header="", input_names=None, output_names=None, inp
     for oname, shape, dt in zip(output_names, output_shapes, out_dts):
         storage = _TYPES[dt][1]
         if init_value is None:
-            out = np.zeros(shape, dtype=storage)
+            # MLX leaves outputs uninitialised: start them as 0xFF bytes (NaN, -1), so an
+            # element no thread stores shows up instead of passing as a zero.
+            out = np.empty(shape, dtype=storage)
+            out.reshape(-1).view(np.uint8)[:] = 0xFF
         elif dt == "bfloat16":
             out = np.full(shape, float32_to_bf16(np.float32(init_value)), dtype=np.uint16)
         else:
