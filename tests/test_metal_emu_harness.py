@@ -484,9 +484,20 @@ def test_out_of_bounds_access_is_reported():
     src = "out[thread_position_in_grid.x * 4096] = inp0[0];"
     with pytest.raises(KernelRuntimeError, match="buffer 'out'.*out-of-bounds"):
         run1(src, [np.zeros(1, np.float32)], (16,), grid=(16, 1, 1))
-    src = "out[thread_position_in_grid.x + 1] = 1.0f;"  # lands in the padding after `out`
+    src = "out[int(thread_position_in_grid.x) - 1] = 1.0f;"  # the bytes just before `out`
     with pytest.raises(KernelRuntimeError, match="out-of-bounds write to buffer 'out'"):
         run1(src, [np.zeros(1, np.float32)], (15,), grid=(15, 1, 1))
+
+
+def test_a_read_one_element_past_the_end_is_caught():
+    """Buffers end exactly at a guard page. This kernel reads inp0[15] of a 15-float buffer:
+    with buffers padded to 64 bytes (the emulation before) it read 4 bytes of padding and
+    passed silently; now the read faults, naming the buffer and the thread."""
+    src = "uint i = thread_position_in_grid.x; out[i] = inp0[i + 1];"
+    x = np.arange(15, dtype=np.float32)
+    with pytest.raises(KernelRuntimeError, match=r"thread_position_in_grid=\(14,0,0\).*buffer 'inp0'"):
+        run1(src, [x], (15,), grid=(15, 1, 1))
+    np.testing.assert_array_equal(run1(src, [x], (14,), grid=(14, 1, 1)), x[1:])  # in bounds: fine
 
 
 def test_deadlock_and_divergence_are_reported():

@@ -21,9 +21,12 @@ Execution model
   NaN or -1). Live lanes calling different SIMD functions is an error (divergence).
 * `threadgroup T name[N];` declarations are rewritten into `auto& name = mtl::tg_var<T[N]>(id);`:
   storage in a per-group arena (32 KiB, the Metal limit), filled with 0xFF at group start.
-* Buffers are copied into guarded allocations: out-of-bounds accesses that reach the guard pages
-  and writes to the padding past a buffer end raise `KernelRuntimeError` naming the buffer and the
-  thread, as do integer division by zero and stack overflow.
+* Buffers are copied into guarded allocations that end exactly where the buffer does: any access
+  past the end (even one byte into what would be MLX's allocation slack), or into the guard before
+  the start, and writes to the bytes just before the start raise `KernelRuntimeError` naming the
+  buffer and the thread, as do integer division by zero and stack overflow.
+* Outputs start as 0xFF bytes (NaN, -1) unless `init_value` is given: MLX leaves them
+  uninitialised, so an element no thread stores must not pass as a zero.
 
 Assumptions: edge threadgroups of a non-uniform dispatch report their actual (partial) size in
 `threads_per_threadgroup` / `simdgroups_per_threadgroup` (`dispatch_threads_per_threadgroup` has

@@ -687,7 +687,7 @@ inline bool run_group(uint3 gpos, uint3 tgd, uint3 grid, uint3 ngroups) {
 }
 
 // Entry point used by the generated mtl_run. Buffers are copied into guarded allocations
-// (PROT_NONE regions right after the 64-byte-rounded end and before the start) so that
+// (PROT_NONE regions right after the exact end and before the start) so that
 // out-of-bounds accesses become reported errors instead of silent corruption.
 inline int run(EntryFn entry, int nbufs, void** host, const uint64_t* nbytes,
                const int* writeback, const char* const* names, const uint32_t* grid3,
@@ -735,7 +735,9 @@ inline int run(EntryFn entry, int nbufs, void** host, const uint64_t* nbytes,
     maps[b] = m;
     mprotect(m, kGuardBefore, PROT_NONE);
     mprotect(m + kGuardBefore + body, kGuardAfter, PROT_NONE);
-    dev[b] = m + kGuardBefore + body - rounded;
+    // The buffer ends exactly at the guard: a read one byte past its end faults (MLX's own
+    // buffers may have slack there, but a kernel must not rely on it).
+    dev[b] = m + kGuardBefore + body - nbytes[b];
     std::memset(m + kGuardBefore, 0xa5, body);
     std::memcpy(dev[b], host[b], nbytes[b]);
   }
