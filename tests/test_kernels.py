@@ -54,16 +54,23 @@ def from_kernel(a: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(a).astype(np.float32)
 
 
+SCHEDULE_SEEDS = (None, 1, 2)  # thread order, then two shuffled interleavings
+
+
 def emulate(spec: LaunchSpec, tensors: list[np.ndarray]) -> np.ndarray:
-    """Run `spec` exactly as the Metal dispatch would, under the CPU emulation."""
+    """Run `spec` exactly as the Metal dispatch would, under the CPU emulation: in thread order
+    and in two seeded interleavings, which must agree bit for bit (a missing barrier or a race
+    between threads would make them differ)."""
     inputs = [bfloat16(t) if t.dtype == np.uint16 else t for t in tensors]  # bf16 bit patterns
-    (out,) = run_kernel(
+    outs = [run_kernel(
         spec.name, spec.source, spec.header, list(spec.input_names), list(spec.output_names),
         inputs + spec.constant_arrays(), [list(s) for s in spec.output_shapes],
         list(spec.output_dtypes), grid=spec.grid, threadgroup=spec.threadgroup,
-        template=list(spec.template),
-    )
-    return from_kernel(out, spec.output_dtypes[0])
+        template=list(spec.template), schedule_seed=seed,
+    )[0] for seed in SCHEDULE_SEEDS]
+    for seed, out in zip(SCHEDULE_SEEDS[1:], outs[1:]):
+        assert out.tobytes() == outs[0].tobytes(), f"{spec.name}: schedule seed {seed} changes the output"
+    return from_kernel(outs[0], spec.output_dtypes[0])
 
 
 def assert_close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:

@@ -454,6 +454,51 @@ def test_outputs_start_poisoned_so_a_missing_store_fails():
         assert (np.isnan(out[0]) if poison is None else out[0] == poison) and (out[1:] == 7).all()
 
 
+BARRIER_KERNEL = """
+    uint i = thread_position_in_threadgroup.x;
+    threadgroup float tg[64];
+    tg[i] = inp0[i];
+    BARRIER
+    out[i] = i > 0 ? tg[i - 1] : 0.0f;
+"""
+
+
+def test_seeded_schedules_expose_a_missing_barrier():
+    """Each thread reads what the thread before it wrote. Without the barrier, thread order
+    (the emulation's only order before) happens to run the writer first and the kernel passes;
+    seeded interleavings run some reader first, which reads unwritten threadgroup memory."""
+    x = np.arange(1, 65, dtype=np.float32)
+    want = np.concatenate([[0.0], x[:-1]]).astype(np.float32)
+    broken = BARRIER_KERNEL.replace("BARRIER", "")
+    fixed = BARRIER_KERNEL.replace("BARRIER", "threadgroup_barrier(mem_flags::mem_threadgroup);")
+    np.testing.assert_array_equal(run1(broken, [x], (64,), grid=(64, 1, 1), threadgroup=(64, 1, 1)), want)
+    wrong = [seed for seed in range(8) if not np.array_equal(
+        run1(broken, [x], (64,), grid=(64, 1, 1), threadgroup=(64, 1, 1), schedule_seed=seed), want)]
+    assert len(wrong) >= 6  # almost every interleaving breaks it
+    for seed in range(8):  # with the barrier every interleaving gives the same answer
+        np.testing.assert_array_equal(
+            run1(fixed, [x], (64,), grid=(64, 1, 1), threadgroup=(64, 1, 1), schedule_seed=seed), want)
+
+
+def test_seeded_schedules_keep_simd_and_barrier_semantics():
+    """Shuffled order still releases SIMD functions and barriers only when every live thread
+    arrives: a reduction over a threadgroup gives the same bits under every seed."""
+    src = """
+        uint i = thread_position_in_threadgroup.x;
+        threadgroup float part[4];
+        float s = simd_sum(inp0[thread_position_in_grid.x]);
+        if (thread_index_in_simdgroup == 0) part[simdgroup_index_in_threadgroup] = s;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (i == 0) out[threadgroup_position_in_grid.x] = part[0] + part[1] + part[2] + part[3];
+    """
+    x = np.random.default_rng(0).standard_normal(512).astype(np.float32)
+    base = run1(src, [x], (4,), grid=(512, 1, 1), threadgroup=(128, 1, 1))
+    np.testing.assert_allclose(base, x.reshape(4, 128).sum(axis=1), rtol=1e-5)
+    for seed in range(4):
+        np.testing.assert_array_equal(
+            run1(src, [x], (4,), grid=(512, 1, 1), threadgroup=(128, 1, 1), schedule_seed=seed), base)
+
+
 def test_compiled_kernels_are_cached():
     src = "out[thread_position_in_grid.x] = inp0[thread_position_in_grid.x] + 41.0f;"
     x = np.ones(4, np.float32)

@@ -11,6 +11,9 @@ Execution model
   (a tiny x86-64 context switch; ucontext elsewhere), started in thread_index_in_threadgroup order.
   A fiber runs until it ends or reaches `threadgroup_barrier`, `simdgroup_barrier` or a `simd_*`
   function, so all threads of a group are live at the same time and scheduling is deterministic.
+  With `schedule_seed` the next fiber to run is drawn at random from the ready ones (a
+  different interleaving between sync points per seed): work that needs a barrier it lacks
+  then reads another thread's data before it is written (threadgroup memory starts 0xFF).
 * `threadgroup_barrier` releases when every live thread of the group waits at a barrier (threads
   that already returned count as arrived). A barrier that can never release (some threads wait at
   a barrier, others in a SIMD function) is reported as a deadlock instead of hanging.
@@ -39,7 +42,8 @@ $TMPDIR/metal_emu_cache_<uid>) by a hash of the generated source, header, flags 
 Without a compiler, `run_kernel` calls pytest.skip inside a test run (RuntimeError otherwise).
 
 Not modelled: timing and performance, concurrency between threadgroups, memory ordering beyond
-what barriers give (each fiber runs alone between sync points, so races are not detected),
+what barriers give (each fiber runs alone between sync points: a race shows only when some
+seeded interleaving changes the result),
 simdgroup_matrix, textures, quad-group functions, per-operation half rounding of intermediate
 math (half/bfloat math functions are computed in float and rounded once).
 """
@@ -75,6 +79,7 @@ __all__ = [
 ]
 
 _HERE = Path(__file__).resolve().parent
+_SEED_VAR = "METAL_EMU_SCHEDULE_SEED"  # read by metal.h's scheduler at each run
 _HEADER = _HERE / "metal.h"
 _INCLUDE = _HERE / "include"
 _CXX_FLAGS = [  # extra flags: METAL_EMU_CXXFLAGS
@@ -473,7 +478,7 @@ def _dims3(v, what: str) -> tuple[int, int, int]:
 def run_kernel(name, source, header="", input_names=None, output_names=None, inputs=None,
                output_shapes=None, output_dtypes=None, grid=None, threadgroup=None,
                template=None, init_value=None, *, atomic_outputs=False, input_dtypes=None,
-               verbose=False):
+               verbose=False, schedule_seed=None):
     """Run a `mx.fast.metal_kernel` body on the CPU; returns the outputs as numpy arrays.
 
     Inputs: numpy arrays (float32/float16/int*/uint*/bool), `mx.array`s (any of those or
@@ -482,6 +487,8 @@ def run_kernel(name, source, header="", input_names=None, output_names=None, inp
     bfloat16 outputs are returned as uint16 bit patterns (see bf16_to_float32). Outputs start
     as `init_value` if given, else 0xFF bytes in every element (NaN for floats, -1 for signed
     integers): MLX leaves them uninitialised, so a missing store must not pass as a zero.
+    `schedule_seed`: run the group's threads in a random interleaving between sync points
+    (one per seed) instead of in thread order: a missing barrier shows as a wrong result.
     """
     input_names = list(input_names or [])
     output_names = list(output_names or [])
@@ -558,8 +565,16 @@ def run_kernel(name, source, header="", input_names=None, output_names=None, inp
     g = (ctypes.c_uint32 * 3)(*grid3)
     t = (ctypes.c_uint32 * 3)(*tg3)
     err = ctypes.create_string_buffer(4096)
-    with _lock:  # signal handlers and the runtime state are process-wide
-        rc = lib.mtl_run(n, ptrs, sizes, wb, cnames, g, t, err, len(err))
+    with _lock:  # signal handlers, the runtime state and the environment are process-wide
+        before = os.environ.pop(_SEED_VAR, None)
+        if schedule_seed is not None:
+            os.environ[_SEED_VAR] = str(int(schedule_seed))
+        try:
+            rc = lib.mtl_run(n, ptrs, sizes, wb, cnames, g, t, err, len(err))
+        finally:
+            os.environ.pop(_SEED_VAR, None)
+            if before is not None:
+                os.environ[_SEED_VAR] = before
     if rc != 0:
         raise KernelRuntimeError(f"metal_emu: kernel '{name}' ({kname}): "
                                  f"{err.value.decode(errors='replace')}")

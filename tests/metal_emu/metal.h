@@ -351,6 +351,9 @@ struct Runtime {
   int tg_wait;
   int queue[kMaxThreads];
   int qhead, qtail, qcount;
+  // METAL_EMU_SCHEDULE_SEED set: the next ready fiber is drawn at random (xorshift64) instead
+  // of in queue order, so work between two sync points runs in another interleaving.
+  uint64_t shuffle;
   char err[2048];
   sigjmp_buf jmp;
   volatile sig_atomic_t sig;
@@ -635,6 +638,15 @@ inline bool run_group(uint3 gpos, uint3 tgd, uint3 grid, uint3 ngroups) {
     push_ready(i);
   }
   while (R->qcount > 0) {
+    if (R->shuffle && R->qcount > 1) {
+      R->shuffle ^= R->shuffle << 13;
+      R->shuffle ^= R->shuffle >> 7;
+      R->shuffle ^= R->shuffle << 17;
+      int a = R->qhead, b = int((R->qhead + R->shuffle % uint64_t(R->qcount)) % kMaxThreads);
+      int t = R->queue[a];
+      R->queue[a] = R->queue[b];
+      R->queue[b] = t;
+    }
     int i = R->queue[R->qhead];
     R->qhead = (R->qhead + 1) % kMaxThreads;
     R->qcount--;
@@ -698,6 +710,8 @@ inline int run(EntryFn entry, int nbufs, void** host, const uint64_t* nbytes,
   R = rt;
   rt->err[0] = 0;
   rt->page = (size_t)sysconf(_SC_PAGESIZE);
+  const char* seed = getenv("METAL_EMU_SCHEDULE_SEED");
+  rt->shuffle = seed && *seed ? (uint64_t)strtoull(seed, nullptr, 10) * 0x9E3779B97F4A7C15ull + 1 : 0;
   const size_t page = rt->page;
   volatile int rc = 0;
   uint3 grid{grid3[0], grid3[1], grid3[2]};
