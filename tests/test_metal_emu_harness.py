@@ -499,6 +499,22 @@ def test_seeded_schedules_keep_simd_and_barrier_semantics():
             run1(src, [x], (4,), grid=(512, 1, 1), threadgroup=(128, 1, 1), schedule_seed=seed), base)
 
 
+def test_half_and_bfloat_arithmetic_rounds_every_operation():
+    """Metal rounds each half (and bfloat) operation's result: 2048 + 1 + 1 is 2048 in half
+    (2049 rounds to even, twice), 2050 when the sum is kept in float and rounded once."""
+    h = np.array([2048, 1, 1], np.float16)
+    out = run1("out[0] = inp0[0] + inp0[1] + inp0[2];", [h], (1,), np.float16, grid=(1, 1, 1),
+               threadgroup=(1, 1, 1))
+    assert out[0] == 2048
+    out = run1("out[0] = float(inp0[0]) + float(inp0[1]) + float(inp0[2]);", [h], (1,), np.float16,
+               grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    assert out[0] == 2050
+    b = metal_emu.bfloat16(metal_emu.float32_to_bf16(np.array([256, 1, 1], np.float32)))
+    out = run1("out[0] = float(inp0[0] + inp0[1] + inp0[2]);", [b], (1,), np.float32, grid=(1, 1, 1),
+               threadgroup=(1, 1, 1))
+    assert out[0] == 256  # bfloat spacing is 2 at 256: each +1 rounds back
+
+
 def test_compiled_kernels_are_cached():
     src = "out[thread_position_in_grid.x] = inp0[thread_position_in_grid.x] + 41.0f;"
     x = np.ones(4, np.float32)

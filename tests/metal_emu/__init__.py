@@ -44,8 +44,10 @@ Without a compiler, `run_kernel` calls pytest.skip inside a test run (RuntimeErr
 Not modelled: timing and performance, concurrency between threadgroups, memory ordering beyond
 what barriers give (each fiber runs alone between sync points: a race shows only when some
 seeded interleaving changes the result),
-simdgroup_matrix, textures, quad-group functions, per-operation half rounding of intermediate
-math (half/bfloat math functions are computed in float and rounded once).
+simdgroup_matrix, textures, quad-group functions, and the rounding inside half/bfloat math
+functions (exp, sqrt, ... are computed in float and rounded once). Half and bfloat operators
+round every result, as Metal does (test_half_and_bfloat_arithmetic_rounds_every_operation pins
+it: a compiler keeping half sums in float would fail it).
 """
 
 from __future__ import annotations
