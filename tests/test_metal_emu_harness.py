@@ -515,6 +515,22 @@ def test_half_and_bfloat_arithmetic_rounds_every_operation():
     assert out[0] == 256  # bfloat spacing is 2 at 256: each +1 rounds back
 
 
+@pytest.mark.parametrize("code,metal", [
+    ("double d = inp0[i]; out[i] = float(d * 2.0);", "float d = inp0[i]; out[i] = d * 2.0f;"),
+    ("out[i] = std::min(inp0[i], 1.0f);", "out[i] = min(inp0[i], 1.0f);"),
+    ("out[i] = expf(inp0[i]);", "out[i] = exp(inp0[i]);"),
+    ("out[i] = fmaxf(inp0[i], 0.0f);", "out[i] = fmax(inp0[i], 0.0f);"),
+])
+def test_what_metal_lacks_does_not_compile(code, metal):
+    """double, the C++ standard library and C's float functions compiled as C++ before; Apple's
+    compiler rejects them, and so does the emulation now, naming the identifier."""
+    x = np.linspace(-1, 1, 8, dtype=np.float32)
+    prefix = "uint i = thread_position_in_grid.x; "
+    with pytest.raises(KernelCompileError, match="poisoned"):
+        run1(prefix + code, [x], (8,), grid=(8, 1, 1))
+    run1(prefix + metal, [x], (8,), grid=(8, 1, 1))  # the Metal spelling compiles and runs
+
+
 def test_compiled_kernels_are_cached():
     src = "out[thread_position_in_grid.x] = inp0[thread_position_in_grid.x] + 41.0f;"
     x = np.ones(4, np.float32)

@@ -286,6 +286,14 @@ def _template_value(v) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------
 # Source generation (mirrors mlx/backend/common/metal_kernel.cpp)
 # ---------------------------------------------------------------------------------------------
+# Names a kernel may not use: Metal has no double, no C or C++ standard library (std::min,
+# printf, malloc) and no C float functions (expf: Metal's exp is overloaded). Poisoned after
+# metal.h, so they fail to compile in the kernel and its header but not in the model itself.
+_NOT_METAL = ("double", "std", "printf", "fprintf", "malloc", "calloc", "realloc", "memcpy", "memset",
+              "expf", "exp2f", "logf", "log2f", "powf", "sqrtf", "fabsf", "floorf", "ceilf", "roundf",
+              "fminf", "fmaxf", "sinf", "cosf", "tanhf", "erff", "fmodf")
+
+
 def generate_source(name, source, header, input_names, output_names, inputs_meta,
                     output_dtypes, template, atomic_outputs=False):
     """Returns (translation unit, kernel name, line ranges {'header': (a, b), 'source': (c, d)}).
@@ -309,6 +317,7 @@ def generate_source(name, source, header, input_names, output_names, inputs_meta
 
     next_id = [0]
     lines = ['#include "metal.h"  // tests/metal_emu/metal.h (precompiled when possible)',
+             f"#pragma GCC poison {' '.join(_NOT_METAL)}",
              "// ---- header ----"]
     h0 = len(lines) + 1
     lines += _rewrite(header, next_id).split("\n")
