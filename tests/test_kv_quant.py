@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from akv_reference import MaskedKV, Reference
 from conftest import BASE, FAMILY_CONFIGS, build_tiny
-from engine_util import assert_no_leak
+from engine_util import assert_no_leak, prompt_of
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 from test_akv_engine import inv_freq_of
@@ -231,16 +231,22 @@ def test_sliding_window_layers_are_quantized_too(tmp_path, bits):
 
 # --- (c) batching, prefix sharing, sessions, preemption, cache edits --------------------------
 def prompts_of(n: int) -> list[list[int]]:
-    return [[(i * 37 + 11 + s * 101) % 300 for i in range(20 + 3 * s)] for s in range(n)]
+    return [prompt_of(20 + 3 * s, shift=s) for s in range(n)]
+
+
+def each_alone(native, bits: int, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of each prompt run alone on a fresh engine without sharing (the reference)."""
+    solo = []
+    for p in prompts:
+        fresh = engine(native, kv_bits=bits, prefix_cache=False)
+        solo.append(greedy(fresh, p, n)[0])
+        fresh.shutdown()
+    return solo
 
 
 def test_batch_of_8_equals_each_alone(native):
     prompts = prompts_of(8)
-    solo = []
-    for p in prompts:
-        fresh = engine(native, kv_bits=8, prefix_cache=False)
-        solo.append(greedy(fresh, p, 12)[0])
-        fresh.shutdown()
+    solo = each_alone(native, 8, prompts, 12)
     eng = engine(native, kv_bits=8, max_num_seqs=8)
     try:
         with paused(eng):
@@ -290,11 +296,7 @@ def test_session_turns_equal_the_whole_conversation_cold(native):
 
 def test_preemption_on_a_small_quantized_pool(native):
     prompts = prompts_of(6)
-    solo = []
-    for p in prompts:
-        fresh = engine(native, kv_bits=4, prefix_cache=False)
-        solo.append(greedy(fresh, p, 30)[0])
-        fresh.shutdown()
+    solo = each_alone(native, 4, prompts, 30)
     eng = engine(native, kv_bits=4, kv_blocks=8)
     try:
         with paused(eng):

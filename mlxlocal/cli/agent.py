@@ -68,9 +68,7 @@ def run(
     compact = compaction_policy(kv_compact)
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False, kv_bits, kv_group_size)
-    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
-    if spec is not None:
-        options["speculative"] = spec
+    speculation(draft_model, prompt_lookup, num_draft_tokens, options)  # exits 2 when they clash
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
                               max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, rerank_tools=rerank_tools, as_json=as_json,
                               yes=yes, compact=compact))

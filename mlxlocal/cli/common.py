@@ -62,9 +62,11 @@ def engine_options(kv_cache_memory: Optional[str], kv_blocks: Optional[int], blo
 def kv_precision(kv_bits: Optional[int], kv_group_size: int) -> dict:
     """--kv-bits / --kv-group-size as EngineConfig fields; exits 2 naming the option otherwise
     (the model's head_dim is checked when the engine is built)."""
-    if kv_bits is not None and kv_bits not in (4, 8):
+    from mlxlocal.cache.quantized import KV_BITS, KV_GROUP_SIZES  # the pools' own rules
+
+    if kv_bits is not None and kv_bits not in KV_BITS:
         fail(f"--kv-bits must be 8 or 4, not {kv_bits}", 2)
-    if kv_group_size not in (32, 64, 128):
+    if kv_group_size not in KV_GROUP_SIZES:
         fail(f"--kv-group-size must be 32, 64 or 128, not {kv_group_size}", 2)
     if kv_bits is None:
         if kv_group_size != 64:
@@ -120,9 +122,11 @@ PROMPT_LOOKUP_HELP = ("Speculative decoding by prompt lookup: tokens drafted fro
 NUM_DRAFT_HELP = "With --draft-model or --prompt-lookup: tokens drafted per step at most, 1..32 [default: 4]"
 
 
-def speculation(draft_model: Optional[str], prompt_lookup: bool, num_draft_tokens: Optional[int]):
+def speculation(draft_model: Optional[str], prompt_lookup: bool, num_draft_tokens: Optional[int],
+                options: Optional[dict] = None):
     """--draft-model / --prompt-lookup / --num-draft-tokens -> a SpeculationChoice (an engine
-    option) or None; exits 2 naming the options when they do not go together."""
+    option, put in `options` as "speculative" when given) or None; exits 2 naming the options
+    when they do not go together."""
     from mlxlocal.engine.spec_options import DEFAULT_DRAFT_TOKENS, SpeculationChoice
 
     if draft_model is not None and prompt_lookup:
@@ -136,4 +140,7 @@ def speculation(draft_model: Optional[str], prompt_lookup: bool, num_draft_token
         fail(f"--num-draft-tokens must be in 1..32, got {n}", 2)
     if draft_model is not None and not draft_model.strip():
         fail("--draft-model: the model spec is empty", 2)
-    return SpeculationChoice("draft" if draft_model is not None else "lookup", draft_model, n)
+    choice = SpeculationChoice("draft" if draft_model is not None else "lookup", draft_model, n)
+    if options is not None:
+        options["speculative"] = choice
+    return choice

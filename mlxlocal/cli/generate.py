@@ -92,9 +92,7 @@ def generate(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, grammar=constraint,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
-    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
-    if spec is not None:
-        options["speculative"] = spec
+    spec = speculation(draft_model, prompt_lookup, num_draft_tokens, options)
     try:
         loaded = load(model)
         prompts = EngineBase(loaded)
@@ -259,9 +257,7 @@ def chat(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
-    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
-    if spec is not None:
-        options["speculative"] = spec
+    speculation(draft_model, prompt_lookup, num_draft_tokens, options)  # exits 2 when they clash
     if mcp:
         from mlxlocal.agent_chat import run_agent_chat
 

@@ -90,11 +90,8 @@ def serve(
              "value and their own name", 2)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
-    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)
-    if spec is not None:
-        if not model:
-            fail("--draft-model / --prompt-lookup speed up --model models; embedding models do not generate", 2)
-        options["speculative"] = spec
+    if speculation(draft_model, prompt_lookup, num_draft_tokens, options) is not None and not model:
+        fail("--draft-model / --prompt-lookup speed up --model models; embedding models do not generate", 2)
     try:
         keep = parse_duration(keep_alive)
     except APIError as e:

@@ -47,8 +47,8 @@ def open_engine(loaded: LoadedModel, **config) -> Engine:
         wanted = [name for name, on in (("speculative decoding", config.get("speculative")),
                                         ("--kv-bits", config.get("kv_bits"))) if on]
         if wanted:  # the dense engine has neither: refused, not ignored
-            raise EngineOptionError(f"{' and '.join(wanted)} need the paged engine; {loaded.info.name} runs on the "
-                             f"dense one-sequence engine ({e})") from e
+            raise EngineOptionError(f"{' and '.join(wanted)} need the paged engine; {loaded.info.name} runs on "
+                                    f"the dense one-sequence engine ({e})") from e
         return SimpleEngine(loaded, paged_reason=str(e), **config)
     return PagedEngine(loaded, EngineConfig(**config), runner)
 

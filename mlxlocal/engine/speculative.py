@@ -25,7 +25,7 @@ tokens again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -79,7 +79,6 @@ class SpecState:
     k: int
     index: LookupIndex | None = None
     key: mx.array | None = None
-    history: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per step
     misses: int = 0  # verify steps in a row that accepted nothing
     pause: int = 0  # decode steps to go without drafting
 
@@ -87,7 +86,6 @@ class SpecState:
         """One more than was accepted last time; a fully accepted draft doubles. After
         MISSES steps in a row with nothing accepted, PAUSE plain steps before drafting again:
         a drafter that keeps missing costs its drafts and verify width for nothing."""
-        self.history.append((drafted, accepted))
         self.k = min(k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
         self.misses = self.misses + 1 if accepted == 0 else 0
         if self.misses >= MISSES:
@@ -162,13 +160,15 @@ def distribution(logits: mx.array, seqs: list[Sequence]) -> tuple[mx.array, mx.a
         rows = [seqs[r].sampler._apply_bias(logits[r : r + 1]) for r in biased]
         logits = _replace_rows(logits, biased, mx.concatenate(rows))
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    probs = (mx.arange(V)[None] == mx.argmax(logprobs, axis=-1)[:, None]).astype(mx.float32)
     drawn = [r for r, s in enumerate(seqs) if s.params.temperature >= MIN_TEMPERATURE]
+    if len(drawn) < R:  # greedy rows: one-hot at the argmax
+        probs = (mx.arange(V)[None] == mx.argmax(logprobs, axis=-1)[:, None]).astype(mx.float32)
     if drawn:
         params = [seqs[r].params for r in drawn]
         x = _filter(logprobs if len(drawn) == R else logprobs[mx.array(drawn)], params, V)
         inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32).astype(x.dtype)
-        probs = _replace_rows(probs, drawn, mx.softmax((x * inv_t[:, None]).astype(mx.float32), axis=-1))
+        p = mx.softmax((x * inv_t[:, None]).astype(mx.float32), axis=-1)
+        probs = p if len(drawn) == R else _replace_rows(probs, drawn, p)
     return logprobs, probs
 
 
@@ -303,9 +303,10 @@ class Speculator:
             if rewind:
                 seq.recurrent, seq.recurrent_prev = seq.recurrent_prev, None
             self.scheduler.trim(seq, start + m + 2)
+            asked = seq.params.logprobs
             for e, tok in enumerate(emit):
                 seq.num_computed = start if rewind else start + 1 + e
-                lp = logprob_arrays(seq.params.logprobs, mx.array([tok]), logprobs[i, e : e + 1])
+                lp = logprob_arrays(asked, mx.array([tok]), logprobs[i, e : e + 1]) if asked is not None else []
                 accept(seq, tok, lp)
                 if seq.status is Status.FINISHED:
                     break

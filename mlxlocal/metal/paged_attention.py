@@ -27,6 +27,27 @@ SIMDGROUPS = 8  # simdgroups per threadgroup, splitting the key blocks between t
 
 HEADER = ""
 
+# The start of both paged attention kernels (this one and paged_attention_quant): their shared
+# launch contract decoded (params {MB, Hq, Hkv, window}, scale; one threadgroup per (query head
+# h, sequence b)), the sequence's context and first key (start, sliding windows), q's offset.
+PROLOGUE = """
+    constexpr float NEG = -1.0e30f;
+    const int MB = params[0];
+    const int Hq = params[1];
+    const int Hkv = params[2];
+    const int window = params[3];
+    const int h = int(threadgroup_position_in_grid.x);
+    const int b = int(threadgroup_position_in_grid.y);
+    const int tid = int(thread_position_in_threadgroup.x);
+    const int lane = tid % 32;
+    const int sg = tid / 32;
+    const int kvh = h / (Hq / Hkv);
+    const int ctx = context_lens[b];
+    const int start = window > 0 ? max(ctx - window, 0) : 0;
+    const float sc = scale[0];
+    const size_t q_off = size_t(b * Hq + h) * D;
+"""
+
 # The end of both paged attention kernels (this one and paged_attention_quant): after a
 # barrier, threads d < D merge the NPARTS partial online softmaxes (tg_m, tg_l, tg_acc in
 # threadgroup memory; tg_l = 0: a partial that saw no key) and store out[q_off + d].
@@ -57,22 +78,7 @@ COMBINE = """
 # Template: T, D, BS, NSG (simdgroups). Output: out [B, Hq, 1, D] T.
 SOURCE = """
     constexpr int QS = (D + 31) / 32;
-    constexpr float NEG = -1.0e30f;
-    const int MB = params[0];
-    const int Hq = params[1];
-    const int Hkv = params[2];
-    const int window = params[3];
-    const int h = int(threadgroup_position_in_grid.x);
-    const int b = int(threadgroup_position_in_grid.y);
-    const int tid = int(thread_position_in_threadgroup.x);
-    const int lane = tid % 32;
-    const int sg = tid / 32;
-    const int kvh = h / (Hq / Hkv);
-    const int ctx = context_lens[b];
-    const int start = window > 0 ? max(ctx - window, 0) : 0;
-    const float sc = scale[0];
-    const size_t q_off = size_t(b * Hq + h) * D;
-
+""" + PROLOGUE + """
     float qv[QS];
     float acc[QS];
     for (int i = 0; i < QS; i++) {

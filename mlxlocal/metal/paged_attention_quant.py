@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlxlocal.metal.attention import sdpa
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available, run
-from mlxlocal.metal.paged_attention import BLOCK_SIZES, COMBINE, SIMDGROUPS, step_mask
+from mlxlocal.metal.paged_attention import BLOCK_SIZES, COMBINE, PROLOGUE, SIMDGROUPS, step_mask
 
 QuantPool = tuple[mx.array, mx.array, mx.array]  # (packed uint32, scales, biases)
 
@@ -46,24 +46,9 @@ SOURCE = """
     constexpr int LPK = W <= 8 ? 8 : (W <= 16 ? 16 : 32);
     constexpr int KPS = 32 / LPK;
     constexpr int NP = NSG * KPS;
-    constexpr float NEG = -1.0e30f;
-    const int MB = params[0];
-    const int Hq = params[1];
-    const int Hkv = params[2];
-    const int window = params[3];
-    const int h = int(threadgroup_position_in_grid.x);
-    const int b = int(threadgroup_position_in_grid.y);
-    const int tid = int(thread_position_in_threadgroup.x);
-    const int lane = tid % 32;
-    const int sg = tid / 32;
-    const int slot = lane / LPK;
+""" + PROLOGUE + """    const int slot = lane / LPK;
     const int w = lane % LPK;
     const bool owns = w < W;
-    const int kvh = h / (Hq / Hkv);
-    const int ctx = context_lens[b];
-    const int start = window > 0 ? max(ctx - window, 0) : 0;
-    const float sc = scale[0];
-    const size_t q_off = size_t(b * Hq + h) * D;
     const int g = owns ? (w * PACK) / GS : 0;
 
     float qv[PACK];

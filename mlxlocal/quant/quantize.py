@@ -247,10 +247,8 @@ def perplexity(loaded, text: str, seq_len: int = 512, batch_size: int = 8,
         try:
             forward = PagedScorer(loaded, min(batch_size, data.shape[0]), data.shape[1] - 1, kv_bits,
                                   kv_group_size).logits
-        except NotPageable as e:
+        except NotPageable as e:  # (a precision the model cannot take: KVPrecisionError, named as such)
             raise ConfigError(f"--kv-bits needs the paged engine's K/V pools, which this model cannot use ({e})") from e
-        except ValueError as e:
-            raise ConfigError(str(e).replace("kv_bits", "--kv-bits").replace("kv_group_size", "--kv-group-size")) from e
     total, count = 0.0, 0
     n_batches = (data.shape[0] + batch_size - 1) // batch_size
     for i, s in enumerate(range(0, data.shape[0], batch_size)):
