@@ -65,6 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import check as _check
 from .codegen import _TYPES, _dtype_name, generate_source
 
 __all__ = [
@@ -306,7 +307,7 @@ def _dims3(v, what: str) -> tuple[int, int, int]:
 def run_kernel(name, source, header="", input_names=None, output_names=None, inputs=None,
                output_shapes=None, output_dtypes=None, grid=None, threadgroup=None,
                template=None, init_value=None, *, atomic_outputs=False, input_dtypes=None,
-               verbose=False, schedule_seed=None):
+               verbose=False, schedule_seed=None, metal_check=True):
     """Run a `mx.fast.metal_kernel` body on the CPU; returns the outputs as numpy arrays.
 
     Inputs: numpy arrays (float32/float16/int*/uint*/bool), `mx.array`s (any of those or
@@ -317,6 +318,8 @@ def run_kernel(name, source, header="", input_names=None, output_names=None, inp
     integers): MLX leaves them uninitialised, so a missing store must not pass as a zero.
     `schedule_seed`: run the group's threads in a random interleaving between sync points
     (one per seed) instead of in thread order: a missing barrier shows as a wrong result.
+    `metal_check`: first parse the generated source as Metal (check.py: real address spaces,
+    no C/C++ library; once per distinct source); False runs the g++ emulation alone.
     """
     input_names = list(input_names or [])
     output_names = list(output_names or [])
@@ -347,6 +350,8 @@ def run_kernel(name, source, header="", input_names=None, output_names=None, inp
                                          metas, out_dts, template, atomic_outputs)
     if verbose:
         print(f"Generated source code for `{name}`:\n```\n{src}\n```")
+    if metal_check and _check.available():
+        _check.check(name, src, ranges, _cache_dir())
     lib = _compile(name, src, ranges)
 
     bufs, names, writeback = [], [], []

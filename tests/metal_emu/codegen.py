@@ -141,30 +141,30 @@ def generate_source(name, source, header, input_names, output_names, inputs_meta
         loc = "constant" if size < _MAX_CONSTANT_ARRAY_SIZE else "device"
         if ndim == 0:
             params.append(f"  const {loc} {t}& {iname} [[buffer({index})]]")
-            casts.append(f"*(const {t}*)a[{index}]")
+            casts.append(f"*(const {loc} {t}*)a[{index}]")
         else:
             params.append(f"  const {loc} {t}* {iname} [[buffer({index})]]")
-            casts.append(f"(const {t}*)a[{index}]")
+            casts.append(f"(const {loc} {t}*)a[{index}]")
         index += 1
         if ndim > 0:
             if iname + "_shape" in source:
                 params.append(f"  const constant int* {iname}_shape [[buffer({index})]]")
-                casts.append(f"(const int*)a[{index}]")
+                casts.append(f"(const constant int*)a[{index}]")
                 index += 1
             if iname + "_strides" in source:
                 params.append(f"  const constant int64_t* {iname}_strides [[buffer({index})]]")
-                casts.append(f"(const int64_t*)a[{index}]")
+                casts.append(f"(const constant int64_t*)a[{index}]")
                 index += 1
             if iname + "_ndim" in source:
                 params.append(f"  const constant int& {iname}_ndim [[buffer({index})]]")
-                casts.append(f"*(const int*)a[{index}]")
+                casts.append(f"*(const constant int*)a[{index}]")
                 index += 1
     for oname, dt in zip(output_names, output_dtypes):
         t = _TYPES[dt][0]
         if atomic_outputs:
             t = f"atomic<{t}>"
         params.append(f"  device {t}* {oname} [[buffer({index})]]")
-        casts.append(f"({t}*)a[{index}]")
+        casts.append(f"(device {t}*)a[{index}]")
         index += 1
     for attr, atype in _ATTRIBUTES:
         if attr in source:

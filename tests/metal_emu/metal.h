@@ -15,6 +15,12 @@
 //     per-group arena storage (mtl::tg_var), poisoned with 0xFF bytes (NaN / -1) at group start.
 #pragma once
 
+// MTL_CHECK: the Metal-language check (metal_emu/check.py) parses the same translation unit with
+// libclang, -fsyntax-only: no C/C++ library (check_std.h declares what the bodies below use),
+// no runtime, and real address spaces (see "Address spaces" below).
+#if defined(MTL_CHECK)
+#include "check_std.h"
+#else
 #include <cmath>
 #include <csetjmp>
 #include <csignal>
@@ -34,6 +40,23 @@
 #else
 #include <ucontext.h>
 #endif
+#endif  // !MTL_CHECK
+
+// ------------------------------------------------------------------------------------------
+// Address spaces: one flat memory under g++ (empty keywords); in the check, clang address
+// spaces, so that mixing them is an error as in Metal (thread = clang's default space, as an
+// unqualified pointer or reference in Metal is a thread one).
+// ------------------------------------------------------------------------------------------
+#if defined(MTL_CHECK)
+#define device __attribute__((address_space(1)))
+#define constant const __attribute__((address_space(2)))  // read-only, as in Metal
+#define threadgroup __attribute__((address_space(3)))
+#else
+#define device
+#define constant
+#define threadgroup
+#endif
+#define thread
 
 // ------------------------------------------------------------------------------------------
 // Scalar types
@@ -44,6 +67,12 @@ typedef unsigned char uchar;
 typedef _Float16 half;
 typedef half float16_t;
 
+#if defined(MTL_CHECK)
+// The check's bfloat is clang's own: a class would need a member function per address space
+// to be read from device memory, which clang's C++ cannot declare (Metal's bfloat is built in).
+typedef __bf16 bfloat;
+typedef bfloat bfloat16_t;
+#else
 struct bfloat {
   uint16_t bits;
   bfloat() = default;
@@ -97,6 +126,10 @@ MTL_BF_BINOP(-)
 MTL_BF_BINOP(*)
 MTL_BF_BINOP(/)
 #undef MTL_BF_BINOP
+#endif  // MTL_CHECK
+namespace mtl {
+constexpr bfloat bf_bits(uint16_t b) { return __builtin_bit_cast(bfloat, b); }
+}  // namespace mtl
 
 namespace mtl {
 template <class T>
@@ -137,8 +170,29 @@ inline void flatten_into(T*& out, const A& a) {
 }
 }  // namespace mtl
 
+#if defined(MTL_CHECK)
+// A vector in device / threadgroup / constant memory is copied (or converted) into a thread one
+// through these; clang's C++ cannot declare member functions for other address spaces, so in
+// the check such a vector can be loaded and its .x .y .z .w used, not indexed or assigned whole.
+#define MTL_VEC_FROM(AS)                                                                     \
+  constexpr vec(const AS vec& o) {                                                           \
+    for (int i = 0; i < ncomp_; i++) (*this)[i] = (&o.x)[i];                                 \
+  }                                                                                          \
+  template <class U>                                                                         \
+  explicit constexpr vec(const AS vec<U, ncomp_>& o) {                                       \
+    for (int i = 0; i < ncomp_; i++) (*this)[i] = T((&o.x)[i]);                              \
+  }
+#define MTL_VEC_CHECK(N)                                                                     \
+  static constexpr int ncomp_ = N;                                                           \
+  vec(const vec&) = default;                                                                 \
+  MTL_VEC_FROM(device) MTL_VEC_FROM(threadgroup) MTL_VEC_FROM(constant)
+#else
+#define MTL_VEC_CHECK(N)
+#endif
+
 #define MTL_VEC_COMMON(N)                                                                    \
   vec() = default;                                                                           \
+  MTL_VEC_CHECK(N)                                                                           \
   template <class S, std::enable_if_t<mtl::is_scalar<S>::value, int> = 0>                    \
   constexpr vec(S s) {                                                                       \
     for (int i = 0; i < N; i++) (*this)[i] = T(s);                                           \
@@ -314,6 +368,22 @@ constexpr size_t kStackSize = 512 * 1024;
 constexpr size_t kGuardBefore = 64 * 1024;   // PROT_NONE bytes before each buffer
 constexpr size_t kGuardAfter = 1024 * 1024;  // and after it
 
+#if defined(MTL_CHECK)
+// The check never runs a kernel: the runtime is only declared (what the library below calls).
+const ThreadInfo& cur_ti();
+[[noreturn]] void fail(const char* fmt, ...);
+void tg_barrier();
+template <class T>
+threadgroup T& tg_var(int id);  // threadgroup variables live in the threadgroup address space
+template <class T>
+int simd_arrive(const T& x, int kind);
+template <class T>
+T simd_get(int p, int lane);
+uint32_t simd_mask(int p);
+int run(EntryFn entry, int nbufs, void** host, const uint64_t* nbytes, const int* writeback,
+        const char* const* names, const uint32_t* grid3, const uint32_t* tg3, char* errbuf,
+        int errlen);
+#else
 struct Fiber {
   void* sp;
 #if !defined(MTL_ASM_SWITCH)
@@ -830,6 +900,8 @@ inline int run(EntryFn entry, int nbufs, void** host, const uint64_t* nbytes,
   return rc;
 }
 
+#endif  // MTL_CHECK
+
 }  // namespace mtl
 
 // ------------------------------------------------------------------------------------------
@@ -1067,13 +1139,13 @@ struct numeric_limits<half> {
 template <>
 struct numeric_limits<bfloat> {
   static constexpr bool is_specialized = true;
-  static constexpr bfloat max() { return bfloat::from_bits(0x7f7f); }
-  static constexpr bfloat min() { return bfloat::from_bits(0x0080); }
-  static constexpr bfloat lowest() { return bfloat::from_bits(0xff7f); }
-  static constexpr bfloat epsilon() { return bfloat::from_bits(0x3c00); }
-  static constexpr bfloat infinity() { return bfloat::from_bits(0x7f80); }
-  static constexpr bfloat quiet_NaN() { return bfloat::from_bits(0x7fc0); }
-  static constexpr bfloat denorm_min() { return bfloat::from_bits(0x0001); }
+  static constexpr bfloat max() { return mtl::bf_bits(0x7f7f); }
+  static constexpr bfloat min() { return mtl::bf_bits(0x0080); }
+  static constexpr bfloat lowest() { return mtl::bf_bits(0xff7f); }
+  static constexpr bfloat epsilon() { return mtl::bf_bits(0x3c00); }
+  static constexpr bfloat infinity() { return mtl::bf_bits(0x7f80); }
+  static constexpr bfloat quiet_NaN() { return mtl::bf_bits(0x7fc0); }
+  static constexpr bfloat denorm_min() { return mtl::bf_bits(0x0001); }
   static constexpr bool has_infinity = true;
 };
 
@@ -1284,6 +1356,29 @@ struct atomic {
 typedef atomic<int> atomic_int;
 typedef atomic<uint> atomic_uint;
 typedef atomic<float> atomic_float;
+#if defined(MTL_CHECK)
+// Metal's atomic functions take device or threadgroup atomics (no thread ones); declarations.
+#define MTL_ATOMIC_DECLS(AS)                                                                   \
+  template <class T, class U>                                                                  \
+  void atomic_store_explicit(volatile AS atomic<T>* o, U v, memory_order);                     \
+  template <class T>                                                                           \
+  T atomic_load_explicit(const volatile AS atomic<T>* o, memory_order);                        \
+  template <class T, class U>                                                                  \
+  T atomic_exchange_explicit(volatile AS atomic<T>* o, U v, memory_order);                     \
+  template <class T, class U>                                                                  \
+  bool atomic_compare_exchange_weak_explicit(volatile AS atomic<T>* o, thread T* expected,     \
+                                             U desired, memory_order, memory_order);           \
+  MTL_ATOMIC_RMW_DECL(AS, add) MTL_ATOMIC_RMW_DECL(AS, sub) MTL_ATOMIC_RMW_DECL(AS, and)       \
+  MTL_ATOMIC_RMW_DECL(AS, or) MTL_ATOMIC_RMW_DECL(AS, xor) MTL_ATOMIC_RMW_DECL(AS, max)        \
+  MTL_ATOMIC_RMW_DECL(AS, min)
+#define MTL_ATOMIC_RMW_DECL(AS, name)                                                          \
+  template <class T, class U>                                                                  \
+  T atomic_fetch_##name##_explicit(volatile AS atomic<T>* o, U u, memory_order);
+MTL_ATOMIC_DECLS(device)
+MTL_ATOMIC_DECLS(threadgroup)
+#undef MTL_ATOMIC_RMW_DECL
+#undef MTL_ATOMIC_DECLS
+#else
 template <class T, class U>
 inline void atomic_store_explicit(atomic<T>* o, U v, memory_order) { o->v = T(v); }
 template <class T>
@@ -1319,6 +1414,7 @@ inline bool atomic_compare_exchange_weak_explicit(atomic<T>* o, T* expected, U d
   *expected = o->v;
   return false;
 }
+#endif  // MTL_CHECK
 
 }  // namespace metal
 
@@ -1351,7 +1447,8 @@ struct Limits<bool> {
 };
 
 template <typename IdxT = int64_t>
-inline IdxT elem_to_loc(IdxT elem, const int* shape, const int64_t* strides, int ndim) {
+inline IdxT elem_to_loc(IdxT elem, constant const int* shape, constant const int64_t* strides,
+                        int ndim) {
   IdxT loc = 0;
   for (int i = ndim - 1; i >= 0 && elem > 0; --i) {
     loc += (elem % shape[i]) * IdxT(strides[i]);
@@ -1359,15 +1456,11 @@ inline IdxT elem_to_loc(IdxT elem, const int* shape, const int64_t* strides, int
   }
   return loc;
 }
-inline uint16_t bfloat16_to_uint16(const bfloat16_t x) { return x.bits; }
-inline bfloat16_t uint16_to_bfloat16(const uint16_t x) { return bfloat::from_bits(x); }
+inline uint16_t bfloat16_to_uint16(const bfloat16_t x) { return __builtin_bit_cast(uint16_t, x); }
+inline bfloat16_t uint16_to_bfloat16(const uint16_t x) { return mtl::bf_bits(x); }
 
 // ---- Metal keywords and attributes ----
 #define METAL_FUNC inline
-#define device
-#define constant
-#define thread
-#define threadgroup
 #define ray_data
 #define object_data
 #define kernel

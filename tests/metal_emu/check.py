@@ -1,0 +1,116 @@
+"""The Metal-language check: the exact translation unit a kernel becomes, parsed by libclang
+(C++17, -fsyntax-only) with -DMTL_CHECK, before the emulation compiles it with g++.
+
+What g++ cannot see and this does (metal.h, MTL_CHECK):
+* address spaces are real and incompatible (device, constant, threadgroup; thread = the default
+  one, as an unqualified pointer in Metal): constant -> device pointers, a threadgroup array
+  passed as `device float*`, a device pointer kept in a thread pointer are errors naming both;
+* constant memory is read-only (a store into a program-scope `constant` array is an error), and
+  a pointer keeps its space through const_cast / reinterpret_cast (C-style casts may change it);
+* no C/C++ library is visible (-nostdinc; check_std.h declares only what metal.h's own bodies
+  use, and `std`/`double` are poisoned after metal.h): a function metal.h does not model
+  (hypot, ::expf, ...) is an undeclared identifier instead of a libm call.
+Known false positives (the price of clang's C++ for Metal's): a vec in device / threadgroup /
+constant memory can be loaded and its .x .y .z .w read, but not indexed with [] or assigned as a
+whole (clang's C++ has no member functions per address space; Metal's built-in vectors do).
+
+Each distinct source (and metal.h) is parsed once per machine: a marker file in the emulator's
+cache records a clean parse. Without the libclang module the check is skipped (`available()`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import threading
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+_ARGS = ["-x", "c++", "-std=c++17", "-nostdinc", "-nostdinc++", "-DMTL_CHECK", f"-I{_HERE}",
+         "-Wno-unknown-attributes",
+         "-Wno-duplicate-decl-specifier", "-ferror-limit=20"]
+_lock = threading.Lock()
+_index = None
+_clean: set[str] = set()
+
+
+@atexit.register
+def _drop_index() -> None:  # before interpreter teardown, when cindex could no longer free it
+    global _index
+    _index = None
+
+
+def available() -> bool:
+    try:
+        import clang.cindex as ci
+
+        ci.conf.lib  # loads the shared library
+        return True
+    except Exception:  # noqa: BLE001 - no module, or its libclang.so does not load
+        return False
+
+
+def _version() -> str:
+    import clang.cindex as ci
+
+    fn = ci.conf.lib.clang_getClangVersion
+    fn.restype = ci._CXString
+    fn.errcheck = ci._CXString.from_result
+    return fn()
+
+
+def check(name: str, src: str, ranges: dict, cache: Path) -> None:
+    """Raises KernelCompileError (from metal_emu) naming the kernel, the line of its source and
+    clang's message when `src` is not valid Metal as modelled here; returns quietly otherwise."""
+    import clang.cindex as ci
+
+    global _index
+    key = hashlib.sha256("\0".join([
+        src, (_HERE / "metal.h").read_text(), (_HERE / "check_std.h").read_text(),
+        " ".join(_ARGS), _version()]).encode()).hexdigest()[:24]
+    marker = cache / f"check_{key}.ok"
+    if key in _clean or marker.exists():
+        _clean.add(key)
+        return
+    path = cache / f"check_{key}.cpp"
+    with _lock:
+        if _index is None:
+            _index = ci.Index.create()
+        tu = _index.parse(str(path), args=_ARGS, unsaved_files=[(str(path), src)])
+        errors = [d for d in tu.diagnostics if d.severity >= ci.Diagnostic.Error]
+    if not errors:
+        marker.touch()
+        _clean.add(key)
+        return
+    path.write_text(src)
+    from . import KernelCompileError
+
+    text = "\n".join(_describe(d, src, str(path), ranges) for d in errors[:8])
+    raise KernelCompileError(
+        f"metal_emu: kernel '{name}' is not valid Metal (Metal-language check: libclang, real "
+        f"address spaces, only the Metal built-ins metal.h models):\n{text}\n"
+        f"(generated source: {path}; METAL_EMU: run_kernel(..., metal_check=False) skips the "
+        f"check)", stderr="\n".join(str(d) for d in errors), source=src)
+
+
+def _describe(diag, src: str, path: str, ranges: dict) -> str:
+    """One error: clang's message, where it is in the kernel (following template-instantiation
+    notes back to the generated file when the error is inside metal.h), and the lines there."""
+    lines = src.split("\n")
+    where = [diag.location] + [c.location for c in diag.children]
+    loc = next((w for w in where if w.file is not None and w.file.name == path), None)
+    msg = f"error: {diag.spelling}"
+    if diag.location.file is not None and diag.location.file.name != path:
+        msg += f" (in {Path(diag.location.file.name).name}:{diag.location.line})"
+    notes = [c.spelling for c in diag.children if c.spelling.startswith("candidate")][:2]
+    msg += "".join(f"\n    note: {n}" for n in notes)
+    if loc is None:
+        return msg
+    ln = loc.line
+    part = "generated line %d" % ln
+    for what, (a, b) in ranges.items():
+        if a <= ln <= b:
+            part = f"kernel {what} line {ln - a + 1} (generated line {ln})"
+    ctx = "\n".join(f"  {'>' if k == ln else ' '}{k:5d} | {lines[k - 1]}"
+                    for k in range(max(1, ln - 1), min(len(lines), ln + 1) + 1))
+    return f"{part}: {msg}\n{ctx}"
