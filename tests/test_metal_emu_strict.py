@@ -116,3 +116,122 @@ def test_a_read_one_element_past_the_end_is_caught():
     with pytest.raises(KernelRuntimeError, match=r"thread_position_in_grid=\(14,0,0\).*buffer 'inp0'"):
         run1(src, [x], (15,), grid=(15, 1, 1))
     np.testing.assert_array_equal(run1(src, [x], (14,), grid=(14, 1, 1)), x[1:])  # in bounds: fine
+
+
+# --------------------------------------------------------------------------------------------
+# The Metal-language check (metal_emu/check.py): real address spaces, no C/C++ library
+# --------------------------------------------------------------------------------------------
+needs_clang = pytest.mark.skipif(not metal_emu.check.available(),
+                                 reason="the Metal-language check needs libclang (dev extra)")
+SMALL = np.array([1.0, 2.0, 3.0, 4.0], np.float32)  # < 8 elements: MLX passes it as `constant`
+BIG = np.arange(32, dtype=np.float32)
+I = "uint i = thread_position_in_grid.x; "
+
+# (what, header, source, inputs, expected output, the check's message). Each compiles and runs
+# under g++, where the address-space keywords are empty and C's libm is visible; Metal rejects it.
+NOT_METAL = [
+    ("constant pointer converted to a device pointer", "",
+     I + "const device float* p = inp1; out[i] = inp0[i] + p[i % 4];",
+     [BIG, SMALL], BIG + np.tile(SMALL, 8),
+     r"'device float const \*' with an lvalue of type 'const constant float \*'"),
+    ("threadgroup array passed as a device pointer",
+     "inline void put(device float* p, uint i, float v) { p[i] = v; }",
+     I + "threadgroup float t[32]; put(t, i, inp0[i] * 2.0f); "
+     "threadgroup_barrier(mem_flags::mem_threadgroup); out[i] = t[31 - i];",
+     [BIG], BIG[::-1] * 2, r"no matching function for call to 'put'(.|\n)*threadgroup float"),
+    ("store through an input's const device pointer, its const cast away", "",
+     I + "float* p = const_cast<float*>(inp0); p[i] = 0.0f; out[i] = 1.0f;",
+     [BIG], np.ones(32, np.float32),
+     r"const_cast from 'device float const \*' to 'float \*' is not allowed"),
+    ("store into constant memory", "constant float table[4] = {1.0f, 2.0f, 3.0f, 4.0f};",
+     I + "if (i == 0) { table[0] = 5.0f; } out[i] = inp0[i];", [BIG], BIG,
+     r"cannot assign to variable 'table' with const-qualified type 'const constant float\[4\]'"),
+    ("thread pointer to device memory", "",
+     I + "const float* p = inp0 + i; out[i] = *p + 1.0f;", [BIG], BIG + 1,
+     r"'const float \*' with an rvalue of type 'device float const \*'"),
+    ("a function metal.h does not model (C's ldexp)", "",
+     I + "out[i] = ldexp(inp0[i], 2);", [BIG], BIG * 4, r"undeclared identifier 'ldexp'"),
+]
+
+
+@needs_clang
+@pytest.mark.parametrize("what,header,source,inputs,want,message", NOT_METAL,
+                         ids=[c[0] for c in NOT_METAL])
+def test_metal_check_rejects_what_gxx_accepts(what, header, source, inputs, want, message):
+    """g++ alone compiles and runs each kernel (the right answer, even); the Metal-language
+    check rejects it as Apple's compiler would, naming the kernel line and the problem."""
+    got = run1(source, inputs, (32,), grid=(32, 1, 1), header=header, metal_check=False)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(KernelCompileError, match=message) as err:
+        run1(source, inputs, (32,), grid=(32, 1, 1), header=header)
+    assert "kernel 't' is not valid Metal" in str(err.value)
+    assert "kernel source line 1" in str(err.value)
+
+
+MODELLED = """
+    const uint i = thread_position_in_grid.x;
+    threadgroup float4 tg4[8];
+    threadgroup atomic_uint count[1];
+    if (i == 0) { atomic_store_explicit(&count[0], 0u, memory_order_relaxed); }
+    const device packed_float4* x4 = (const device packed_float4*)x;
+    const float4 v = x4[i / 4];
+    const half4 hv = half4(v);
+    tg4[i / 4] = float4(hv) * 2.0f;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    atomic_fetch_add_explicit(&count[0], 1u, memory_order_relaxed);
+    float4 w = tg4[i / 4] + v;
+    w += v;
+    const float e = w[i % 4] + dot(v, float4(1.0f)) + float(bs[i % 4]) + float(hs[i]) * 1.0h;
+    const bfloat16_t b = static_cast<bfloat16_t>(e);
+    const float s = simd_sum(e) + simd_shuffle_down(e, 1u) + float(simd_any(e > 1.0f));
+    const uint loc = elem_to_loc(uint(i), x_shape, x_strides, x_ndim);
+    out[i] = float(b) + metal::precise::exp(-abs(e)) + clamp(e, -1.0f, 1.0f)
+             + fma(e, e, 0.0f) + float(as_type<uint>(e) & 0u) + float(loc) + s * 0.0f
+             + float(Limits<half>::finite_max) * 0.0f;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (i == 0) { out[0] = float(atomic_load_explicit(&count[0], memory_order_relaxed)); }
+"""
+
+
+@needs_clang
+def test_metal_check_accepts_the_modelled_builtins():
+    """Vectors loaded from and stored to device / threadgroup memory, converted, indexed;
+    threadgroup and device atomics; half and bfloat inputs; SIMD functions; shape/strides;
+    as_type, Limits: valid Metal that the check must let through (no false alarm from
+    clang's C++), with the same result as the emulation alone."""
+    x = np.linspace(-1, 1, 32).astype(np.float32)
+    bits = metal_emu.bfloat16(metal_emu.float32_to_bf16(x[:8]))
+    args = ("t", MODELLED, "", ["x", "bs", "hs"], ["out"], [x, bits, x.astype(np.float16)],
+            [(32,)], [np.float32], (32, 1, 1), (32, 1, 1))
+    (want,) = metal_emu.run_kernel(*args, metal_check=False)
+    (got,) = metal_emu.run_kernel(*args)
+    np.testing.assert_array_equal(got, want)
+    assert want[0] == 32  # every thread's atomic add landed
+    (counts,) = metal_emu.run_kernel(
+        "t", "atomic_fetch_add_explicit(&c[thread_position_in_grid.x % 2], 1, "
+        "memory_order_relaxed);", "", ["x"], ["c"], [x], [(2,)], [np.int32], (32, 1, 1),
+        (32, 1, 1), init_value=0, atomic_outputs=True)
+    np.testing.assert_array_equal(counts, [16, 16])
+
+
+@needs_clang
+def test_metal_check_parses_each_source_once(tmp_path, monkeypatch):
+    """The check costs one libclang parse per distinct source: a clean parse is remembered in
+    the process and on disk (another process reuses it); a new source is parsed again."""
+    from metal_emu import check
+
+    parses = []
+    monkeypatch.setattr(check, "_clean", set())
+    index = check._index_()
+    monkeypatch.setattr(index, "parse", lambda *a, **k: parses.append(1) or type(index).parse(
+        index, *a, **k))
+    src, _, ranges = metal_emu.generate_source(
+        "t", I + "out[i] = inp0[i];", "", ["inp0"], ["out"], [("float32", 1, 32)], ["float32"], [])
+    check.check("t", src, ranges, tmp_path)
+    check.check("t", src, ranges, tmp_path)
+    assert len(parses) == 1
+    check._clean.clear()  # a new process: the marker file answers
+    check.check("t", src, ranges, tmp_path)
+    assert len(parses) == 1
+    check.check("t", src.replace("inp0[i]", "inp0[i] + 1.0f"), ranges, tmp_path)
+    assert len(parses) == 2

@@ -231,21 +231,29 @@ struct alignas(sizeof(T) * 4) vec<T, 4> {
 };
 #undef MTL_VEC_COMMON
 
+// Operands by value: a vec in another address space converts (check mode, see MTL_VEC_FROM).
+#if defined(MTL_CHECK)
+#define MTL_VEC_OPASSIGN_AS(op, AS)                                                        \
+  template <class T, int N, class B>                                                       \
+  AS vec<T, N>& operator op##=(AS vec<T, N>& a, const B& b);
+#else
+#define MTL_VEC_OPASSIGN_AS(op, AS)
+#endif
 #define MTL_VEC_BINOP(op)                                                                  \
   template <class T, int N>                                                                \
-  constexpr vec<T, N> operator op(const vec<T, N>& a, const vec<T, N>& b) {                \
+  constexpr vec<T, N> operator op(vec<T, N> a, vec<T, N> b) {                              \
     vec<T, N> r;                                                                           \
     for (int i = 0; i < N; i++) r[i] = a[i] op b[i];                                       \
     return r;                                                                              \
   }                                                                                        \
   template <class T, int N, class S, std::enable_if_t<mtl::is_scalar<S>::value, int> = 0>  \
-  constexpr vec<T, N> operator op(const vec<T, N>& a, S b) {                               \
+  constexpr vec<T, N> operator op(vec<T, N> a, S b) {                                      \
     vec<T, N> r;                                                                           \
     for (int i = 0; i < N; i++) r[i] = a[i] op T(b);                                       \
     return r;                                                                              \
   }                                                                                        \
   template <class T, int N, class S, std::enable_if_t<mtl::is_scalar<S>::value, int> = 0>  \
-  constexpr vec<T, N> operator op(S a, const vec<T, N>& b) {                               \
+  constexpr vec<T, N> operator op(S a, vec<T, N> b) {                                      \
     vec<T, N> r;                                                                           \
     for (int i = 0; i < N; i++) r[i] = T(a) op b[i];                                       \
     return r;                                                                              \
@@ -254,7 +262,9 @@ struct alignas(sizeof(T) * 4) vec<T, 4> {
   constexpr vec<T, N>& operator op##=(vec<T, N>& a, const B& b) {                          \
     a = a op b;                                                                            \
     return a;                                                                              \
-  }
+  }                                                                                        \
+  MTL_VEC_OPASSIGN_AS(op, device)                                                          \
+  MTL_VEC_OPASSIGN_AS(op, threadgroup)
 MTL_VEC_BINOP(+)
 MTL_VEC_BINOP(-)
 MTL_VEC_BINOP(*)
@@ -269,7 +279,7 @@ MTL_VEC_BINOP(>>)
 
 #define MTL_VEC_CMP(op)                                                                    \
   template <class T, int N>                                                                \
-  constexpr vec<bool, N> operator op(const vec<T, N>& a, const vec<T, N>& b) {             \
+  constexpr vec<bool, N> operator op(vec<T, N> a, vec<T, N> b) {                           \
     vec<bool, N> r;                                                                        \
     for (int i = 0; i < N; i++) r[i] = a[i] op b[i];                                       \
     return r;                                                                              \
@@ -283,7 +293,7 @@ MTL_VEC_CMP(>=)
 #undef MTL_VEC_CMP
 
 template <class T, int N>
-constexpr vec<T, N> operator-(const vec<T, N>& a) {
+constexpr vec<T, N> operator-(vec<T, N> a) {
   vec<T, N> r;
   for (int i = 0; i < N; i++) r[i] = -a[i];
   return r;
