@@ -5,6 +5,10 @@ in seeded interleavings, half/bfloat operators round every result, and what Meta
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 import metal_emu
 import numpy as np
 import pytest
@@ -125,32 +129,32 @@ needs_clang = pytest.mark.skipif(not metal_emu.check.available(),
                                  reason="the Metal-language check needs libclang (dev extra)")
 SMALL = np.array([1.0, 2.0, 3.0, 4.0], np.float32)  # < 8 elements: MLX passes it as `constant`
 BIG = np.arange(32, dtype=np.float32)
-I = "uint i = thread_position_in_grid.x; "
+IDX = "uint i = thread_position_in_grid.x; "
 
 # (what, header, source, inputs, expected output, the check's message). Each compiles and runs
 # under g++, where the address-space keywords are empty and C's libm is visible; Metal rejects it.
 NOT_METAL = [
     ("constant pointer converted to a device pointer", "",
-     I + "const device float* p = inp1; out[i] = inp0[i] + p[i % 4];",
+     IDX + "const device float* p = inp1; out[i] = inp0[i] + p[i % 4];",
      [BIG, SMALL], BIG + np.tile(SMALL, 8),
      r"'device float const \*' with an lvalue of type 'const constant float \*'"),
     ("threadgroup array passed as a device pointer",
      "inline void put(device float* p, uint i, float v) { p[i] = v; }",
-     I + "threadgroup float t[32]; put(t, i, inp0[i] * 2.0f); "
+     IDX + "threadgroup float t[32]; put(t, i, inp0[i] * 2.0f); "
      "threadgroup_barrier(mem_flags::mem_threadgroup); out[i] = t[31 - i];",
      [BIG], BIG[::-1] * 2, r"no matching function for call to 'put'(.|\n)*threadgroup float"),
     ("store through an input's const device pointer, its const cast away", "",
-     I + "float* p = const_cast<float*>(inp0); p[i] = 0.0f; out[i] = 1.0f;",
+     IDX + "float* p = const_cast<float*>(inp0); p[i] = 0.0f; out[i] = 1.0f;",
      [BIG], np.ones(32, np.float32),
      r"const_cast from 'device float const \*' to 'float \*' is not allowed"),
     ("store into constant memory", "constant float table[4] = {1.0f, 2.0f, 3.0f, 4.0f};",
-     I + "if (i == 0) { table[0] = 5.0f; } out[i] = inp0[i];", [BIG], BIG,
+     IDX + "if (i == 0) { table[0] = 5.0f; } out[i] = inp0[i];", [BIG], BIG,
      r"cannot assign to variable 'table' with const-qualified type 'const constant float\[4\]'"),
     ("thread pointer to device memory", "",
-     I + "const float* p = inp0 + i; out[i] = *p + 1.0f;", [BIG], BIG + 1,
+     IDX + "const float* p = inp0 + i; out[i] = *p + 1.0f;", [BIG], BIG + 1,
      r"'const float \*' with an rvalue of type 'device float const \*'"),
     ("a function metal.h does not model (C's ldexp)", "",
-     I + "out[i] = ldexp(inp0[i], 2);", [BIG], BIG * 4, r"undeclared identifier 'ldexp'"),
+     IDX + "out[i] = ldexp(inp0[i], 2);", [BIG], BIG * 4, r"undeclared identifier 'ldexp'"),
 ]
 
 
@@ -216,22 +220,67 @@ def test_metal_check_accepts_the_modelled_builtins():
 
 @needs_clang
 def test_metal_check_parses_each_source_once(tmp_path, monkeypatch):
-    """The check costs one libclang parse per distinct source: a clean parse is remembered in
-    the process and on disk (another process reuses it); a new source is parsed again."""
+    """The check costs one libclang parse per distinct source (metal.h precompiled once): a
+    clean parse is remembered in the process and on disk (another process reuses it); a new
+    source is parsed again."""
     from metal_emu import check
 
     parses = []
     monkeypatch.setattr(check, "_clean", set())
     index = check._index_()
-    monkeypatch.setattr(index, "parse", lambda *a, **k: parses.append(1) or type(index).parse(
-        index, *a, **k))
+    monkeypatch.setattr(index, "parse", lambda path, **k: parses.append(path) or type(index).parse(
+        index, path, **k))
     src, _, ranges = metal_emu.generate_source(
-        "t", I + "out[i] = inp0[i];", "", ["inp0"], ["out"], [("float32", 1, 32)], ["float32"], [])
+        "t", IDX + "out[i] = inp0[i];", "", ["inp0"], ["out"], [("float32", 1, 32)], ["float32"], [])
     check.check("t", src, ranges, tmp_path)
     check.check("t", src, ranges, tmp_path)
-    assert len(parses) == 1
+    assert [Path(p).name for p in parses][0] == "metal.h"  # precompiled once, first
+    assert len(parses) == 2
     check._clean.clear()  # a new process: the marker file answers
     check.check("t", src, ranges, tmp_path)
-    assert len(parses) == 1
-    check.check("t", src.replace("inp0[i]", "inp0[i] + 1.0f"), ranges, tmp_path)
     assert len(parses) == 2
+    check.check("t", src.replace("inp0[i]", "inp0[i] + 1.0f"), ranges, tmp_path)
+    assert len(parses) == 3 and parses[2].endswith(".cpp")
+
+
+def _declared(extra: list[str]) -> set[str]:
+    """Names metal.h declares at global scope and in metal / fast / precise, parsed with
+    libclang with `extra` flags (no parse errors allowed)."""
+
+    import clang.cindex as ci
+    from metal_emu import check
+
+    header = check._HERE / "metal.h"
+    tu = check._index_().parse(str(header), args=["-x", "c++-header", "-std=c++17", "-nostdinc",
+                                                  "-nostdinc++", *extra])
+    errors = [str(d) for d in tu.diagnostics if d.severity >= ci.Diagnostic.Error]
+    assert not errors, errors[:5]
+    names = set()
+
+    def walk(cursor, scope):
+        for c in cursor.get_children():
+            if c.location.file is None or Path(c.location.file.name) != header:
+                continue
+            if c.kind == ci.CursorKind.NAMESPACE:
+                walk(c, scope + c.spelling + "::")
+            elif scope in ("", "metal::", "metal::fast::", "metal::precise::"):
+                names.add(scope + c.spelling)
+
+    walk(tu.cursor, "")
+    return names
+
+
+@needs_clang
+def test_metal_check_declares_what_metal_h_models():
+    """The check reuses metal.h (MTL_CHECK: no runtime, no C++ library, address spaces): both
+    modes parse and declare the same Metal names, so a built-in the emulation models is one the
+    check knows, and the check knows no other. (The g++ mode is parsed here with g++'s own
+    include directories.)"""
+    verbose = subprocess.run([metal_emu._cxx(), "-std=c++20", "-xc++", "-E", "-v", "-"], input="",
+                             capture_output=True, text=True).stderr
+    dirs = re.search(r"#include <\.\.\.> search starts here:\n(.*?)End of search", verbose, re.S)
+    gxx = _declared([f"-isystem{d}" for d in dirs.group(1).split()])
+    checked = _declared(["-DMTL_CHECK", f"-I{metal_emu.check._HERE}"])
+    assert gxx == checked
+    assert {"metal::simd_sum", "metal::atomic_fetch_add_explicit", "metal::exp", "vec", "bfloat",
+            "metal::fast::exp", "elem_to_loc"} <= checked
