@@ -2,8 +2,21 @@
 
 `run_kernel(...)` takes exactly what `mx.fast.metal_kernel(...)(...)` takes, wraps the kernel body
 the way MLX does (same generated signature: inputs, `<name>_shape/_strides/_ndim`, outputs and
-the Metal attributes the body mentions, same template parameters), compiles it as C++20 against
-`metal.h` (a model of the Metal types and functions) with g++, and runs it on the CPU.
+the Metal attributes the body mentions, same template parameters), checks it as Metal (below),
+compiles it as C++20 against `metal.h` (a model of the Metal types and functions) with g++, and
+runs it on the CPU.
+
+Metal-language check (check.py; `metal_check=False` skips it): the same translation unit parsed
+by libclang with metal.h in MTL_CHECK mode: device / constant / threadgroup are distinct clang
+address spaces (thread is the default one, as unqualified pointers are in Metal; constant is
+read-only), no C/C++ library or double is visible, so only the built-ins metal.h models exist.
+Code g++ would take but Apple's compiler rejects (constant -> device or device -> thread
+pointers, a threadgroup array as a device pointer, const_cast dropping `device`, a store into
+constant memory, ldexp or any C function metal.h lacks) fails with the kernel line and clang's
+message. Once per distinct source (~15 ms with metal.h precompiled); skipped without libclang.
+Not checked: C-style casts between address spaces (clang's C++ allows them), and member calls
+on vectors/structs in device/threadgroup memory (clang's C++ cannot declare them per address
+space, so those errors are dropped: check.py `_metal_allows`).
 
 Execution model
 ---------------

@@ -13,6 +13,12 @@
 //     simdgroup (32 lanes, formed from consecutive thread_index_in_threadgroup) has arrived;
 //   * `threadgroup T name[N];` declarations are rewritten (by the Python side) into references to
 //     per-group arena storage (mtl::tg_var), poisoned with 0xFF bytes (NaN / -1) at group start.
+//
+// The same header serves the Metal-language check (MTL_CHECK, metal_emu/check.py): libclang,
+// real address spaces, no C/C++ library. A built-in added here must parse there too
+// (test_metal_check_declares_what_metal_h_models): call metal:: or check_std.h's std:: only,
+// spell the address space of pointer parameters (`const device T*`), and take values by value
+// (a thread `const T&` cannot bind device memory, as in Metal).
 #pragma once
 
 // MTL_CHECK: the Metal-language check (metal_emu/check.py) parses the same translation unit with
