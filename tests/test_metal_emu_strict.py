@@ -185,6 +185,7 @@ MODELLED = """
     atomic_fetch_add_explicit(&count[0], 1u, memory_order_relaxed);
     float4 w = tg4[i / 4] + v;
     w += v;
+    w = x4[(i / 4 + 1) % 8];  // assigned from device memory
     const float e = w[i % 4] + dot(v, float4(1.0f)) + float(bs[i % 4]) + float(hs[i]) * 1.0h;
     const bfloat16_t b = static_cast<bfloat16_t>(e);
     const float s = simd_sum(e) + simd_shuffle_down(e, 1u) + float(simd_any(e > 1.0f));

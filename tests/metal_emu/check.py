@@ -164,8 +164,10 @@ def _metal_allows(diag) -> bool:
     notes = [c.spelling for c in diag.children if c.spelling.startswith("candidate")]
     if not notes:
         return False
-    if diag.spelling.startswith(("no viable overloaded operator[]", "no viable overloaded '='")):
+    if diag.spelling.startswith("no viable overloaded operator[]"):
         return all(_THIS_AS in n for n in notes)
+    if diag.spelling.startswith("no viable overloaded '='"):  # into, or from, another space
+        return all(_THIS_AS in n or (_REF_AS in n and "implicit" in n) for n in notes)
     if diag.spelling.startswith("no matching constructor for initialization"):
         copies = [n for n in notes if "implicit copy constructor" in n or "implicit move" in n]
         return bool(copies) and all(_REF_AS in n for n in copies)

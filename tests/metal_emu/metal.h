@@ -184,6 +184,10 @@ inline void flatten_into(T*& out, const A& a) {
   constexpr vec(const AS vec& o) {                                                           \
     for (int i = 0; i < ncomp_; i++) (*this)[i] = (&o.x)[i];                                 \
   }                                                                                          \
+  constexpr vec& operator=(const AS vec& o) {                                                \
+    for (int i = 0; i < ncomp_; i++) (*this)[i] = (&o.x)[i];                                 \
+    return *this;                                                                            \
+  }                                                                                          \
   template <class U>                                                                         \
   explicit constexpr vec(const AS vec<U, ncomp_>& o) {                                       \
     for (int i = 0; i < ncomp_; i++) (*this)[i] = T((&o.x)[i]);                              \
@@ -191,6 +195,7 @@ inline void flatten_into(T*& out, const A& a) {
 #define MTL_VEC_CHECK(N)                                                                     \
   static constexpr int ncomp_ = N;                                                           \
   vec(const vec&) = default;                                                                 \
+  vec& operator=(const vec&) = default;                                                      \
   MTL_VEC_FROM(device) MTL_VEC_FROM(threadgroup) MTL_VEC_FROM(constant)
 #else
 #define MTL_VEC_CHECK(N)
