@@ -187,7 +187,9 @@ def _describe(diag, src: str, path: str, ranges: dict) -> str:
     """One error: clang's message, where it is in the kernel (following template-instantiation
     notes back to the generated file when the error is inside metal.h), and the lines there."""
     lines = src.split("\n")
-    loc = next((w for w in (diag, *diag.children) if w.file == path), None)
+    here = [w for w in (diag, *diag.children) if w.file == path]  # kernel lines first
+    inside = [w for w in here if any(a <= w.line <= b for a, b in ranges.values())]
+    loc = (inside or here or [None])[0]
     msg = "error: " + _metal_words(diag.spelling)
     if "poisoned" in msg and loc is not None:  # name it: 'double', 'std', 'expf', ...
         ident = re.match(r"\w+", lines[loc.line - 1][loc.column - 1:])

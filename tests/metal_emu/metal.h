@@ -1364,7 +1364,11 @@ inline T ctz(T x) {
 template <class To, class From>
 inline To as_type(const From& x) {
   static_assert(sizeof(To) == sizeof(From), "as_type: sizes differ");
+#if defined(MTL_CHECK)  // vec is not trivially copyable there (its copies from other spaces)
+  return *(const To*)&x;
+#else
   return __builtin_bit_cast(To, x);
+#endif
 }
 
 // ---- atomics (threads run one at a time, so plain loads/stores are atomic) ----
