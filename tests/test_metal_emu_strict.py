@@ -187,11 +187,12 @@ MODELLED = """
     w += v;
     w = x4[(i / 4 + 1) % 8];  // assigned from device memory
     const float e = w[i % 4] + dot(v, float4(1.0f)) + float(bs[i % 4]) + float(hs[i]) * 1.0h;
-    const bfloat16_t b = static_cast<bfloat16_t>(e + float(as_type<half2>(as_type<uint>(e)).x) * 0.0f);
+    const bfloat16_t b = static_cast<bfloat16_t>(e);
+    const uint round_trip = as_type<uint>(as_type<half2>(as_type<uint>(e)));  // == bits of e
     const float s = simd_sum(e) + simd_shuffle_down(e, 1u) + float(simd_any(e > 1.0f));
     const uint loc = elem_to_loc(uint(i), x_shape, x_strides, x_ndim);
     out[i] = float(b) + metal::precise::exp(-abs(e)) + clamp(e, -1.0f, 1.0f)
-             + fma(e, e, 0.0f) + float(as_type<uint>(e) & 0u) + float(loc) + s * 0.0f
+             + fma(e, e, 0.0f) + float(as_type<uint>(e) - round_trip) + float(loc) + s * 0.0f
              + float(Limits<half>::finite_max) * 0.0f;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (i == 0) { out[0] = float(atomic_load_explicit(&count[0], memory_order_relaxed)); }
