@@ -5,7 +5,8 @@ What g++ cannot see and this does (metal.h, MTL_CHECK):
 * address spaces are real and incompatible (device, constant, threadgroup; thread = the default
   one, as an unqualified pointer in Metal): constant -> device pointers, a threadgroup array
   passed as `device float*`, a device pointer kept in a thread pointer are errors naming both;
-* constant memory is read-only (a store into a program-scope `constant` array is an error), and
+* constant memory is read-only (a store into a program-scope `constant` array is an error), there
+  is no other program-scope or static storage (a writable global / static is an error), and
   a pointer keeps its space through const_cast / reinterpret_cast (C-style casts may change it);
 * no C/C++ library is visible (-nostdinc; check_std.h declares only what metal.h's own bodies
   use, and `std`/`double` are poisoned after metal.h): a function metal.h does not model
@@ -87,9 +88,9 @@ def check(name: str, src: str, ranges: dict, cache: Path) -> None:
     path = cache / f"check_{key}.cpp"
     with _lock:
         pch = _pch(cache, headers)
-        errors = _errors(str(path), src, ["-include-pch", str(pch)] if pch else [])
+        errors = _errors(str(path), src, ["-include-pch", str(pch)] if pch else [], ranges)
         if errors and pch:  # the verdict without the precompiled header (stale, or just sure)
-            errors = _errors(str(path), src, [])
+            errors = _errors(str(path), src, [], ranges)
     if not errors:
         marker.touch()
         _clean.add(key)
@@ -122,12 +123,40 @@ def _copy(d) -> _Diag:
                  tuple(_copy(c) for c in d.children))
 
 
-def _errors(path: str, src: str, extra: list[str]) -> list[_Diag]:
+def _errors(path: str, src: str, extra: list[str], ranges: dict) -> list[_Diag]:
     import clang.cindex as ci
 
     tu = _index_().parse(path, args=_ARGS + extra, unsaved_files=[(path, src)])
     diags = [_copy(d) for d in tu.diagnostics if d.severity >= ci.Diagnostic.Error]
-    return [d for d in diags if not _metal_allows(d)]
+    lines = src.split("\n")
+    return [d for d in diags if not _metal_allows(d, lines)] + _writable_statics(tu, path, ranges)
+
+
+def _writable_statics(tu, path: str, ranges: dict) -> list[_Diag]:
+    """Metal has no writable program-scope or static storage (it must be `constant`); C++ does,
+    and on the emulator every thread would share it."""
+    import clang.cindex as ci
+
+    scopes = (ci.CursorKind.TRANSLATION_UNIT, ci.CursorKind.NAMESPACE, ci.CursorKind.STRUCT_DECL,
+              ci.CursorKind.CLASS_DECL)
+    found = []
+    for top in tu.cursor.get_children():
+        if top.location.file is None or top.location.file.name != path:
+            continue
+        for c in top.walk_preorder():
+            if c.kind != ci.CursorKind.VAR_DECL or not any(
+                    a <= c.location.line <= b for a, b in ranges.values()):
+                continue
+            if c.semantic_parent.kind not in scopes and c.storage_class != ci.StorageClass.STATIC:
+                continue
+            qualifiers = c.type.spelling.split("[")[0]
+            if "address_space(2)" in qualifiers or "const" in qualifiers.split():
+                continue
+            found.append(_Diag(
+                f"'{c.spelling}' is writable program-scope or static storage, which Metal does "
+                f"not have: declare it `constant` (read-only), use threadgroup memory or a buffer",
+                path, c.location.line, c.location.column, f"{path}:{c.location.line}: error"))
+    return found
 
 
 def _headers_key() -> str:
@@ -160,10 +189,14 @@ _THIS_AS = "'this' object is in address space"
 _REF_AS = "cannot bind reference in address space"
 
 
-def _metal_allows(diag) -> bool:
+def _metal_allows(diag: _Diag, lines: list[str]) -> bool:
     """Errors that only clang's C++ makes: a member function (operator[], the implicit copy
     assignment or copy constructor) called on an object in device / threadgroup / constant
-    memory. Metal declares them for every address space; clang's C++ cannot."""
+    memory (Metal declares them for every address space; clang's C++ cannot), and a `constant`
+    variable declared in a function (clang's C++ allows address spaces on globals only)."""
+    if diag.spelling.startswith("automatic variable qualified with an address space"):
+        statement = re.split(r"[;{}]", lines[diag.line - 1][:diag.column])[-1] if diag.line else ""
+        return "constant" in statement.split()
     notes = [c.spelling for c in diag.children if c.spelling.startswith("candidate")]
     if not notes:
         return False
@@ -191,6 +224,8 @@ def _describe(diag, src: str, path: str, ranges: dict) -> str:
     inside = [w for w in here if any(a <= w.line <= b for a, b in ranges.values())]
     loc = (inside or here or [None])[0]
     msg = "error: " + _metal_words(diag.spelling)
+    if msg.startswith("error: automatic variable qualified"):
+        msg += " (Metal: a threadgroup variable takes no initialiser; device memory is buffers)"
     if "poisoned" in msg and loc is not None:  # name it: 'double', 'std', 'expf', ...
         ident = re.match(r"\w+", lines[loc.line - 1][loc.column - 1:])
         msg += f" '{ident.group(0)}' (not in Metal)" if ident else ""
