@@ -100,14 +100,18 @@ def test_half_and_bfloat_arithmetic_rounds_every_operation():
     ("out[i] = std::min(inp0[i], 1.0f);", "out[i] = min(inp0[i], 1.0f);"),
     ("out[i] = expf(inp0[i]);", "out[i] = exp(inp0[i]);"),
     ("out[i] = fmaxf(inp0[i], 0.0f);", "out[i] = fmax(inp0[i], 0.0f);"),
+    ("float* p = new float[1]; p[0] = inp0[i]; out[i] = p[0];", "float p[1]; p[0] = inp0[i]; out[i] = p[0];"),
+    ("if (i > 99) goto end; out[i] = inp0[i]; end:;", "if (i <= 99) { out[i] = inp0[i]; }"),
 ])
 def test_what_metal_lacks_does_not_compile(code, metal):
-    """double, the C++ standard library and C's float functions compiled as C++ before; Apple's
-    compiler rejects them, and so does the emulation now, naming the identifier."""
+    """double, the C++ standard library, C's float functions, new and goto compiled as C++
+    before; Apple's compiler rejects them, and so does the emulation now, naming the
+    identifier (the Metal-language check first, g++ too without it)."""
     x = np.linspace(-1, 1, 8, dtype=np.float32)
     prefix = "uint i = thread_position_in_grid.x; "
-    with pytest.raises(KernelCompileError, match="poisoned"):
-        run1(prefix + code, [x], (8,), grid=(8, 1, 1))
+    for metal_check in (True, False):
+        with pytest.raises(KernelCompileError, match="poisoned"):
+            run1(prefix + code, [x], (8,), grid=(8, 1, 1), metal_check=metal_check)
     run1(prefix + metal, [x], (8,), grid=(8, 1, 1))  # the Metal spelling compiles and runs
 
 

@@ -95,11 +95,13 @@ def _template_value(v) -> tuple[str, str]:
 # Source generation (mirrors mlx/backend/common/metal_kernel.cpp)
 # ---------------------------------------------------------------------------------------------
 # Names a kernel may not use: Metal has no double, no C or C++ standard library (std::min,
-# printf, malloc) and no C float functions (expf: Metal's exp is overloaded). Poisoned after
-# metal.h, so they fail to compile in the kernel and its header but not in the model itself.
+# printf, malloc), no C float functions (expf: Metal's exp is overloaded), and none of the C++
+# features the Metal spec lists as unsupported (new, goto, virtual, thread_local, exceptions,
+# RTTI). Poisoned after metal.h: they fail to compile in the kernel and its header only.
 _NOT_METAL = ("double", "std", "printf", "fprintf", "malloc", "calloc", "realloc", "memcpy", "memset",
               "expf", "exp2f", "logf", "log2f", "powf", "sqrtf", "fabsf", "floorf", "ceilf", "roundf",
-              "fminf", "fmaxf", "sinf", "cosf", "tanhf", "erff", "fmodf")
+              "fminf", "fmaxf", "sinf", "cosf", "tanhf", "erff", "fmodf", "new", "goto", "virtual",
+              "thread_local", "throw", "try", "catch", "typeid", "dynamic_cast")
 
 
 def generate_source(name, source, header, input_names, output_names, inputs_meta,
