@@ -1,7 +1,9 @@
 """The emulation's strict checks (issue 19): each is shown catching a deliberately broken kernel
 that a laxer harness accepted. Outputs start poisoned, buffers end at a guard page, threads run
-in seeded interleavings, half/bfloat operators round every result, and what Metal lacks
-(double, std::, C float functions) does not compile."""
+in seeded interleavings, half/bfloat operators round every result, what Metal lacks (double,
+std::, C float functions, new, goto) does not compile, and the Metal-language check (libclang,
+real address spaces, no C/C++ library) rejects what g++ alone ran: address-space mix-ups,
+stores into constant memory, writable globals, functions metal.h does not model."""
 
 from __future__ import annotations
 

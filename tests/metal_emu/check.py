@@ -78,7 +78,6 @@ def _version() -> str:
 def check(name: str, src: str, ranges: dict, cache: Path) -> None:
     """Raises KernelCompileError (from metal_emu) naming the kernel, the line of its source and
     clang's message when `src` is not valid Metal as modelled here; returns quietly otherwise."""
-
     headers = _headers_key()
     key = hashlib.sha256(f"{src}\0{headers}".encode()).hexdigest()[:24]
     marker = cache / f"check_{key}.ok"
@@ -152,10 +151,11 @@ def _writable_statics(tu, path: str, ranges: dict) -> list[_Diag]:
             qualifiers = c.type.spelling.split("[")[0]
             if "address_space(2)" in qualifiers or "const" in qualifiers.split():
                 continue
-            found.append(_Diag(
-                f"'{c.spelling}' is writable program-scope or static storage, which Metal does "
-                f"not have: declare it `constant` (read-only), use threadgroup memory or a buffer",
-                path, c.location.line, c.location.column, f"{path}:{c.location.line}: error"))
+            msg = (f"'{c.spelling}' is writable program-scope or static storage, which Metal "
+                   f"does not have: declare it `constant` (read-only), use threadgroup memory or "
+                   f"a buffer")
+            line, col = c.location.line, c.location.column
+            found.append(_Diag(msg, path, line, col, f"{path}:{line}:{col}: error: {msg}"))
     return found
 
 
