@@ -12,8 +12,8 @@ address spaces (thread is the default one, as unqualified pointers are in Metal;
 read-only), no C/C++ library or double is visible, so only the built-ins metal.h models exist.
 Code g++ would take but Apple's compiler rejects (constant -> device or device -> thread
 pointers, a threadgroup array as a device pointer, const_cast dropping `device`, a store into
-constant memory, ldexp or any C function metal.h lacks) fails with the kernel line and clang's
-message. Once per distinct source (~5 ms, metal.h precompiled); skipped without libclang.
+constant memory, a writable global or static, ldexp or any C function metal.h lacks) fails with
+the kernel line and clang's message. Once per distinct source (~5 ms, metal.h precompiled); skipped without libclang.
 Not checked: C-style casts between address spaces (clang's C++ allows them), and member calls
 on vectors/structs in device/threadgroup memory (clang's C++ cannot declare them per address
 space, so those errors are dropped: check.py `_metal_allows`).
