@@ -204,7 +204,7 @@ MODELLED = """
     w += v;
     w = x4[(i / 4 + 1) % 8];  // assigned from device memory
     const float e = w[i % 4] + dot(v, float4(1.0f)) + float(bs[i % 4]) + float(hs[i]) * 1.0h;
-    const bfloat16_t b = static_cast<bfloat16_t>(e);
+    const bfloat16_t b = static_cast<bfloat16_t>(e) + static_cast<bfloat16_t>(hs[i]) * 0.0f;
     const uint round_trip = as_type<uint>(as_type<half2>(as_type<uint>(e)));  // == bits of e
     const float s = simd_sum(e) + simd_shuffle_down(e, 1u) + float(simd_any(e > 1.0f));
     const uint loc = elem_to_loc(uint(i), x_shape, x_strides, x_ndim);
@@ -220,7 +220,7 @@ MODELLED = """
 def test_metal_check_accepts_the_modelled_builtins():
     """Vectors loaded from and stored to device / threadgroup memory, converted, indexed;
     constant tables at program and function scope, static constexpr members; threadgroup and
-    device atomics; half and bfloat inputs; SIMD functions; shape/strides;
+    device atomics; half and bfloat inputs, half -> bfloat; SIMD functions; shape/strides;
     as_type, Limits: valid Metal that the check must let through (no false alarm from
     clang's C++), with the same result as the emulation alone."""
     x = np.linspace(-1, 1, 32).astype(np.float32)

@@ -185,6 +185,8 @@ def _pch(cache: Path, headers: str) -> Path | None:
 
 
 _SPACES = {"1": "device", "2": "constant", "3": "threadgroup"}
+_CONVERSIONS = ("cannot initialize", "assigning to", "static_cast from", "C-style cast from",
+                "functional-style cast from", "no viable conversion", "cannot convert")
 _THIS_AS = "'this' object is in address space"
 _REF_AS = "cannot bind reference in address space"
 
@@ -192,8 +194,12 @@ _REF_AS = "cannot bind reference in address space"
 def _metal_allows(diag: _Diag, lines: list[str]) -> bool:
     """Errors that only clang's C++ makes: a member function (operator[], the implicit copy
     assignment or copy constructor) called on an object in device / threadgroup / constant
-    memory (Metal declares them for every address space; clang's C++ cannot), and a `constant`
-    variable declared in a function (clang's C++ allows address spaces on globals only)."""
+    memory (Metal declares them for every address space; clang's C++ cannot), a `constant`
+    variable declared in a function (clang's C++ allows address spaces on globals only), and a
+    conversion between half and bfloat (Metal converts, as MLX's copy kernels do; __bf16 not)."""
+    if "'_Float16'" in diag.spelling and "'__bf16'" in diag.spelling and diag.spelling.startswith(
+            _CONVERSIONS):  # the check's bfloat is clang's __bf16, which will not take a half
+        return True
     if diag.spelling.startswith("automatic variable qualified with an address space"):
         statement = re.split(r"[;{}]", lines[diag.line - 1][:diag.column])[-1] if diag.line else ""
         return "constant" in statement.split()
