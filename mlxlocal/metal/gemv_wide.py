@@ -158,12 +158,17 @@ SOURCE = f"""
             }}
         }}
         for (int k = 4 * K4 + lane; k < K; k += 32) {{
+            float xk[MT];
+            #pragma unroll
+            for (int r = 0; r < MT; r++) {{
+                xk[r] = float(xr[r][k]);
+            }}
             #pragma unroll
             for (int c = 0; c < COLS; c++) {{
                 const float wk = float(wr[c][k]);
                 #pragma unroll
                 for (int r = 0; r < MT; r++) {{
-                    acc[r][c] += float(xr[r][k]) * wk;
+                    acc[r][c] += xk[r] * wk;
                 }}
             }}
         }}
