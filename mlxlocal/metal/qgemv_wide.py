@@ -8,11 +8,10 @@ takes M in passes of at most MAX_TILE rows. K is cut into chunks of V = 16 value
 BITS / 2 packed words; lane l reads chunks l, l + 32, ... of each of its COLS rows as one
 vec<uint, WPL> load (8 B for 4-bit, 16 B for 8-bit; rows are WPL-word aligned because K % 32
 == 0), with that chunk's scale and bias (a chunk never straddles a group: GS >= 32 > V), and
-applies it to the pass's rows with sum_k x_k (s q_k + b) = s * sum_k x_k q_k + b * sum_k x_k.
-q_k is masked in place, not shifted: x_k is pre-scaled by 2^-(BITS * position in its word)
-once per row and chunk (exact), so each (row, column, value) costs an AND, a convert and an
-FMA. W rows get one 64-bit base pointer each; every other index is a 32-bit offset (scale rows
-as int offsets: N * K / GS < 2^31, checked by the launcher).
+dequantizes it 4 values at a time (shift, mask, convert, one FMA with scale and bias: once per
+value and pass, not per row) and applies those 4 to each row of the pass with one dot. W rows
+get one 64-bit base pointer each; every other index is a 32-bit offset (scale rows as int
+offsets: N * K / GS < 2^31, checked by the launcher).
 """
 
 from __future__ import annotations
@@ -83,31 +82,24 @@ SOURCE = f"""
                 bi[c] = float(biases[sr[c] + g]);
             }}
             #pragma unroll
-            for (int r = 0; r < MT; r++) {{
-                float d[COLS];
+            for (int p = 0; p < V / 4; p++) {{
+                float4 wd[COLS];  // values 4p..4p+3 of each row, dequantized once per pass
                 #pragma unroll
                 for (int c = 0; c < COLS; c++) {{
-                    d[c] = 0.0f;
-                }}
-                float xs = 0.0f;
-                #pragma unroll
-                for (int p = 0; p < V / 4; p++) {{
-                    const float4 xf = float4(xr[r][i * (V / 4) + p]);
-                    xs += (xf.x + xf.y) + (xf.z + xf.w);
                     #pragma unroll
                     for (int e = 0; e < 4; e++) {{
                         const int word = (4 * p + e) / PACK;
                         const int shift = BITS * ((4 * p + e) % PACK);
-                        const float xe = xf[e] * (1.0f / float(1u << shift));
-                        #pragma unroll
-                        for (int c = 0; c < COLS; c++) {{
-                            d[c] += xe * float(wq[c][word] & (MASK << shift));
-                        }}
+                        wd[c][e] = fma(sc[c], float((wq[c][word] >> shift) & MASK), bi[c]);
                     }}
                 }}
                 #pragma unroll
-                for (int c = 0; c < COLS; c++) {{
-                    acc[r][c] += sc[c] * d[c] + bi[c] * xs;
+                for (int r = 0; r < MT; r++) {{
+                    const float4 xf = float4(xr[r][i * (V / 4) + p]);
+                    #pragma unroll
+                    for (int c = 0; c < COLS; c++) {{
+                        acc[r][c] += dot(xf, wd[c]);
+                    }}
                 }}
             }}
         }}
