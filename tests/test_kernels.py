@@ -188,7 +188,7 @@ DENSE_EMU = [
     (1, 21, 4096, "bfloat16", False),
     (3, 37, 96, "bfloat16", True),
     (5, 18, 1024, "bfloat16", True),
-    (8, 18, 40, "bfloat16", False),
+    (8, 18, 42, "bfloat16", False),  # unaligned bfloat16: vec<T, 4> built from 4 scalars
     (1, 13, 515, "float32", True),  # unaligned float32
     (2, 21, 70, "float32", False),
     (4, 17, 2048, "float32", False),

@@ -75,14 +75,15 @@ REDUCE_STORE = """
 
 # 4 consecutive elements from chunk `i` (elements 4i..4i+3) of a row: one vec<T, 4> load when
 # rows are vec4-aligned, else 4 scalar loads (same values, so both paths give the same bits).
+# Kept in T until used: a 16-bit W tile takes half the registers of a float4 one.
 HEADER = """
 template <bool ALIGNED, typename T>
-inline float4 gemv_load4(const device T* row, int i) {
+inline vec<T, 4> gemv_load4(const device T* row, int i) {
     if (ALIGNED) {
-        return float4(((const device vec<T, 4>*)row)[i]);
+        return ((const device vec<T, 4>*)row)[i];
     }
     const int k = 4 * i;
-    return float4(float(row[k]), float(row[k + 1]), float(row[k + 2]), float(row[k + 3]));
+    return vec<T, 4>(row[k], row[k + 1], row[k + 2], row[k + 3]);
 }
 """
 
@@ -122,38 +123,38 @@ SOURCE = f"""
             }}
         }}
         for (int i = lane; i < K_main; i += 32 * U) {{
-            float4 wf[COLS][U];
+            vec<T, 4> wv[COLS][U];
             #pragma unroll
             for (int c = 0; c < COLS; c++) {{
                 #pragma unroll
                 for (int j = 0; j < U; j++) {{
-                    wf[c][j] = gemv_load4<ALIGNED>(wr[c], i + 32 * j);
+                    wv[c][j] = gemv_load4<ALIGNED>(wr[c], i + 32 * j);
                 }}
             }}
             #pragma unroll
             for (int r = 0; r < MT; r++) {{
                 #pragma unroll
                 for (int j = 0; j < U; j++) {{
-                    const float4 xf = gemv_load4<ALIGNED>(xr[r], i + 32 * j);
+                    const float4 xf = float4(gemv_load4<ALIGNED>(xr[r], i + 32 * j));
                     #pragma unroll
                     for (int c = 0; c < COLS; c++) {{
-                        acc[r][c] += dot(wf[c][j], xf);
+                        acc[r][c] += dot(float4(wv[c][j]), xf);
                     }}
                 }}
             }}
         }}
         for (int i = K_main + lane; i < K4; i += 32) {{
-            float4 wf[COLS];
+            vec<T, 4> wv[COLS];
             #pragma unroll
             for (int c = 0; c < COLS; c++) {{
-                wf[c] = gemv_load4<ALIGNED>(wr[c], i);
+                wv[c] = gemv_load4<ALIGNED>(wr[c], i);
             }}
             #pragma unroll
             for (int r = 0; r < MT; r++) {{
-                const float4 xf = gemv_load4<ALIGNED>(xr[r], i);
+                const float4 xf = float4(gemv_load4<ALIGNED>(xr[r], i));
                 #pragma unroll
                 for (int c = 0; c < COLS; c++) {{
-                    acc[r][c] += dot(wf[c], xf);
+                    acc[r][c] += dot(float4(wv[c]), xf);
                 }}
             }}
         }}
