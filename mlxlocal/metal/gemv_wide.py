@@ -35,7 +35,7 @@ MIN_K = 8
 
 
 def tiling(M: int) -> tuple[int, int]:
-    """(passes, rows per pass) for M rows: the fewest passes, then the smallest even tile."""
+    """(passes, rows per pass) for M rows: the fewest passes, then the smallest tile covering M."""
     passes = math.ceil(M / MAX_TILE)
     return passes, math.ceil(M / passes)
 
@@ -77,7 +77,7 @@ REDUCE_STORE = """
 # rows are vec4-aligned, else 4 scalar loads (same values, so both paths give the same bits).
 # Kept in T until used: a 16-bit W tile takes half the registers of a float4 one.
 HEADER = """
-template <bool ALIGNED, typename T>
+template <int ALIGNED, typename T>  // int like the kernel's template argument (no bool narrowing)
 inline vec<T, 4> gemv_load4(const device T* row, int i) {
     if (ALIGNED) {
         return ((const device vec<T, 4>*)row)[i];
