@@ -178,6 +178,7 @@ DENSE_EMU = [
     (1, 20, 72, "float16", False),  # remainder chunks only; 2nd threadgroup: 3 simdgroups return
     (1, 36, 2560, "float16", True),  # a 4B model's hidden size: 10 main steps
     (2, 33, 100, "float16", True),
+    (2, 1, 64, "float16", True),  # N = 1: columns 1..3 re-read row 0 and store nothing
     (3, 16, 256, "float16", False),  # exactly one main step, no remainder
     (4, 7, 45, "float16", True),  # N < COLS * SIMDGROUPS, unaligned K
     (5, 40, 320, "float16", False),  # two passes of 3 rows (row 5 = a clamped copy, not stored)

@@ -109,7 +109,8 @@ def test_gemv_wide_load_and_shuffle_counts(M, N, K):
 def test_shuffle_formula_matches_the_issue():
     # one simd_sum per output cost 5 shuffle steps: 160 at M = 8; the butterfly: 16 per pass
     assert [_shuffles_per_lane(r) for r in (1, 2, 3, 4)] == [6, 9, 16, 16]
-    assert gemv_wide.tiling(8) == (2, 4) and gemv_wide.tiling(5) == (2, 3)
+    assert [gemv_wide.tiling(M) for M in range(1, 9)] == [
+        (1, 1), (1, 2), (1, 3), (1, 4), (2, 3), (2, 3), (2, 4), (2, 4)]
 
 
 @pytest.mark.parametrize("M,N,K,gs,bits", [(1, 20, 1024, 64, 4), (3, 9, 384, 128, 8),
