@@ -173,18 +173,27 @@ def test_cpu_dispatch_is_the_reference():
 # Each case is a distinct template instantiation (one compile) unless noted; keep the list short.
 
 DENSE_EMU = [
-    # M, N, K, dtype, bias
-    (1, 20, 72, "float16", False),  # N not a multiple of the 16-column tile; K % 32 != 0
-    (2, 33, 100, "float16", True),  # K % 8 == 4: scalar tail
-    (3, 16, 256, "float16", False),
-    (4, 7, 45, "float16", True),  # N < one simdgroup's columns, K odd
-    (5, 40, 64, "float16", False),
+    # M, N, K, dtype, bias. Chunks = K // 4 per row; the main loop takes 64 chunks per lane step
+    # (32 lanes x UNROLL 2), the rest one per lane; K % 4 != 0 runs the scalar (unaligned) path.
+    (1, 20, 72, "float16", False),  # remainder chunks only; 2nd threadgroup: 3 simdgroups return
+    (1, 36, 2560, "float16", True),  # a 4B model's hidden size: 10 main steps
+    (2, 33, 100, "float16", True),
+    (2, 1, 64, "float16", True),  # N = 1: columns 1..3 re-read row 0 and store nothing
+    (3, 16, 256, "float16", False),  # exactly one main step, no remainder
+    (4, 7, 45, "float16", True),  # N < COLS * SIMDGROUPS, unaligned K
+    (5, 40, 320, "float16", False),  # two passes of 3 rows (row 5 = a clamped copy, not stored)
     (6, 24, 200, "float16", False),
-    (7, 9, 31, "float16", False),  # K < 32: some lanes idle
-    (8, 50, 136, "float16", True),  # M * COLS = 32: every lane stores
+    (7, 9, 31, "float16", False),  # K < 32: unaligned, lanes idle in the tail
+    (8, 50, 136, "float16", True),  # two full passes of 4: R = 16 per pass
+    (8, 12, 1027, "float16", False),  # unaligned K with main steps (scalar load4) + 3-element tail
+    (1, 21, 4096, "bfloat16", False),
     (3, 37, 96, "bfloat16", True),
-    (8, 18, 40, "bfloat16", False),
+    (5, 18, 1024, "bfloat16", True),
+    (8, 18, 42, "bfloat16", False),  # unaligned bfloat16: vec<T, 4> built from 4 scalars
+    (1, 13, 515, "float32", True),  # unaligned float32
     (2, 21, 70, "float32", False),
+    (4, 17, 2048, "float32", False),
+    (6, 5, 8, "float32", True),  # K = MIN_K
 ]
 
 
@@ -197,14 +206,20 @@ def test_gemv_wide_emulated(M, N, K, dtype, bias):
 
 
 QUANT_EMU = [
-    # M, N, K, dtype, group_size, bits, bias
-    (1, 20, 96, "float16", 32, 4, False),  # K = 3 groups: not a multiple of 64 / 128
-    (3, 17, 256, "float16", 64, 4, True),
-    (8, 33, 384, "float16", 128, 4, False),  # 3 groups of 128
+    # M, N, K, dtype, group_size, bits, bias. Chunks of 16 values = K // 16 per row, one per lane.
+    (1, 20, 96, "float16", 32, 4, False),  # K = 3 groups: 6 chunks, most lanes idle
+    (1, 36, 2560, "float16", 64, 4, True),  # 4B hidden: 160 chunks, 5 per lane
     (2, 12, 160, "float16", 32, 8, True),
-    (5, 40, 192, "float16", 64, 8, False),
-    (4, 9, 1024, "bfloat16", 128, 8, True),  # several words per lane
+    (3, 17, 256, "float16", 64, 4, True),
+    (4, 9, 1024, "bfloat16", 128, 8, True),  # several chunks per lane
+    (5, 40, 192, "float16", 64, 8, False),  # two passes of 3
+    (6, 10, 640, "bfloat16", 128, 4, False),
     (7, 24, 128, "bfloat16", 32, 4, False),
+    (8, 33, 384, "float16", 128, 4, False),  # 3 groups of 128
+    (8, 7, 2048, "bfloat16", 64, 8, True),
+    (2, 5, 4096, "float16", 128, 4, False),
+    (1, 3, 9728, "bfloat16", 64, 4, False),  # a 4B model's MLP width (down_proj K)
+    (3, 6, 512, "float32", 32, 8, True),
 ]
 
 
@@ -214,6 +229,29 @@ def test_qgemv_wide_emulated(M, N, K, dtype, gs, bits, bias):
     tensors, want = quant_case(M, N, K, dtype, gs, bits, bias)
     got = emulate(qgemv_wide.launch_spec(M, N, K, dtype, gs, bits, bias), tensors)
     assert_close(got, want, dtype)
+
+
+def test_gemv_launch_contracts():
+    """Shapes outside a kernel's contract fail with the limit named, and the dispatch gate
+    (kernel_supports) refuses them instead of launching."""
+    with pytest.raises(ValueError, match="K >= 8"):
+        gemv_wide.launch_spec(1, 4, 7, "float16", False)
+    with pytest.raises(ValueError, match="M <= 8"):
+        gemv_wide.launch_spec(9, 4, 64, "float16", False)
+    assert not gemv_wide.kernel_supports(mx.zeros((1, 7), mx.float16), mx.zeros((4, 7), mx.float16),
+                                         None)
+    assert dict(gemv_wide.launch_spec(1, 4, 64, "float16", False).template)["ALIGNED"] == 1
+    assert dict(gemv_wide.launch_spec(1, 4, 66, "float16", False).template)["ALIGNED"] == 0
+    with pytest.raises(ValueError, match="multiple of group_size 64"):
+        qgemv_wide.launch_spec(1, 4, 96, "float16", 64, 4, False)
+    with pytest.raises(ValueError, match="bits 3"):
+        qgemv_wide.launch_spec(1, 4, 96, "float16", 32, 3, False)
+    with pytest.raises(ValueError, match="needs >= 8"):
+        qgemv_wide.launch_spec(1, 1, 32, "float16", 32, 4, False)  # 4 words: constant space
+    w = mx.zeros((1, 32), mx.float16)
+    wq, s, b = mx.quantize(w, group_size=32, bits=4)
+    assert not qgemv_wide.kernel_supports(mx.zeros((1, 32), mx.float16), wq, s, b, 32, 4,
+                                          "affine", None)
 
 
 PAGED_EMU = [
