@@ -86,6 +86,20 @@ struct DimLoad<T, 8> {
     DimLoad<T, 4>::run(p + 4, x + 4);
   }
 };
+// A quiet NaN of T built from its bits, stored without any float operation (fast math may
+// assume no NaN flows through arithmetic, conversions or selects).
+template <typename T>
+inline T nan_of() {
+  return as_type<T>(ushort(0x7e00));
+}
+template <>
+inline float nan_of<float>() {
+  return as_type<float>(0x7fc00000u);
+}
+template <>
+inline bfloat16_t nan_of<bfloat16_t>() {
+  return as_type<bfloat16_t>(ushort(0x7fc0));
+}
 """
 
 # The start of both paged attention kernels (this one and paged_attention_quant), after the
@@ -181,10 +195,13 @@ STORE
     }
 """
 
-# One pass: the normalised result (NaN when the table was bad).
+# One pass: the normalised result (NaN when the table was bad: nan_of, no float op on it).
 STORE_OUT = """
-                out[(b * Hq + h) * D + d] = bad ? static_cast<T>(as_type<float>(0x7fc00000u))
-                                                : static_cast<T>(den > 0.0f ? num / den : 0.0f);
+                if (bad) {
+                    out[(b * Hq + h) * D + d] = nan_of<T>();
+                } else {
+                    out[(b * Hq + h) * D + d] = static_cast<T>(den > 0.0f ? num / den : 0.0f);
+                }
 """
 
 # Split: the partition's unnormalised sum relative to its max; l = -1 marks a bad table.
@@ -312,8 +329,11 @@ COMBINE_SOURCE = """
         for (int z = 0; z < P; z++) {
             num += tg_f[z] * rows[z * (D + 2) + d];
         }
-        out[bh * D + d] = bad ? static_cast<T>(as_type<float>(0x7fc00000u))
-                              : static_cast<T>(den > 0.0f ? num / den : 0.0f);
+        if (bad) {
+            out[bh * D + d] = nan_of<T>();
+        } else {
+            out[bh * D + d] = static_cast<T>(den > 0.0f ? num / den : 0.0f);
+        }
     }
 """
 
@@ -343,7 +363,7 @@ def combine_spec(B: int, Hq: int, D: int, parts: int, dtype: str) -> LaunchSpec:
     return LaunchSpec(
         name="paged_attention_combine",
         source=COMBINE_SOURCE,
-        header="",
+        header=HEADER,
         input_names=("part", "params"),
         output_names=("out",),
         template=(("T", dtype), ("D", D), ("MAXP", MAX_PARTITIONS)),
