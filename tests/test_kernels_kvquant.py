@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_kernels import assert_close, emulate, f32, from_kernel, needs_emu, needs_metal, to_dtype
-from test_kernels_paged import STALE, emulate_launches
+from test_kernels_paged import STALE, emulate_dispatch, emulate_launches
 
 from mlxlocal.metal import paged_attention_quant as pq
 
@@ -269,6 +269,27 @@ def test_broken_quant_kernel_fails_emulation(what):
     broken = dataclasses.replace(spec, name=f"{spec.name}_broken", source=spec.source.replace(old, new))
     with pytest.raises(AssertionError):
         assert_close(emulate(broken, tensors), want, dtype)
+
+
+@pytest.fixture
+def emulated_metal(monkeypatch):
+    return emulate_dispatch(monkeypatch)
+
+
+@needs_emu
+@pytest.mark.parametrize("ctx,n_keys,launches", [
+    ([40, 7], 40, ["paged_attention_quant"]),
+    ([600, 7], 600, ["paged_attention_quant_split", "paged_attention_combine"]),
+])
+def test_quant_dispatch_under_emulation(emulated_metal, ctx, n_keys, launches):
+    """paged_attention_quantized() as the engine calls it: its launches, emulated, match."""
+    tensors, want, _, scale = quant_kernel_case(ctx, 8, 2, 128, 16, "float16", 64, 4, None)
+    q = mx.array(tensors[0])
+    k, v = tuple(mx.array(t) for t in tensors[1:4]), tuple(mx.array(t) for t in tensors[4:7])
+    tables, lens = mx.array(tensors[7]), mx.array(tensors[8])
+    got = pq.paged_attention_quantized(q, k, v, tables, lens, scale, 64, 4, n_keys=n_keys, mask=None)
+    assert emulated_metal == launches
+    assert_close(np.array(got.astype(mx.float32)), want, "float16")
 
 
 # ---------------------------------------------------------------- real Metal

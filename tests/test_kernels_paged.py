@@ -156,7 +156,7 @@ def stale_case(what, window=None, ctx=(45, 40, 20), Hq=4, Hkv=2, D=64, bs=16, dt
 
 @needs_emu
 @pytest.mark.parametrize("parts", [1, 2])
-@pytest.mark.parametrize("what,dtype", zip(STALE, ["float16", "bfloat16", "float32", "float16"]))
+@pytest.mark.parametrize("what,dtype", list(zip(STALE, ["float16", "bfloat16", "float32", "float16"])))
 def test_stale_block_id_gives_nan(what, dtype, parts):
     ctx = (45, 40, 20)
     tensors, want, max_blocks, scale = stale_case(what, dtype=dtype)
@@ -219,6 +219,58 @@ def test_broken_paged_kernel_fails_emulation(what):
                                         source=specs[which].source.replace(old, new))
     with pytest.raises(AssertionError):
         assert_close(emulate_launches(broken, tensors), want, "float32")
+
+
+def _to_kernel(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:
+        return to_dtype(np.array(a.astype(mx.float32)), "bfloat16")[0]  # exact: bf16 -> f32 -> bf16
+    return np.array(a)
+
+
+def _emulated_run(spec, tensors):
+    """kernel.run's contract (mx arrays in, mx arrays out) through the emulation."""
+    out = emulate(spec, [_to_kernel(t) for t in tensors])
+    return [mx.array(out).astype(getattr(mx, spec.output_dtypes[0]))]
+
+
+def emulate_dispatch(monkeypatch) -> list[str]:
+    """The dispatch points believe Metal is there; their launches run under the emulation.
+    Returns the list the launched kernels' names are appended to."""
+    from mlxlocal.metal import paged_attention_quant as pq
+
+    launched = []
+
+    def run(spec, tensors):
+        launched.append(spec.name)
+        return _emulated_run(spec, tensors)
+
+    monkeypatch.setattr(pa, "metal_available", lambda: True)
+    monkeypatch.setattr(pq, "metal_available", lambda: True)
+    monkeypatch.setattr(pa, "run", run)
+    return launched
+
+
+@pytest.fixture
+def emulated_metal(monkeypatch):
+    return emulate_dispatch(monkeypatch)
+
+
+@needs_emu
+@pytest.mark.parametrize("ctx,window,n_keys,launches", [
+    ([40, 7], None, None, ["paged_attention"]),
+    ([600, 7], None, 600, ["paged_attention_split", "paged_attention_combine"]),
+    ([600, 300], 100, 600, ["paged_attention"]),  # the window caps the span: one pass
+])
+def test_dispatch_under_emulation(emulated_metal, ctx, window, n_keys, launches):
+    """paged_attention() as the engine calls it (hints, int casts, n_keys as the span): the
+    launches it picks, run under the emulation, match the reference."""
+    tensors, want, _, scale = paged_case(ctx, 8, 2, 64, 16, "bfloat16", window)
+    q, k, v = (_mx(t, "bfloat16") for t in tensors[:3])
+    tables, lens = mx.array(tensors[3]).astype(mx.int64), mx.array(tensors[4])
+    got = pa.paged_attention(q, k, v, tables, lens, scale, window, n_keys=n_keys, mask=None)
+    assert emulated_metal == launches
+    assert got.dtype == mx.bfloat16 and got.shape == (2, 8, 1, 64)
+    assert_close(_np(got), want, "bfloat16")
 
 
 # ---------------------------------------------------------------- real Metal
