@@ -167,6 +167,18 @@ def test_stale_block_id_gives_nan(what, dtype, parts):
 
 
 @needs_emu
+@pytest.mark.parametrize("parts", [1, 2])
+def test_empty_context_gives_zeros(parts):
+    """A sequence with no visible key (context 0) reads nothing and gets zeros (documented)."""
+    tensors, want, max_blocks, scale = paged_case([30, 20], 4, 2, 64, 16, "float32", None)
+    lens = np.array([0, 20], np.int32)
+    specs = specs_for(tensors, [30, 20], 4, 2, 64, 16, "float32", None, max_blocks, scale, parts)
+    got = emulate_launches(specs, [*tensors[:4], lens])
+    assert (got[0] == 0).all()
+    assert_close(got[1], want[1], "float32")
+
+
+@needs_emu
 def test_holes_before_the_window_are_never_read():
     """A window layer's table has holes (-1) where blocks left the window: not an error."""
     ctx, window = [45, 40, 20], 10

@@ -24,8 +24,9 @@ Metal kernels (decode, L = 1), as in MLX's sdpa_vector / sdpa_vector_2pass:
   threads (set, d) combine the KS stripes. One pass: out[b, h, 0, d]. Split: the unnormalised
   partial part[b, h, z, 0:D] with its max m at [D] and sum l at [D + 1] (float32), and
   `paged_attention_combine` (one simdgroup per (query head, sequence)) merges the P partials.
-- P = 1 (one pass) up to PART_TOKENS visible keys, then one partition per PART_TOKENS keys
-  up to MAX_PARTITIONS, fewer when the batch alone launches MAX_THREADGROUPS threadgroups.
+- P (host, `partitions`): 1 (one pass) while the span (the longest context, n_keys, else the
+  table's width; capped by the window) is up to PART_TOKENS keys, then one partition per
+  PART_TOKENS keys up to MAX_PARTITIONS, fewer once B * Hkv * HG * P reaches MAX_THREADGROUPS.
 - Block-id guard: a table entry the kernel would read (a block holding a visible position) that
   is < 0 or >= num_blocks, or a context longer than the table row (ctx > max_blocks * BS), is
   never dereferenced; that sequence's output is NaN in every head and dim (a stale table must
