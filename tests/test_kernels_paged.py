@@ -73,13 +73,15 @@ def test_partitions_follow_the_longest_context():
 
 @pytest.mark.parametrize("G,lane_floats,want", [
     (1, 4, (1, 1, 1)), (4, 4, (4, 1, 4)), (8, 2, (8, 1, 8)), (8, 4, (8, 2, 4)), (8, 3, (8, 2, 4)),
-    (7, 4, (7, 2, 4)), (16, 4, (8, 2, 4)), (12, 2, (6, 1, 6)), (8, 8, (8, 4, 2)), (5, 8, (5, 4, 2)),
+    (7, 4, (7, 2, 4)), (16, 4, (8, 2, 4)), (12, 2, (6, 1, 8)), (6, 3, (6, 2, 4)), (8, 8, (8, 4, 2)),
+    (5, 8, (5, 4, 2)),
 ])
 def test_head_split(G, lane_floats, want):
     GH, hsets, hps = pa.head_split(G, lane_floats)
     assert (GH, hsets, hps) == want
     assert G % GH == 0 and pa.SIMDGROUPS % hsets == 0 and hsets * hps >= GH
     assert hps * lane_floats <= pa.QREGS or hsets == pa.SIMDGROUPS
+    assert hps & (hps - 1) == 0  # the reduce-scatter's width
 
 
 @pytest.mark.parametrize("Hq,Hkv,ctx,window", [(32, 8, 1024, None), (32, 8, 8192, None),
@@ -124,6 +126,8 @@ PAGED_EMU = [
     ([1024, 100], 32, 2, 128, 32, "bfloat16", None, None),  # G = 16: 2 head groups per KV head
     ([4097, 2000], 4, 1, 96, 32, "bfloat16", 1000, None),  # window 1000 of 4k: 4 partitions
     ([8190], 8, 1, 128, 16, "float16", None, None),  # ~8k: 32 partitions of 16 blocks
+    ([300, 45], 12, 2, 128, 16, "float16", None, None),  # G = 6: 2 sets of 4, 2 padding slots
+    ([130, 64], 14, 2, 64, 32, "bfloat16", 100, None),  # G = 7: one set of 8 (reduce-scatter 8)
 ]
 
 
@@ -212,6 +216,10 @@ BROKEN = {
     "stripes skip a token": ("t += KS)", "t += KS + 1)"),
     "every head reads head 0's query": ("const int j = min(hset * HPS + jj, GH - 1);",
                                         "const int j = 0;"),
+    "reduce-scatter sends the half it keeps": ("const float send = up ? s[i] : s[i + half];",
+                                               "const float send = up ? s[i + half] : s[i];"),
+    "gather from the wrong lanes": ("simd_shuffle(tot, ushort(rbase + (j << (RB - HB))))",
+                                    "simd_shuffle(tot, ushort(rbase + j))"),
     "missing barrier before the merge": (
         "        threadgroup_barrier(mem_flags::mem_threadgroup);\n        for (int e", "        for (int e"),
 }

@@ -10,16 +10,17 @@ Metal kernels (decode, L = 1), as in MLX's sdpa_vector / sdpa_vector_2pass:
   (Hkv * HG * 32 * SIMDGROUPS, B, P). The GQA group's G = Hq / Hkv query heads are served by
   the threadgroup of their KV head (HG = 1 unless G > 8: then HG groups of GH = G / HG <= 8),
   so a K/V byte is loaded once per head set, not once per query head: the GH heads are split
-  into HSETS sets of HPS (HPS * dims-per-lane <= QREGS q floats per lane, MLX's register cap);
+  into HSETS sets of HPS (a power of two, HPS * dims-per-lane <= QREGS: MLX's register cap);
   simdgroup s serves set s % HSETS over key stripe s / HSETS (KS = SIMDGROUPS / HSETS stripes).
 - Keys: the sequence's visible blocks [start / BS, ceil(ctx / BS)) (start = max(0, ctx -
   window)) are cut into P contiguous chunks, partition z taking chunk z; in each of its blocks
   stripe k takes tokens t0 + k, t0 + k + KS, ... Per block one 64-bit base pointer (block id *
   BS * Hkv * D); token offsets inside it are 32-bit. Lane l holds DPL contiguous dims
   [l * DPL, (l + 1) * DPL) (DPL = D / 32: vec2 loads at D = 64, 3 scalars at 96, vec4 at 128;
-  D = 80: DPL = 4 on lanes 0..19, lanes 20..31 hold no dim). Per key and head: a dot over the
-  lane's dims, one simd_sum, an online softmax (running max m, sum l, fp32) folding p * v into
-  the lane's DPL accumulators.
+  D = 80: DPL = 4 on lanes 0..19, lanes 20..31 hold no dim). Per key: a dot per head over the
+  lane's dims, the HPS sums in one reduce-scatter (REDUCE: HPS - 1 + 5 - log2(HPS) shuffles,
+  + HPS to share the sums if HPS > 1; not HPS simd_sums), per head an online softmax (fp32)
+  folding p * v into the lane's DPL accumulators.
 - Merge (one round per head of a set): each simdgroup's (m, l, acc) go to threadgroup memory,
   threads (set, d) combine the KS stripes. One pass: out[b, h, 0, d]. Split: the unnormalised
   partial part[b, h, z, 0:D] with its max m at [D] and sum l at [D + 1] (float32), and
@@ -152,6 +153,38 @@ BLOCKS = """
         const int t1 = min(ctx - blk * BS, BS);
 """
 
+# The scores of the HPS heads of a set (HPS a power of two, 2^HB): s[jj] holds this lane's
+# partial dot of head jj; the RL = 2^RB lanes of a span (rlane = index in it, rbase = its first
+# lane) sum them. A butterfly reduce-scatter (HPS - 1 shuffles: each step sends half the heads
+# to the partner lane and keeps the other half) leaves head rlane >> (RB - HB) on each lane, a
+# plain butterfly (RB - HB shuffles) finishes its sum, and HPS shuffles give every lane all HPS
+# totals in sc[] (all lanes the same bits, so the softmax branches stay uniform). Instead of
+# HPS reductions of RB steps each (a simd_sum costs ~7 shuffles' throughput on M1).
+REDUCE = """
+            for (int k = 0; k < HB; k++) {
+                const int half = HPS >> (k + 1);
+                const ushort o = ushort(RL >> (k + 1));
+                const bool up = (rlane & int(o)) != 0;
+                for (int i = 0; i < half; i++) {
+                    const float send = up ? s[i] : s[i + half];
+                    const float keep = up ? s[i + half] : s[i];
+                    s[i] = keep + simd_shuffle_xor(send, o);
+                }
+            }
+            float tot = s[0];
+            for (int o = RL >> (HB + 1); o > 0; o >>= 1) {
+                tot += simd_shuffle_xor(tot, ushort(o));
+            }
+            float sc[HPS];
+            if (HPS == 1) {
+                sc[0] = tot;
+            } else {
+                for (int j = 0; j < HPS; j++) {
+                    sc[j] = simd_shuffle(tot, ushort(rbase + (j << (RB - HB))));
+                }
+            }
+"""
+
 # The end of both kernels: one round per head jj of a set. WRITE_PARTIAL (kernel-specific)
 # puts producer pr's (m, l, acc) of head jj into tg_m / tg_l / tg_acc; threads e = (set, d)
 # merge the producers of their set (stripe-major, KPS slots each) and STORE head h's dim d.
@@ -223,7 +256,12 @@ BODY = """
     constexpr int KPS = 1;
     constexpr int DPL = D % 32 == 0 ? D / 32 : 4;
     constexpr int LN = D / DPL;
+    constexpr int HB = HPS >= 8 ? 3 : (HPS >= 4 ? 2 : (HPS >= 2 ? 1 : 0));
+    constexpr int RL = 32;
+    constexpr int RB = 5;
 """ + PROLOGUE + """
+    const int rlane = lane;
+    const int rbase = 0;
     const bool holds = lane < LN;
     const int slot = 0;
     float qv[HPS][DPL];
@@ -257,19 +295,22 @@ BODY = """
                 DimLoad<T, DPL>::run(kb + off, kx);
                 DimLoad<T, DPL>::run(vb + off, vx);
             }
+            float s[HPS];
             for (int jj = 0; jj < HPS; jj++) {
-                float dot = 0.0f;
+                s[jj] = 0.0f;
                 for (int i = 0; i < DPL; i++) {
-                    dot += qv[jj][i] * kx[i];
+                    s[jj] += qv[jj][i] * kx[i];
                 }
-                const float s = simd_sum(dot);
+            }
+""" + REDUCE + """
+            for (int jj = 0; jj < HPS; jj++) {
                 float corr = 1.0f;
                 float p = 1.0f;
-                if (s > m[jj]) {
-                    corr = exp(m[jj] - s);
-                    m[jj] = s;
+                if (sc[jj] > m[jj]) {
+                    corr = exp(m[jj] - sc[jj]);
+                    m[jj] = sc[jj];
                 } else {
-                    p = exp(s - m[jj]);
+                    p = exp(sc[jj] - m[jj]);
                 }
                 l[jj] = l[jj] * corr + p;
                 for (int i = 0; i < DPL; i++) {
@@ -342,12 +383,18 @@ COMBINE_SOURCE = """
 def head_split(G: int, lane_floats: int) -> tuple[int, int, int]:
     """(GH, HSETS, HPS) for a GQA group of G query heads whose q takes lane_floats floats per
     lane and head: GH heads per threadgroup (the largest divisor of G up to MAX_GROUP), in
-    HSETS sets (a divisor of SIMDGROUPS) of HPS heads with HPS * lane_floats <= QREGS."""
+    HSETS sets (a divisor of SIMDGROUPS) of HPS heads, HPS a power of two (the reduce-scatter's
+    width; slots past GH compute a copy of the last head and store nothing) with
+    HPS * lane_floats <= QREGS where possible."""
     GH = max(d for d in range(1, MAX_GROUP + 1) if G % d == 0)
+
+    def hps(hsets: int) -> int:
+        return 1 << (math.ceil(GH / hsets) - 1).bit_length()
+
     hsets = 1
-    while hsets < SIMDGROUPS and math.ceil(GH / hsets) * lane_floats > QREGS:
+    while hsets < SIMDGROUPS and hps(hsets) * lane_floats > QREGS:
         hsets *= 2
-    return GH, hsets, math.ceil(GH / hsets)
+    return GH, hsets, hps(hsets)
 
 
 def partitions(span: int, threadgroups: int) -> int:

@@ -16,7 +16,7 @@ word w = dims [w * PACK, (w + 1) * PACK) (PACK = 32 / BITS, one group: GS >= 32 
 uint32 load per lane from the block's base, 32-bit offsets inside it. Stripe k of the
 threadgroup takes tokens t0 + k * KPS + slot, stepping KS * KPS. Per word and head: q.k =
 scale * sum_j q_j u_j + bias * sum_j q_j (sum q_j precomputed; the word unpacked once for all
-HPS heads of the set), reduced over the LPK lanes with log2(LPK) simd_shuffle_xor; each
+HPS heads of the set), the HPS sums over the LPK lanes in one reduce-scatter (REDUCE); each
 (simdgroup, key slot) keeps its own online softmax per head (fp32) and folds p * (scale * u +
 bias) of V into PACK accumulators per lane and head. The merge combines the NSG * KPS
 producers of each head.
@@ -33,6 +33,7 @@ from mlxlocal.metal.paged_attention import (
     BLOCKS,
     MERGE,
     PROLOGUE,
+    REDUCE,
     SIMDGROUPS,
     STORE_OUT,
     STORE_PART,
@@ -61,9 +62,14 @@ BODY = """
     constexpr int NG = D / GS;
     constexpr int LPK = W <= 8 ? 8 : (W <= 16 ? 16 : 32);
     constexpr int KPS = 32 / LPK;
+    constexpr int HB = HPS >= 8 ? 3 : (HPS >= 4 ? 2 : (HPS >= 2 ? 1 : 0));
+    constexpr int RL = LPK;
+    constexpr int RB = LPK == 8 ? 3 : (LPK == 16 ? 4 : 5);
 """ + PROLOGUE + """
     const int slot = lane / LPK;
     const int w = lane % LPK;
+    const int rlane = w;
+    const int rbase = slot * LPK;
     const bool owns = w < W;
     const int g = owns ? (w * PACK) / GS : 0;
 
@@ -121,10 +127,8 @@ BODY = """
                     dot += qv[jj][i] * u[i];
                 }
                 s[jj] = ks * dot + kz * qsum[jj];
-                for (int o = LPK / 2; o > 0; o /= 2) {
-                    s[jj] += simd_shuffle_xor(s[jj], ushort(o));
-                }
             }
+""" + REDUCE + """
             if (live) {
                 float x[PACK];
                 for (int i = 0; i < PACK; i++) {
@@ -141,11 +145,11 @@ BODY = """
                 for (int jj = 0; jj < HPS; jj++) {
                     float corr = 1.0f;
                     float p = 1.0f;
-                    if (s[jj] > m[jj]) {
-                        corr = exp(m[jj] - s[jj]);
-                        m[jj] = s[jj];
+                    if (sc[jj] > m[jj]) {
+                        corr = exp(m[jj] - sc[jj]);
+                        m[jj] = sc[jj];
                     } else {
-                        p = exp(s[jj] - m[jj]);
+                        p = exp(sc[jj] - m[jj]);
                     }
                     l[jj] = l[jj] * corr + p;
                     if (owns) {
