@@ -158,7 +158,7 @@ BLOCKS = """
 # lane) sum them. A butterfly reduce-scatter (HPS - 1 shuffles: each step sends half the heads
 # to the partner lane and keeps the other half) leaves head rlane >> (RB - HB) on each lane, a
 # plain butterfly (RB - HB shuffles) finishes its sum, and HPS shuffles give every lane all HPS
-# totals in sc[] (all lanes the same bits, so the softmax branches stay uniform). Instead of
+# totals in score[] (all lanes the same bits, so the softmax branches stay uniform). Instead of
 # HPS reductions of RB steps each (a simd_sum costs ~7 shuffles' throughput on M1).
 REDUCE = """
             for (int k = 0; k < HB; k++) {
@@ -175,12 +175,12 @@ REDUCE = """
             for (int o = RL >> (HB + 1); o > 0; o >>= 1) {
                 tot += simd_shuffle_xor(tot, ushort(o));
             }
-            float sc[HPS];
+            float score[HPS];
             if (HPS == 1) {
-                sc[0] = tot;
+                score[0] = tot;
             } else {
                 for (int j = 0; j < HPS; j++) {
-                    sc[j] = simd_shuffle(tot, ushort(rbase + (j << (RB - HB))));
+                    score[j] = simd_shuffle(tot, ushort(rbase + (j << (RB - HB))));
                 }
             }
 """
@@ -306,11 +306,11 @@ BODY = """
             for (int jj = 0; jj < HPS; jj++) {
                 float corr = 1.0f;
                 float p = 1.0f;
-                if (sc[jj] > m[jj]) {
-                    corr = exp(m[jj] - sc[jj]);
-                    m[jj] = sc[jj];
+                if (score[jj] > m[jj]) {
+                    corr = exp(m[jj] - score[jj]);
+                    m[jj] = score[jj];
                 } else {
-                    p = exp(sc[jj] - m[jj]);
+                    p = exp(score[jj] - m[jj]);
                 }
                 l[jj] = l[jj] * corr + p;
                 for (int i = 0; i < DPL; i++) {

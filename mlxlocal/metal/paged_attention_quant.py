@@ -145,11 +145,11 @@ BODY = """
                 for (int jj = 0; jj < HPS; jj++) {
                     float corr = 1.0f;
                     float p = 1.0f;
-                    if (sc[jj] > m[jj]) {
-                        corr = exp(m[jj] - sc[jj]);
-                        m[jj] = sc[jj];
+                    if (score[jj] > m[jj]) {
+                        corr = exp(m[jj] - score[jj]);
+                        m[jj] = score[jj];
                     } else {
-                        p = exp(sc[jj] - m[jj]);
+                        p = exp(score[jj] - m[jj]);
                     }
                     l[jj] = l[jj] * corr + p;
                     if (owns) {
