@@ -18,8 +18,8 @@ threadgroup takes tokens t0 + k * KPS + slot, stepping KS * KPS. Per word and he
 scale * sum_j q_j u_j + bias * sum_j q_j (sum q_j precomputed; the word unpacked once for all
 HPS heads of the set), the HPS sums over the LPK lanes in one reduce-scatter (REDUCE); each
 (simdgroup, key slot) keeps its own online softmax per head (fp32) and folds p * (scale * u +
-bias) of V into PACK accumulators per lane and head. The merge combines the NSG * KPS
-producers of each head.
+bias) of V into PACK accumulators per lane and head. The merge combines the KS * KPS
+producers (stripes x key slots) of each head.
 """
 
 from __future__ import annotations
