@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_kernels import assert_close, emulate, f32, from_kernel, needs_emu, needs_metal, to_dtype
+from test_kernels_paged import STALE, emulate_dispatch, emulate_launches
 
 from mlxlocal.metal import paged_attention_quant as pq
 
@@ -196,53 +197,99 @@ def quant_kernel_case(ctx_lens, Hq, Hkv, D, bs, dtype, gs, bits, window, seed=0)
     return tensors + [tables, lens], np.array(want), max_blocks, scale
 
 
+def quant_specs(tensors, ctx, Hq, Hkv, D, bs, dtype, gs, bits, window, max_blocks, scale, parts=None):
+    return pq.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[0], dtype, scale,
+                           window, gs, bits, span=max(ctx), parts=parts)
+
+
 # Tolerance (assert_close: fp16 3e-3, bf16 2e-2, fp32 1e-4, scaled by max(1, |want|)): the
 # reference is fp32 math on exactly the values the kernel reads (dtype-rounded q, scales,
 # biases; same packed words), so only the fp32 summation order and the output's rounding to T
-# differ (half an ulp: 4.9e-4 fp16, 3.9e-3 bf16). Measured max |err| over these cases: fp16
-# <= 9.6e-4, bf16 <= 3.3e-3, fp32 2.4e-7; the broken kernels below miss by 0.2 to 3.
+# differ (half an ulp: 4.9e-4 fp16, 3.9e-3 bf16); the broken kernels below miss by far more.
 QUANT_PAGED_EMU = [
-    # context lens, Hq, Hkv, D, block size, dtype, group size, bits, window
-    ([1, 15, 16, 17], 4, 4, 64, 16, "float16", 32, 4, None),  # GQA 1; W = 8: 4 keys per simdgroup
-    ([100, 33], 8, 4, 64, 32, "bfloat16", 64, 8, None),  # GQA 2; W = 16: 2 keys at once
-    ([1000, 17], 8, 2, 128, 16, "float16", 128, 4, None),  # GQA 4; 63 blocks, 8 rounds
-    ([50, 16, 3], 8, 1, 96, 16, "float16", 32, 4, 20),  # GQA 8; W = 12 (4 idle lanes); window
-    ([160, 9], 4, 1, 96, 32, "bfloat16", 32, 8, 37),  # W = 24 (8 idle lanes); window mid-block
-    ([300, 45], 2, 2, 128, 32, "float16", 64, 8, None),  # W = 32: one key per simdgroup step
-    ([75, 1], 2, 1, 64, 16, "float32", 64, 8, 64),
-    ([1001], 16, 2, 128, 32, "bfloat16", 32, 4, 256),  # GQA 8, long context, 9-block window
+    # context lens, Hq, Hkv, D, block size, dtype, group size, bits, window, partitions
+    ([1, 15, 16, 17], 4, 4, 64, 16, "float16", 32, 4, None, None),  # GQA 1; W = 8: 4 keys a step
+    ([100, 33], 8, 4, 64, 32, "bfloat16", 64, 8, None, None),  # GQA 2; W = 16: 2 keys at once
+    ([1000, 17], 8, 2, 128, 16, "float16", 128, 4, None, None),  # GQA 4 in 2 sets; 4 partitions
+    ([50, 16, 3], 8, 1, 96, 16, "float16", 32, 4, 20, None),  # GQA 8: 4 sets; W = 12; window
+    ([160, 9], 4, 1, 96, 32, "bfloat16", 32, 8, 37, 3),  # W = 24 (8 idle lanes); window mid-block
+    ([300, 45], 2, 2, 128, 32, "float16", 64, 8, None, None),  # W = 32: one key per step
+    ([75, 1], 2, 1, 64, 16, "float32", 64, 8, 64, None),
+    ([1001], 16, 2, 128, 32, "bfloat16", 32, 4, 256, 2),  # GQA 8, long context, 9-block window
+    ([8190, 700], 8, 2, 128, 16, "float16", 64, 4, None, None),  # ~8k: 32 partitions
 ]
 
 
 @needs_emu
-@pytest.mark.parametrize("ctx,Hq,Hkv,D,bs,dtype,gs,bits,window", QUANT_PAGED_EMU)
-def test_paged_attention_quant_emulated(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window):
+@pytest.mark.parametrize("ctx,Hq,Hkv,D,bs,dtype,gs,bits,window,parts", QUANT_PAGED_EMU)
+def test_paged_attention_quant_emulated(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window, parts):
     tensors, want, max_blocks, scale = quant_kernel_case(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window)
-    spec = pq.launch_spec(len(ctx), Hq, Hkv, D, bs, max_blocks, dtype, scale, window, gs, bits)
-    assert_close(emulate(spec, tensors), want, dtype)
+    specs = quant_specs(tensors, ctx, Hq, Hkv, D, bs, dtype, gs, bits, window, max_blocks, scale, parts)
+    assert_close(emulate_launches(specs, tensors), want, dtype)
+
+
+@needs_emu
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("what", list(STALE))
+def test_quant_stale_block_id_gives_nan(what, parts):
+    """The guard of paged_attention (test_kernels_paged.STALE): NaN for sequence 1 only."""
+    ctx = [45, 40, 20]
+    tensors, want, max_blocks, scale = quant_kernel_case(ctx, 4, 2, 64, 16, "float16", 32, 4, None)
+    tables, lens = tensors[7].copy(), tensors[8].copy()
+    if what == "short row":
+        lens[1] = max_blocks * 16 + 1
+    else:
+        tables[1, 1] = tensors[1].shape[0] if STALE[what] is None else STALE[what]
+    specs = quant_specs(tensors, ctx, 4, 2, 64, 16, "float16", 32, 4, None, max_blocks, scale, parts)
+    got = emulate_launches(specs, [*tensors[:7], tables, lens])
+    assert np.isnan(got[1]).all()
+    assert_close(got[[0, 2]], want[[0, 2]], "float16")
 
 
 # Deliberately broken kernels: the emulated comparison must catch each one.
 BROKEN = {
-    "nibble order": ("(word >> (BITS * j))", "(word >> (BITS * (PACK - 1 - j)))"),
+    "nibble order": ("(word >> (BITS * i))", "(word >> (BITS * (PACK - 1 - i)))"),
     "scale of another group": ("const int g = owns ? (w * PACK) / GS : 0;",
-                               "const int g = owns ? ((w * PACK) / GS + 1) % G : 0;"),
-    "key slot skipped": ("tb += KPS", "tb += KPS + 1"),
+                               "const int g = owns ? ((w * PACK) / GS + 1) % NG : 0;"),
+    "key slot skipped": ("tb += KS * KPS", "tb += KS * KPS + 1"),
+    "one head set only": ("const int j = min(hset * HPS + jj, GH - 1);", "const int j = min(jj, GH - 1);"),
 }
 
 
 @needs_emu
 @pytest.mark.parametrize("what", list(BROKEN))
 def test_broken_quant_kernel_fails_emulation(what):
-    ctx, Hq, Hkv, D, bs, dtype, gs, bits, window = [75, 1], 2, 1, 64, 16, "float32", 32, 4, None
+    ctx, Hq, Hkv, D, bs, dtype, gs, bits, window = [75, 1], 8, 1, 64, 16, "float32", 32, 4, None
     tensors, want, max_blocks, scale = quant_kernel_case(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window)
-    spec = pq.launch_spec(len(ctx), Hq, Hkv, D, bs, max_blocks, dtype, scale, window, gs, bits)
+    spec = quant_specs(tensors, ctx, Hq, Hkv, D, bs, dtype, gs, bits, window, max_blocks, scale, 1)[0]
+    assert dict(spec.template)["HSETS"] > 1
     assert_close(emulate(spec, tensors), want, dtype)  # the intact kernel passes this case
     old, new = BROKEN[what]
     assert old in spec.source
     broken = dataclasses.replace(spec, name=f"{spec.name}_broken", source=spec.source.replace(old, new))
     with pytest.raises(AssertionError):
         assert_close(emulate(broken, tensors), want, dtype)
+
+
+@pytest.fixture
+def emulated_metal(monkeypatch):
+    return emulate_dispatch(monkeypatch)
+
+
+@needs_emu
+@pytest.mark.parametrize("ctx,n_keys,launches", [
+    ([40, 7], 40, ["paged_attention_quant"]),
+    ([600, 7], 600, ["paged_attention_quant_split", "paged_attention_combine"]),
+])
+def test_quant_dispatch_under_emulation(emulated_metal, ctx, n_keys, launches):
+    """paged_attention_quantized() as the engine calls it: its launches, emulated, match."""
+    tensors, want, _, scale = quant_kernel_case(ctx, 8, 2, 128, 16, "float16", 64, 4, None)
+    q = mx.array(tensors[0])
+    k, v = tuple(mx.array(t) for t in tensors[1:4]), tuple(mx.array(t) for t in tensors[4:7])
+    tables, lens = mx.array(tensors[7]), mx.array(tensors[8])
+    got = pq.paged_attention_quantized(q, k, v, tables, lens, scale, 64, 4, n_keys=n_keys, mask=None)
+    assert emulated_metal == launches
+    assert_close(np.array(got.astype(mx.float32)), want, "float16")
 
 
 # ---------------------------------------------------------------- real Metal
@@ -259,9 +306,9 @@ def _mx(t: np.ndarray, dtype: str) -> mx.array:
 @pytest.mark.parametrize("D,gs", [(64, 32), (64, 64), (96, 32), (128, 64), (128, 128)])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("bs", [16, 32])
-@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 4), (8, 2), (16, 2)])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (8, 4), (8, 2), (16, 2), (32, 8)])
 @pytest.mark.parametrize("ctx,window", [([1, 15, 16, 17], None), ([1000, 33, 4097], None),
-                                        ([500, 64], 128)])
+                                        ([8190, 5], None), ([500, 64], 128)])
 def test_paged_attention_quant_metal(ctx, window, Hq, Hkv, bs, bits, D, gs, dtype):
     tensors, want, _, scale = quant_kernel_case(ctx, Hq, Hkv, D, bs, dtype, gs, bits, window)
     q = _mx(tensors[0], dtype)
@@ -269,5 +316,6 @@ def test_paged_attention_quant_metal(ctx, window, Hq, Hkv, bs, bits, D, gs, dtyp
     v = (mx.array(tensors[4]), _mx(tensors[5], dtype), _mx(tensors[6], dtype))
     tables, lens = mx.array(tensors[7]), mx.array(tensors[8])
     assert pq.kernel_supports_quantized(q, k, v, tables, gs, bits, window)
-    got = pq.paged_attention_quantized(q, k, v, tables, lens, scale, gs, bits, window)
+    got = pq.paged_attention_quantized(q, k, v, tables, lens, scale, gs, bits, window,
+                                       n_keys=max(ctx))
     assert_close(np.array(got.astype(mx.float32)), want, dtype)

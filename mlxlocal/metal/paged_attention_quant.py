@@ -6,15 +6,20 @@ last axis of x [num_blocks, block_size, n_kv_heads, head_dim]: packed uint32
 x = scale * q + bias per group. Semantics (positions, causal-per-sequence mask, windows, GQA,
 the n_keys / mask / first_block / window_start hints) are paged_attention_reference's.
 
-Metal kernel `paged_attention_quant` (decode, L = 1): the unquantized kernel's threadgroup
-(SIMDGROUPS simdgroups per (query head, sequence), simdgroup s takes blocks s, s + SIMDGROUPS,
-...) but a key is only W = D * BITS / 32 words, so a simdgroup reads KPS = 32 / LPK keys at
-once: LPK lanes per key (W rounded up to 8 / 16 / 32; lanes past W idle), lane w owning word w
-= dims [w * PACK, (w + 1) * PACK) (PACK = 32 / BITS, one group: GS >= 32 >= PACK). Per word:
-q.k = scale * sum_j q_j u_j + bias * sum_j q_j (sum q_j precomputed), reduced over the LPK
-lanes with simd_shuffle_xor; each of the NSG * KPS (simdgroup, key slot) pairs keeps its own
-online softmax (fp32) and folds p * (scale * u + bias) of V into PACK accumulators per lane.
-The partials meet in threadgroup memory and threads d < D combine them into out[b, h, 0, d].
+Metal kernels `paged_attention_quant` (one pass) / `paged_attention_quant_split` + the shared
+`paged_attention_combine` (decode, L = 1): the unquantized kernels' grid, partitions, head
+sets, merge and block-id guard (see paged_attention: one threadgroup per (KV head, head group,
+sequence, partition) serving all its query heads; NaN for a sequence whose table names a block
+out of the pool). A key is only W = D * BITS / 32 words, so a simdgroup reads KPS = 32 / LPK
+keys at once: LPK lanes per key (W rounded up to 8 / 16 / 32; lanes past W idle), lane w owning
+word w = dims [w * PACK, (w + 1) * PACK) (PACK = 32 / BITS, one group: GS >= 32 >= PACK), one
+uint32 load per lane from the block's base, 32-bit offsets inside it. Stripe k of the
+threadgroup takes tokens t0 + k * KPS + slot, stepping KS * KPS. Per word and head: q.k =
+scale * sum_j q_j u_j + bias * sum_j q_j (sum q_j precomputed; the word unpacked once for all
+HPS heads of the set), the HPS sums over the LPK lanes in one reduce-scatter (REDUCE); each
+(simdgroup, key slot) keeps its own online softmax per head (fp32) and folds p * (scale * u +
+bias) of V into PACK accumulators per lane and head. The merge combines the KS * KPS
+producers (stripes x key slots) of each head.
 """
 
 from __future__ import annotations
@@ -22,8 +27,22 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxlocal.metal.attention import sdpa
-from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available, run
-from mlxlocal.metal.paged_attention import BLOCK_SIZES, COMBINE, PROLOGUE, SIMDGROUPS, step_mask
+from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available
+from mlxlocal.metal.paged_attention import (
+    BLOCK_SIZES,
+    BLOCKS,
+    MERGE,
+    PROLOGUE,
+    REDUCE,
+    SIMDGROUPS,
+    STORE_OUT,
+    STORE_PART,
+    head_split,
+    partitions,
+    run_launches,
+    split_specs,
+    step_mask,
+)
 
 QuantPool = tuple[mx.array, mx.array, mx.array]  # (packed uint32, scales, biases)
 
@@ -32,119 +51,151 @@ HEAD_DIMS = (64, 96, 128)
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
-HEADER = ""
-
 # Inputs: q [B, Hq, 1, D] T; k_q / v_q [NB, BS, Hkv, W] uint32; k_s, k_b, v_s, v_b
 # [NB, BS, Hkv, D / GS] T; block_tables [B, MB] int32; context_lens [B] int32; params {MB, Hq,
-# Hkv, window (0: none)} int32; scale {scale} float32. Template: T, D, BS, NSG, BITS, GS.
-# Output: out [B, Hq, 1, D] T.
-SOURCE = """
+# Hkv, window (0: none), NB} int32; scale {scale} float32. Template: T, D, BS, NSG, GH, HSETS,
+# HPS, BITS, GS. Output: out [B, Hq, 1, D] T (one pass) or part [B, Hq, P, D + 2] float32.
+BODY = """
     constexpr int PACK = 32 / BITS;
     constexpr uint MASK = (1u << BITS) - 1u;
     constexpr int W = D / PACK;
-    constexpr int G = D / GS;
+    constexpr int NG = D / GS;
     constexpr int LPK = W <= 8 ? 8 : (W <= 16 ? 16 : 32);
     constexpr int KPS = 32 / LPK;
-    constexpr int NP = NSG * KPS;
-""" + PROLOGUE + """    const int slot = lane / LPK;
+    constexpr int HB = HPS >= 8 ? 3 : (HPS >= 4 ? 2 : (HPS >= 2 ? 1 : 0));
+    constexpr int RL = LPK;
+    constexpr int RB = LPK == 8 ? 3 : (LPK == 16 ? 4 : 5);
+""" + PROLOGUE + """
+    const int slot = lane / LPK;
     const int w = lane % LPK;
+    const int rlane = w;
+    const int rbase = slot * LPK;
     const bool owns = w < W;
     const int g = owns ? (w * PACK) / GS : 0;
 
-    float qv[PACK];
-    float acc[PACK];
-    float qsum = 0.0f;
-    for (int j = 0; j < PACK; j++) {
-        qv[j] = owns ? sc * float(q[q_off + w * PACK + j]) : 0.0f;
-        qsum += qv[j];
-        acc[j] = 0.0f;
+    float qv[HPS][PACK];
+    float acc[HPS][PACK];
+    float qsum[HPS];
+    float m[HPS];
+    float l[HPS];
+    for (int jj = 0; jj < HPS; jj++) {
+        const int j = min(hset * HPS + jj, GH - 1);
+        if (owns) {
+            DimLoad<T, PACK>::run(q + (b * Hq + h_first + j) * D + w * PACK, qv[jj]);
+        }
+        qsum[jj] = 0.0f;
+        for (int i = 0; i < PACK; i++) {
+            qv[jj][i] = owns ? sc * qv[jj][i] : 0.0f;
+            qsum[jj] += qv[jj][i];
+            acc[jj][i] = 0.0f;
+        }
+        m[jj] = NEG;
+        l[jj] = 0.0f;
     }
-    float m = NEG;
-    float l = 0.0f;
-    const size_t tok_w = size_t(Hkv) * W;
-    const size_t tok_g = size_t(Hkv) * G;
-    for (int blk = start / BS + sg; blk * BS < ctx; blk += NSG) {
-        const size_t tok0 = size_t(block_tables[b * MB + blk]) * BS;
-        const int t0 = max(start - blk * BS, 0);
-        const int t1 = min(ctx - blk * BS, BS);
-        for (int tb = t0; tb < t1; tb += KPS) {
+""" + BLOCKS + """
+        const device uint* kqb = k_q + size_t(id) * size_t(BS * Hkv * W);
+        const device uint* vqb = v_q + size_t(id) * size_t(BS * Hkv * W);
+        const size_t gbase = size_t(id) * size_t(BS * Hkv * NG);
+        const device T* ksb = k_s + gbase;
+        const device T* kzb = k_b + gbase;
+        const device T* vsb = v_s + gbase;
+        const device T* vzb = v_b + gbase;
+        for (int tb = t0 + stripe * KPS; tb < t1; tb += KS * KPS) {
             const int t = tb + slot;
             const bool live = t < t1;
-            const size_t wo = (tok0 + size_t(live ? t : t0)) * tok_w + size_t(kvh) * W + w;
-            const size_t go = (tok0 + size_t(live ? t : t0)) * tok_g + size_t(kvh) * G + g;
-            float part = 0.0f;
-            if (owns && live) {
-                const uint word = k_q[wo];
+            const bool reads = owns && live;
+            const uint wo = uint((t * Hkv + kvh) * W + w);
+            const uint go = uint((t * Hkv + kvh) * NG + g);
+            float u[PACK];
+            float ks = 0.0f;
+            float kz = 0.0f;
+            for (int i = 0; i < PACK; i++) {
+                u[i] = 0.0f;
+            }
+            if (reads) {
+                const uint word = kqb[wo];
+                for (int i = 0; i < PACK; i++) {
+                    u[i] = float((word >> (BITS * i)) & MASK);
+                }
+                ks = float(ksb[go]);
+                kz = float(kzb[go]);
+            }
+            float s[HPS];
+            for (int jj = 0; jj < HPS; jj++) {
                 float dot = 0.0f;
-                for (int j = 0; j < PACK; j++) {
-                    dot += qv[j] * float((word >> (BITS * j)) & MASK);
+                for (int i = 0; i < PACK; i++) {
+                    dot += qv[jj][i] * u[i];
                 }
-                part = float(k_s[go]) * dot + float(k_b[go]) * qsum;
+                s[jj] = ks * dot + kz * qsum[jj];
             }
-            for (int o = LPK / 2; o > 0; o /= 2) {
-                part += simd_shuffle_xor(part, ushort(o));
-            }
+""" + REDUCE + """
             if (live) {
-                const float s = part;
-                float corr = 1.0f;
-                float p = 1.0f;
-                if (s > m) {
-                    corr = exp(m - s);
-                    m = s;
-                } else {
-                    p = exp(s - m);
+                float x[PACK];
+                for (int i = 0; i < PACK; i++) {
+                    x[i] = 0.0f;
                 }
-                l = l * corr + p;
                 if (owns) {
-                    const uint word = v_q[wo];
-                    const float vs = float(v_s[go]);
-                    const float vb = float(v_b[go]);
-                    for (int j = 0; j < PACK; j++) {
-                        const float x = vs * float((word >> (BITS * j)) & MASK) + vb;
-                        acc[j] = acc[j] * corr + p * x;
+                    const uint word = vqb[wo];
+                    const float vs = float(vsb[go]);
+                    const float vz = float(vzb[go]);
+                    for (int i = 0; i < PACK; i++) {
+                        x[i] = vs * float((word >> (BITS * i)) & MASK) + vz;
+                    }
+                }
+                for (int jj = 0; jj < HPS; jj++) {
+                    float corr = 1.0f;
+                    float p = 1.0f;
+                    if (score[jj] > m[jj]) {
+                        corr = exp(m[jj] - score[jj]);
+                        m[jj] = score[jj];
+                    } else {
+                        p = exp(score[jj] - m[jj]);
+                    }
+                    l[jj] = l[jj] * corr + p;
+                    if (owns) {
+                        for (int i = 0; i < PACK; i++) {
+                            acc[jj][i] = acc[jj][i] * corr + p * x[i];
+                        }
                     }
                 }
             }
         }
     }
-
-    threadgroup float tg_m[NP];
-    threadgroup float tg_l[NP];
-    threadgroup float tg_acc[NP * D];
-    const int pi = sg * KPS + slot;
-    if (w == 0) {
-        tg_m[pi] = m;
-        tg_l[pi] = l;
-    }
-    if (owns) {
-        for (int j = 0; j < PACK; j++) {
-            tg_acc[pi * D + w * PACK + j] = acc[j];
+    const int pr = sg * KPS + slot;
+""" + MERGE.replace("WRITE_PARTIAL", """
+        if (w == 0) {
+            tg_m[pr] = m[jj];
+            tg_l[pr] = l[jj];
         }
-    }
-""" + COMBINE.replace("NPARTS", "NP")
+        if (owns) {
+            for (int i = 0; i < PACK; i++) {
+                tg_acc[pr * D + w * PACK + i] = acc[jj][i];
+            }
+        }""")
+
+SOURCE = BODY.replace("STORE", STORE_OUT)
+SOURCE_SPLIT = BODY.replace("STORE", STORE_PART)
 
 
-def launch_spec(
-    B: int, Hq: int, Hkv: int, D: int, block_size: int, max_blocks: int, dtype: str,
-    scale: float, window: int | None, group_size: int, bits: int,
-) -> LaunchSpec:
-    """The Metal launch for decode attention of q [B, Hq, 1, D] over quantized pools
-    [.., block_size, Hkv, ..] through block_tables [B, max_blocks]; dtype names T."""
-    return LaunchSpec(
-        name="paged_attention_quant",
-        source=SOURCE,
-        header=HEADER,
-        input_names=("q", "k_q", "k_s", "k_b", "v_q", "v_s", "v_b", "block_tables",
-                     "context_lens", "params", "scale"),
-        output_names=("out",),
-        template=(("T", dtype), ("D", D), ("BS", block_size), ("NSG", SIMDGROUPS),
-                  ("BITS", bits), ("GS", group_size)),
-        grid=(Hq * 32 * SIMDGROUPS, B, 1),
-        threadgroup=(32 * SIMDGROUPS, 1, 1),
-        output_shapes=((B, Hq, 1, D),),
-        output_dtypes=(dtype,),
-        constants=(((max_blocks, Hq, Hkv, window or 0), "int32"), ((float(scale),), "float32")),
-    )
+def launch_specs(
+    B: int, Hq: int, Hkv: int, D: int, block_size: int, max_blocks: int, num_blocks: int,
+    dtype: str, scale: float, window: int | None, group_size: int, bits: int,
+    span: int | None = None, parts: int | None = None,
+) -> tuple[LaunchSpec, ...]:
+    """The Metal launches for decode attention of q [B, Hq, 1, D] over quantized pools
+    [num_blocks, block_size, Hkv, ..] through block_tables [B, max_blocks]; dtype names T.
+    `span` / `parts` as in paged_attention.launch_specs."""
+    G = Hq // Hkv
+    GH, hsets, hps = head_split(G, 32 // bits)
+    span = min(span or max_blocks * block_size, window or 1 << 30)
+    parts = parts or partitions(span, B * Hkv * (G // GH))
+    template = (("T", dtype), ("D", D), ("BS", block_size), ("NSG", SIMDGROUPS), ("GH", GH),
+                ("HSETS", hsets), ("HPS", hps), ("BITS", bits), ("GS", group_size))
+    return split_specs("paged_attention_quant", SOURCE, SOURCE_SPLIT, B, Hq, Hkv, D, dtype,
+                       parts, G // GH, template,
+                       ("q", "k_q", "k_s", "k_b", "v_q", "v_s", "v_b", "block_tables",
+                        "context_lens", "params", "scale"),
+                       (max_blocks, Hq, Hkv, window or 0, num_blocks), scale)
 
 
 def _check_pool(name: str, pool: QuantPool, D: int, group_size: int, bits: int) -> None:
@@ -254,7 +305,8 @@ def paged_attention_quantized(
     """Dispatch point for paged attention over quantized pools (the Metal kernel: decode, L = 1).
 
     n_keys / mask / first_block / window_start are hints for the reference path; the kernel
-    finds a window's start itself.
+    finds a window's start itself and takes n_keys (the longest context) as the span its
+    partition count is chosen for.
     """
     if not (metal_available()
             and kernel_supports_quantized(q, k, v, block_tables, group_size, bits, window)):
@@ -262,8 +314,8 @@ def paged_attention_quantized(
             q, k, v, block_tables, context_lens, scale, group_size, bits, window, n_keys=n_keys,
             mask=mask, first_block=first_block, window_start=window_start)
     B, Hq, _, D = q.shape
-    _, bs, Hkv, _ = k[0].shape
-    spec = launch_spec(B, Hq, Hkv, D, bs, block_tables.shape[1], dtype_name(q.dtype), scale,
-                       window, group_size, bits)
+    NB, bs, Hkv, _ = k[0].shape
+    specs = launch_specs(B, Hq, Hkv, D, bs, block_tables.shape[1], NB, dtype_name(q.dtype), scale,
+                         window, group_size, bits, span=n_keys)
     tensors = [q, *k, *v, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
-    return run(spec, tensors)[0]
+    return run_launches(specs, tensors)
