@@ -22,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxlocal.metal.attention import sdpa
+from mlxlocal.metal.dispatch import use_kernel
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available, run
 from mlxlocal.metal.paged_attention import BLOCK_SIZES, COMBINE, PROLOGUE, SIMDGROUPS, step_mask
 
@@ -256,8 +257,8 @@ def paged_attention_quantized(
     n_keys / mask / first_block / window_start are hints for the reference path; the kernel
     finds a window's start itself.
     """
-    if not (metal_available()
-            and kernel_supports_quantized(q, k, v, block_tables, group_size, bits, window)):
+    if not (metal_available() and use_kernel("paged_attention_quantized", kernel_supports_quantized,
+                                             q, k, v, block_tables, group_size, bits, window)):
         return paged_attention_quantized_reference(
             q, k, v, block_tables, context_lens, scale, group_size, bits, window, n_keys=n_keys,
             mask=mask, first_block=first_block, window_start=window_start)
