@@ -296,7 +296,7 @@ def describe(choices: Iterable[Choice | dict]) -> list[tuple[str, str, str, str]
         rest = " ".join(f"{k}={v}" for k, v in key.items())
         how = c["how"] + (f": ours {c['ours_us']:.1f} us, mlx {c['mlx_us']:.1f} us"
                           if c.get("ours_us") is not None else "")
-        path = f"{c['path']} ({how})"
+        path = c["path"] if c["path"] == REFERENCE else f"{c['path']} ({how})"
         last = rows[-1] if rows else None
         if m is not None and last and last[0] == c["op"] and last[2] == rest and last[4] == dtype \
                 and last[5] == path and last[1][1] == m - 1:
