@@ -25,8 +25,12 @@ def projection_sites(model: nn.Module, rows: range, dtype: mx.Dtype) -> list[tup
     row count M in `rows`, activations in `dtype`. Models on mlx-lm's code have none."""
     layers = [m for _, m in model.named_modules() if isinstance(m, (Linear, QuantizedLinear))]
     head = _head(model)
-    sites = []
+    distinct = {}  # one module per weight layout: a model repeats the same few projections per layer
     for m in layers + ([head] if head is not None else []):
+        sig = (type(m), m is head, *((a.shape, a.dtype) for a in m.parameters().values() if isinstance(a, mx.array)))
+        distinct.setdefault(sig, m)
+    sites = []
+    for m in distinct.values():
         for M in rows:
             quantized = isinstance(m, (QuantizedLinear, nn.QuantizedEmbedding))
             K = m.weight.shape[1] * 32 // m.bits if quantized else m.weight.shape[1]
