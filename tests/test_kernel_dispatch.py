@@ -225,6 +225,13 @@ def test_default_timer_times_every_op(tmp_path):
         assert choice.how == "measured" and choice.ours_us > 0 and choice.mlx_us > 0
         assert choice.path == (OURS if choice.ours_us < choice.mlx_us else MLX)
     assert measure.nbytes("paged_attention", keys["paged_attention"], 48) == 2 * 48 * 2 * 64 * 4
+    # Warm-up times M = 1..8 of one projection in a row: the weights are built once.
+    timer = measure.Timer(copies=2)
+    timer("linear", keys["linear"], OURS)
+    weights = [a[1] for a, _ in timer._calls]
+    timer("linear", measure.shape_key("linear", **dict(keys["linear"], M=5)), MLX)
+    assert all(a[1] is w for (a, _), w in zip(timer._calls, weights, strict=True))
+    assert timer._calls[0][0][0].shape == (5, 64)
 
 
 # ---------------------------------------------------------------- warm-up vs a real decode

@@ -8,6 +8,8 @@ attention layer's (Hq, Hkv, D, block size, dtype, kv bits).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 
 from mlxlocal.cache import quantized
@@ -43,11 +45,15 @@ def decode_sites(runner, cfg: EngineConfig) -> list[tuple[str, tuple]]:
     return sites
 
 
-def warm_up(runner, cfg: EngineConfig) -> list[dict]:
+def warm_up(runner, cfg: EngineConfig, draft_runner=None) -> list[dict]:
     """The plan (one dict per op and shape: path, how it was decided, timings) after deciding,
     compiling and measuring what is needed; on a machine without Metal nothing compiles and
-    every path is the MLX reference."""
-    return [c.as_dict() for c in dispatch.warm_up(decode_sites(runner, cfg))]
+    every path is the MLX reference. A draft model (it follows every forward of the target, on
+    pools that are never quantized) is warmed up too."""
+    sites = decode_sites(runner, cfg)
+    if draft_runner is not None:
+        sites += decode_sites(draft_runner, replace(cfg, kv_bits=None))
+    return [c.as_dict() for c in dispatch.warm_up(sites)]
 
 
 def kernel_plan(loaded, cfg: EngineConfig | None = None) -> list[dict]:

@@ -81,7 +81,8 @@ class PagedEngine(EngineBase):
                                    self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit,
                                    match_edited=self.reuse.match_edited)
         self.spec = spec and Speculator(spec, runner, self.pools, self.scheduler, self.context_length, drafter)
-        self.kernel_plan = warm_up(runner, cfg)  # kernels decided and compiled before any request
+        # Kernels decided (measured) and compiled for every decode shape before any request.
+        self.kernel_plan = warm_up(runner, cfg, drafter.runner if drafter is not None else None)
         self._rotator: cache_edits.Rotator | None = None  # built at the first reposition
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()

@@ -156,6 +156,17 @@ class Chooser:
         self._file: dict[str, dict] | None = None  # this chip's entries, once read
         self._writable = True
         self._lock = threading.Lock()
+        self._shared: Timer | None = None
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Decisions inside share one default Timer (a projection's weights are built once for
+        all its row counts); its inputs are dropped at the end."""
+        self._shared = Timer()
+        try:
+            yield
+        finally:
+            self._shared = None
 
     @property
     def chip(self) -> str:
@@ -179,7 +190,7 @@ class Chooser:
         e = self._file.get(name)
         if e is not None:
             return Choice(op, key, e["path"], "cached", e["ours_us"], e["mlx_us"])
-        t = time_paths(op, key, (OURS, MLX), self.timer or Timer(), self.repeats)
+        t = time_paths(op, key, (OURS, MLX), self.timer or self._shared or Timer(), self.repeats)
         ours_us, mlx_us = t[OURS] * 1e6, t[MLX] * 1e6
         e = {"path": OURS if ours_us < mlx_us else MLX, "ours_us": round(ours_us, 3),
              "mlx_us": round(mlx_us, 3), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -261,6 +272,11 @@ def warm_up(sites: Iterable[tuple[str, tuple]], compile_kernels: bool = True) ->
     launched once (compiled), and under auto unknown shapes are measured, here rather than on
     the first request."""
     metal, m = kernel.metal_available(), mode()
+    with chooser().batch():
+        return _warm_up(sites, metal, m, compile_kernels)
+
+
+def _warm_up(sites: Iterable[tuple[str, tuple]], metal: bool, m: str, compile_kernels: bool) -> list[Choice]:
     out: list[Choice] = []
     seen: set[tuple[str, Key]] = set()
     for op, args in sites:
@@ -278,8 +294,10 @@ def warm_up(sites: Iterable[tuple[str, tuple]], compile_kernels: bool = True) ->
         else:
             c = Choice(op, key, OURS, "forced (--kernels ours)") if m == "ours" else chooser().choose(op, key)
             if compile_kernels and c.path == OURS and c.how != "measured":  # measuring compiled it
+                # A projection site's arguments are its call's (the model's own weights): no copy.
+                calls = [(args, {})] if op in ("linear", "quantized_linear") else inputs(op, key)
                 with forced(OURS):
-                    mx.eval([spec.dispatch()(*a, **kw) for a, kw in inputs(op, key)])
+                    mx.eval([spec.dispatch()(*a, **kw) for a, kw in calls])
             out.append(c)
     return out
 
