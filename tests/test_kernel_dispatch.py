@@ -206,8 +206,9 @@ def test_warm_up_launches_the_kernels_that_will_run(fake_metal, monkeypatch):
         (1, OURS, "forced (--kernels ours)"), (2, OURS, "forced (--kernels ours)"), (9, MLX, "unsupported shape")]
     assert launched == [1, 2]  # compiled ahead, the unsupported shape not
     launched.clear()
-    dispatch.set_mode("mlx")
-    assert {c.how for c in dispatch.warm_up(sites)} == {"forced (--kernels mlx)"} and launched == []
+    dispatch.set_mode(None)
+    monkeypatch.setenv(dispatch.ENV, "mlx")
+    assert {c.how for c in dispatch.warm_up(sites)} == {"forced (MLXLOCAL_KERNELS=mlx)"} and launched == []
 
 
 def test_default_timer_times_every_op(tmp_path):

@@ -106,7 +106,9 @@ class Choice:
     op: str
     key: Key
     path: str  # OURS, MLX or REFERENCE
-    how: str  # "measured", "cached" (measured before), "forced (--kernels ours|mlx)", "unsupported shape", "no Metal"
+    # "measured", "cached" (measured before), "forced (--kernels ours)" (or by MLXLOCAL_KERNELS),
+    # "unsupported shape", "no Metal"
+    how: str
     ours_us: float | None = None
     mlx_us: float | None = None
 
@@ -272,11 +274,13 @@ def warm_up(sites: Iterable[tuple[str, tuple]], compile_kernels: bool = True) ->
     launched once (compiled), and under auto unknown shapes are measured, here rather than on
     the first request."""
     metal, m = kernel.metal_available(), mode()
+    forced_by = f"forced (--kernels {m})" if _override is not None else f"forced ({ENV}={m})"
     with chooser().batch():
-        return _warm_up(sites, metal, m, compile_kernels)
+        return _warm_up(sites, metal, m, forced_by, compile_kernels)
 
 
-def _warm_up(sites: Iterable[tuple[str, tuple]], metal: bool, m: str, compile_kernels: bool) -> list[Choice]:
+def _warm_up(sites: Iterable[tuple[str, tuple]], metal: bool, m: str, forced_by: str,
+             compile_kernels: bool) -> list[Choice]:
     out: list[Choice] = []
     seen: set[tuple[str, Key]] = set()
     for op, args in sites:
@@ -288,11 +292,11 @@ def _warm_up(sites: Iterable[tuple[str, tuple]], metal: bool, m: str, compile_ke
         if not metal:
             out.append(Choice(op, key, REFERENCE, "no Metal"))
         elif m == "mlx":
-            out.append(Choice(op, key, MLX, "forced (--kernels mlx)"))
+            out.append(Choice(op, key, MLX, forced_by))
         elif not spec.kernel_supports()(*args):
             out.append(Choice(op, key, MLX, "unsupported shape"))
         else:
-            c = Choice(op, key, OURS, "forced (--kernels ours)") if m == "ours" else chooser().choose(op, key)
+            c = Choice(op, key, OURS, forced_by) if m == "ours" else chooser().choose(op, key)
             if compile_kernels and c.path == OURS and c.how != "measured":  # measuring compiled it
                 # A projection site's arguments are its call's (the model's own weights): no copy.
                 calls = [(args, {})] if op in ("linear", "quantized_linear") else inputs(op, key)
