@@ -235,6 +235,28 @@ def test_default_timer_times_every_op(tmp_path):
     assert timer._calls[0][0][0].shape == (5, 64)
 
 
+@pytest.mark.parametrize("op", list(measure.OPS))
+def test_the_timer_times_our_kernel_launch_and_the_builtin(fake_metal, monkeypatch, op):
+    """Under fake Metal the timed 'ours' side is the gate's kernel launch, the other side is not."""
+    launched = []
+
+    def fake_run(spec, tensors):
+        launched.append(spec.name)
+        return [mx.zeros(spec.output_shapes[0], mx.float32)]
+
+    monkeypatch.setattr(MODULES[op], "run", fake_run)
+    key = {"linear": measure.shape_key("linear", M=3, N=32, K=64, dtype="float16", bias=0),
+           "quantized_linear": measure.shape_key("quantized_linear", M=3, N=32, K=64, dtype="float16", bits=8,
+                                                 group=32, bias=1),
+           "paged_attention": measure.shape_key("paged_attention", Hq=4, Hkv=2, D=64, block=16, dtype="float16"),
+           "paged_attention_quantized": measure.shape_key("paged_attention_quantized", Hq=4, Hkv=2, D=64, block=16,
+                                                          dtype="float16", bits=4, group=32)}[op]
+    timer = measure.Timer(warmup=1, context=40, copies=2)
+    assert timer(op, key, OURS) > 0 and len(launched) == 4  # a warm-up chain and a timed one, 2 copies
+    launched.clear()
+    assert timer(op, key, MLX) > 0 and launched == []
+
+
 # ---------------------------------------------------------------- warm-up vs a real decode
 def _recorded_decode_keys(monkeypatch, eng, prompts, max_tokens):
     """Shapes each dispatch function receives during a greedy decode (computed here from the
@@ -298,7 +320,8 @@ def test_warm_up_plan_is_exactly_what_decode_calls(monkeypatch, tiny_model, quan
     eng = open_engine(load(str(tiny_model if which == "dense" else quant_model)), **options)
     try:
         plan = {(c["op"], tuple(c["key"].items())) for c in eng.kernel_plan}
-        assert {c["path"] for c in eng.kernel_plan} == {REFERENCE}  # no Metal here: nothing compiled
+        if not mx.metal.is_available():  # nothing compiled or measured: the reference everywhere
+            assert {c["path"] for c in eng.kernel_plan} == {REFERENCE}
         ops = {op for op, _ in plan}
         assert ops == ({"linear", "paged_attention"} if which == "dense"
                        else {"quantized_linear", "paged_attention_quantized"})
@@ -319,6 +342,7 @@ def cli_app():
     return app
 
 
+@pytest.mark.skipif(mx.metal.is_available(), reason="on Metal bench kernels runs")
 def test_bench_kernels_without_metal_exits_2():
     out = CliRunner().invoke(cli_app(), ["bench", "kernels", "--rows", "1", "--models", "qwen3-0.6b"])
     assert out.exit_code == 2
@@ -346,16 +370,18 @@ def test_bad_kernel_options_exit_2_naming_the_option(args, words):
 def test_show_prints_the_path_of_each_op(tiny_model, monkeypatch, tmp_path):
     monkeypatch.setenv("MLXLOCAL_HOME", str(tmp_path))
     monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setenv(dispatch.ENV, "mlx")  # on a Mac: no measuring in this test
     dispatch.reset()
     out = CliRunner().invoke(cli_app(), ["show", str(tiny_model)])
     assert out.exit_code == 0, out.output
     text = out.output
-    assert "kernels: reference (no Metal)" in text and str(tmp_path / dispatch.CACHE_NAME) in text
+    assert str(tmp_path / dispatch.CACHE_NAME) in " ".join(text.split())
+    path = "mlx built-in (forced (MLXLOCAL_KERNELS=mlx))" if mx.metal.is_available() else "reference (no Metal)"
+    assert mx.metal.is_available() or "kernels: reference (no Metal)" in text
     # qwen3 tiny: hidden 64, 4 / 2 heads x 16, intermediate 128, tied head of 384: 6 projections.
     for shape in ("M=1-16 N=64 K=64 bias=0", "M=1-16 N=32 K=64 bias=0", "M=1-16 N=128 K=64 bias=0",
                   "M=1-16 N=64 K=128 bias=0", "M=1-16 N=384 K=64 bias=0", "Hq=4 Hkv=2 D=16 block=16"):
-        assert any(shape in line and "reference (no Metal)" in line for line in text.splitlines()), shape
+        assert any(shape in line and path in line for line in text.splitlines()), shape
     dispatch.reset()
 
 
