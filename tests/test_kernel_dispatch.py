@@ -137,13 +137,15 @@ def test_every_dispatch_gate_runs_what_the_chooser_picked(fake_metal, monkeypatc
 def test_modes_force_either_side_without_timing(fake_metal, monkeypatch):
     fresh(fake_metal, Refuses())
     monkeypatch.setenv(dispatch.ENV, "ours")
+    dispatch.set_mode(None)  # (MLXLOCAL_KERNELS is read once; set_mode and reset read it again)
     assert gate("linear", *lin(1)) is True
     monkeypatch.setenv(dispatch.ENV, "MLX")
+    dispatch.set_mode(None)
     assert gate("linear", *lin(1)) is False
     dispatch.set_mode("ours")  # --kernels wins over the variable
     assert gate("linear", *lin(1)) is True
-    dispatch.set_mode(None)
     monkeypatch.setenv(dispatch.ENV, "fastest")
+    dispatch.set_mode(None)
     with pytest.raises(KernelModeError, match="MLXLOCAL_KERNELS must be auto, ours or mlx, not 'fastest'"):
         gate("linear", *lin(1))
     with pytest.raises(KernelModeError, match="--kernels must be auto, ours or mlx"):

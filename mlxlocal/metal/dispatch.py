@@ -67,15 +67,22 @@ def check_mode(value: str, source: str = "--kernels") -> str:
 
 def set_mode(value: str | None) -> None:
     """Force a side for this process (None: back to MLXLOCAL_KERNELS, default auto)."""
-    global _override
-    _override = None if value is None else check_mode(value)
+    global _override, _env
+    _override, _env = None if value is None else check_mode(value), None
+
+
+_env: str | None = None  # MLXLOCAL_KERNELS's mode, read once (reading the environment costs
+# about as much as the rest of a dispatch decision); set_mode and reset read it again
 
 
 def mode() -> str:
+    global _env
     if _override is not None:
         return _override
-    raw = os.environ.get(ENV)
-    return "auto" if not raw else check_mode(raw, ENV)
+    if _env is None:
+        raw = os.environ.get(ENV)
+        _env = "auto" if not raw else check_mode(raw, ENV)
+    return _env
 
 
 @contextlib.contextmanager
@@ -96,7 +103,14 @@ def use_kernel(op: str, supports: Callable[..., bool], *args) -> bool:
         side = {"auto": None, "ours": OURS, "mlx": MLX}[mode()]
     if side == MLX or not supports(*args):
         return False
-    return side == OURS or chooser().choose(op, OPS[op].key(*args)).path == OURS
+    if side == OURS:
+        return True
+    c = chooser()
+    fast = (op, OPS[op].fast(*args))
+    ours = c.fast.get(fast)
+    if ours is None:  # first call at this shape in this process
+        ours = c.fast[fast] = c.choose(op, OPS[op].key(*args)).path == OURS
+    return ours
 
 
 @dataclass(frozen=True)
@@ -155,6 +169,7 @@ class Chooser:
         self.path = Path(path) if path is not None else default_cache_path()
         self._chip, self.timer, self.repeats = chip, timer, repeats
         self._seen: dict[tuple[str, Key], Choice] = {}
+        self.fast: dict[tuple, bool] = {}  # use_kernel's memo of _seen by cheap argument keys
         self._file: dict[str, dict] | None = None  # this chip's entries, once read
         self._writable = True
         self._lock = threading.Lock()
@@ -256,9 +271,10 @@ def chooser() -> Chooser:
 
 
 def reset(new: Chooser | None = None) -> None:
-    """Forget every choice in memory (the next use reads the file again), or use `new`."""
-    global _chooser
-    _chooser = new
+    """Forget every choice in memory (the next use reads the file again and MLXLOCAL_KERNELS
+    again), or use `new`."""
+    global _chooser, _env
+    _chooser, _env = new, None
 
 
 def status() -> dict:

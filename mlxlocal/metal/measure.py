@@ -55,6 +55,23 @@ def paged_attention_quantized_key(q, k, v, block_tables, group_size, bits, windo
             ("dtype", dtype_name(q.dtype)), ("bits", bits), ("group", group_size))
 
 
+# Cheaper stand-ins for the keys on the per-call path: equal exactly when the keys are.
+def _linear_fast(x, weight, bias):
+    return x.shape, weight.shape[0], x.dtype, bias is None
+
+
+def _quantized_linear_fast(x, w, scales, biases, group_size, bits, mode, bias):
+    return x.shape, w.shape[0], x.dtype, group_size, bits, mode, bias is None
+
+
+def _paged_attention_fast(q, k_pool, v_pool, block_tables, window):
+    return q.shape[1:], k_pool.shape[1:3], q.dtype
+
+
+def _paged_attention_quantized_fast(q, k, v, block_tables, group_size, bits, window):
+    return q.shape[1:], k[0].shape[1:3], q.dtype, group_size, bits
+
+
 @dataclass(frozen=True)
 class Op:
     module: str  # mlxlocal.metal.<module>: the dispatch function and its kernel_supports
@@ -62,6 +79,7 @@ class Op:
     supports: str
     key: Callable[..., Key]  # gate arguments -> key
     baseline: str  # what the reference path runs, for reports
+    fast: Callable[..., tuple]  # gate arguments -> a cheap tuple equal exactly when the keys are
 
     def dispatch(self) -> Callable:
         return getattr(importlib.import_module(self.module), self.function)
@@ -71,14 +89,14 @@ class Op:
 
 
 OPS = {
-    "linear": Op("mlxlocal.metal.gemv_wide", "linear", "kernel_supports", linear_key, "mx.matmul"),
+    "linear": Op("mlxlocal.metal.gemv_wide", "linear", "kernel_supports", linear_key, "mx.matmul", _linear_fast),
     "quantized_linear": Op("mlxlocal.metal.qgemv_wide", "quantized_linear", "kernel_supports",
-                           quantized_linear_key, "mx.quantized_matmul"),
+                           quantized_linear_key, "mx.quantized_matmul", _quantized_linear_fast),
     "paged_attention": Op("mlxlocal.metal.paged_attention", "paged_attention", "kernel_supports",
-                          paged_attention_key, "gather + sdpa"),
+                          paged_attention_key, "gather + sdpa", _paged_attention_fast),
     "paged_attention_quantized": Op("mlxlocal.metal.paged_attention_quant", "paged_attention_quantized",
                                     "kernel_supports_quantized", paged_attention_quantized_key,
-                                    "gather + dequantize + sdpa"),
+                                    "gather + dequantize + sdpa", _paged_attention_quantized_fast),
 }
 
 
