@@ -259,6 +259,19 @@ def test_the_timer_times_our_kernel_launch_and_the_builtin(fake_metal, monkeypat
     assert timer(op, key, MLX) > 0 and launched == []
 
 
+def test_the_path_table_folds_rows_that_take_the_same_path():
+    def c(m, path, how, times=(None, None)):
+        return dispatch.Choice("linear", measure.shape_key("linear", M=m, N=32, K=64, dtype="float16", bias=0),
+                               path, how, *times)
+
+    plan = [c(1, OURS, "measured", (11.0, 20.0)), c(2, MLX, "measured", (25.0, 20.0)),
+            *(c(m, MLX, "unsupported shape") for m in range(9, 17))]
+    assert dispatch.describe(plan) == [
+        ("linear", "M=1 N=32 K=64 bias=0", "float16", "ours (measured: ours 11.0 us, mlx 20.0 us)"),
+        ("linear", "M=2 N=32 K=64 bias=0", "float16", "mlx built-in (measured: ours 25.0 us, mlx 20.0 us)"),
+        ("linear", "M=9-16 N=32 K=64 bias=0", "float16", "mlx built-in (unsupported shape)")]
+
+
 # ---------------------------------------------------------------- warm-up vs a real decode
 def _recorded_decode_keys(monkeypatch, eng, prompts, max_tokens):
     """Shapes each dispatch function receives during a greedy decode (computed here from the
