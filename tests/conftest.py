@@ -12,6 +12,9 @@ import pytest
 # Never reach for the network from tests; keep state out of the user's home.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# On a Mac the kernel tests call the dispatch functions to run our kernels: under auto the
+# chooser could pick MLX's built-in instead (and write its cache into the user's home).
+os.environ.setdefault("MLXLOCAL_KERNELS", "ours")
 
 BASE = dict(
     hidden_size=64,

@@ -174,6 +174,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def kernels_used(loaded, d: dict, batch: int, scenario: str | None, concurrency: int | None,
+                 kv: dict | None) -> dict:
+    """Which path each decode op takes at the bench's largest batch (decided, and on Metal
+    compiled and measured, before any timed run), with the mode and the choice cache file."""
+    from mlxlocal.engine import EngineConfig, kernel_plan
+    from mlxlocal.engine.kernels import kernel_status
+
+    seqs = max(batch, concurrency or (d["concurrency"] if scenario in ("concurrent", "sessions") else 1))
+    return dict(kernel_status(), plan=kernel_plan(loaded, EngineConfig(max_num_seqs=seqs, **(kv or {}))))
+
+
 # ------------------------------------------------------------------ one bench invocation
 def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen_tokens: int | None = None,
               batch: int = 1, repeats: int = 3, warmup: int = 1, compare: str | None = None,
@@ -202,6 +213,7 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         weight_bytes=info.weights.total_bytes, scenario=scenario, compare=compare,
         kv_bits=(kv or {}).get("kv_bits"),
     )
+    res["kernels"] = kernels_used(loaded, d, batch, scenario, concurrency, kv)
     t0 = time.perf_counter()
     if speculation is not None:
         from mlxlocal.bench.speculative import speculative_bench

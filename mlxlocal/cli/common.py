@@ -75,6 +75,21 @@ def kv_precision(kv_bits: Optional[int], kv_group_size: int) -> dict:
     return {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
 
 
+KERNELS_HELP = ("Decode kernels: auto (per op and shape, the faster of ours and MLX's built-in, timed once per chip "
+                "and kept in $MLXLOCAL_HOME/kernel_choices.json), ours, or mlx [default: $MLXLOCAL_KERNELS or auto]")
+
+
+def kernels_mode(value: Optional[str]) -> None:
+    """--kernels (else MLXLOCAL_KERNELS) checked and put in place for this process; exits 2
+    naming the option (or the variable) otherwise."""
+    from mlxlocal.metal.dispatch import KernelModeError, mode, set_mode
+
+    try:
+        set_mode(value) if value is not None else mode()
+    except KernelModeError as e:
+        fail(str(e), 2)
+
+
 KV_BITS_HELP = "Store the KV cache quantized to 8 or 4 bits (about 1/2 or 1/4 of the memory; default: model dtype)"
 KV_GROUP_HELP = "With --kv-bits: elements sharing one scale and bias (32, 64, 128; must divide the head dim)"
 

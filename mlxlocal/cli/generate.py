@@ -12,6 +12,7 @@ import typer
 from mlxlocal.cli.common import (
     DRAFT_MODEL_HELP,
     FREQ_HELP,
+    KERNELS_HELP,
     KV_BITS_HELP,
     KV_COMPACT_HELP,
     KV_GROUP_HELP,
@@ -26,6 +27,7 @@ from mlxlocal.cli.common import (
     err,
     fail,
     human_bytes,
+    kernels_mode,
     speculation,
 )
 from mlxlocal.errors import MlxLocalError
@@ -66,6 +68,7 @@ def generate(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
+    kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the output to JSON "
                                                "valid against the JSON schema in this file"),
     regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regex"),
@@ -92,6 +95,7 @@ def generate(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, grammar=constraint,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
+    kernels_mode(kernels)
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens, options)
     try:
         loaded = load(model)
@@ -236,6 +240,7 @@ def chat(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
+    kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
     mcp: list[Path] = typer.Option([], "--mcp", help="MCP config file (mcpServers, as Claude Desktop / Cursor "
                                    "write it): the model may call its servers' tools; repeatable"),
     max_steps: int = typer.Option(8, "--max-steps", help="With --mcp: generations per turn at most"),
@@ -257,6 +262,7 @@ def chat(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
+    kernels_mode(kernels)
     speculation(draft_model, prompt_lookup, num_draft_tokens, options)  # exits 2 when they clash
     if mcp:
         from mlxlocal.agent_chat import run_agent_chat

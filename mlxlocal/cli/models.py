@@ -179,6 +179,24 @@ def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+    print_kernel_paths(loaded)
+
+
+def print_kernel_paths(loaded) -> None:
+    """Which path each decode op takes at the default engine settings (warm-up: on a Mac the
+    kernels are compiled and, under auto, unknown shapes measured now)."""
+    from mlxlocal.bench.report import kernel_lines, kernel_table
+    from mlxlocal.engine import EngineConfig, kernel_plan
+    from mlxlocal.engine.kernels import kernel_status
+
+    cfg = EngineConfig()
+    k = dict(kernel_status(), plan=kernel_plan(loaded, cfg))
+    console = Console(highlight=False, soft_wrap=True)
+    for line in kernel_lines(k):
+        console.print(line)
+    t = kernel_table(k, f"decode ops (decode rows 1..{cfg.max_num_seqs}, block size {cfg.block_size}): "
+                        "path per op and shape")
+    console.print(t if t is not None else "kernels: none of mlxlocal's dispatch points (mlx-lm's model code)")
 
 
 def kv_rows(per_token: dict | None) -> list[tuple[str, str]]:

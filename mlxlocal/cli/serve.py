@@ -8,6 +8,7 @@ import typer
 
 from mlxlocal.cli.common import (
     DRAFT_MODEL_HELP,
+    KERNELS_HELP,
     KV_BITS_HELP,
     KV_GROUP_HELP,
     KV_MEMORY_HELP,
@@ -17,6 +18,7 @@ from mlxlocal.cli.common import (
     engine_options,
     err,
     fail,
+    kernels_mode,
     parse_size,
     speculation,
 )
@@ -52,6 +54,7 @@ def serve(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
+    kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
     mcp_endpoint: bool = typer.Option(True, "--mcp-endpoint/--no-mcp-endpoint", help="The models as MCP tools "
                                       "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks"),
     max_tools: str = typer.Option(
@@ -89,6 +92,7 @@ def serve(
         fail("--served-model-name names --model models; embedding models answer to their --embed-model "
              "value and their own name", 2)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
+    kernels_mode(kernels)
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
     if speculation(draft_model, prompt_lookup, num_draft_tokens, options) is not None and not model:
         fail("--draft-model / --prompt-lookup speed up --model models; embedding models do not generate", 2)

@@ -26,6 +26,7 @@ from mlxlocal.engine import edits as cache_edits
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.config import EngineConfig, size_pools
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
+from mlxlocal.engine.kernels import warm_up
 from mlxlocal.engine.output import Output
 from mlxlocal.engine.reuse import PrefixReuse
 from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, make_runner
@@ -80,6 +81,8 @@ class PagedEngine(EngineBase):
                                    self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit,
                                    match_edited=self.reuse.match_edited)
         self.spec = spec and Speculator(spec, runner, self.pools, self.scheduler, self.context_length, drafter)
+        # Kernels decided (measured) and compiled for every decode shape before any request.
+        self.kernel_plan = warm_up(runner, cfg, drafter.runner if drafter is not None else None)
         self._rotator: cache_edits.Rotator | None = None  # built at the first reposition
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()

@@ -22,6 +22,7 @@ import math
 
 import mlx.core as mx
 
+from mlxlocal.metal.dispatch import use_kernel
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available, run
 
 MAX_ROWS = 8  # decode batch rows the kernel is instantiated for (template M = 1..8)
@@ -228,7 +229,7 @@ def kernel_supports(x: mx.array, weight: mx.array, bias: mx.array | None) -> boo
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """Dispatch point for dense projections (decode rows M <= 8 are the Metal kernel's case)."""
-    if not (metal_available() and kernel_supports(x, weight, bias)):
+    if not (metal_available() and use_kernel("linear", kernel_supports, x, weight, bias)):
         return linear_reference(x, weight, bias)
     N, K = weight.shape
     lead = x.shape[:-1]

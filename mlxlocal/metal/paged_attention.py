@@ -41,6 +41,7 @@ import math
 import mlx.core as mx
 
 from mlxlocal.metal.attention import sdpa
+from mlxlocal.metal.dispatch import use_kernel
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available, run
 
 HEAD_DIMS = (64, 80, 96, 128)
@@ -563,7 +564,8 @@ def paged_attention(
     paged_attention_reference); the kernel finds a window's start itself and takes n_keys
     (the longest context) as the span its partition count is chosen for.
     """
-    if not (metal_available() and kernel_supports(q, k_pool, v_pool, block_tables, window)):
+    if not (metal_available()
+            and use_kernel("paged_attention", kernel_supports, q, k_pool, v_pool, block_tables, window)):
         return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale,
                                          window, n_keys=n_keys, mask=mask, first_block=first_block,
                                          window_start=window_start)

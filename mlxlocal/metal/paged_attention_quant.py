@@ -27,6 +27,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxlocal.metal.attention import sdpa
+from mlxlocal.metal.dispatch import use_kernel
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available
 from mlxlocal.metal.paged_attention import (
     BLOCK_SIZES,
@@ -308,8 +309,8 @@ def paged_attention_quantized(
     finds a window's start itself and takes n_keys (the longest context) as the span its
     partition count is chosen for.
     """
-    if not (metal_available()
-            and kernel_supports_quantized(q, k, v, block_tables, group_size, bits, window)):
+    if not (metal_available() and use_kernel("paged_attention_quantized", kernel_supports_quantized,
+                                             q, k, v, block_tables, group_size, bits, window)):
         return paged_attention_quantized_reference(
             q, k, v, block_tables, context_lens, scale, group_size, bits, window, n_keys=n_keys,
             mask=mask, first_block=first_block, window_start=window_start)

@@ -20,6 +20,7 @@ import math
 
 import mlx.core as mx
 
+from mlxlocal.metal.dispatch import use_kernel
 from mlxlocal.metal.gemv_wide import COLS, MAX_ROWS, MAX_TILE, REDUCE_STORE, SIMDGROUPS
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available, run
 
@@ -208,8 +209,8 @@ def quantized_linear(
     bias: mx.array | None = None,
 ) -> mx.array:
     """Dispatch point for quantized projections."""
-    if not (metal_available()
-            and kernel_supports(x, w, scales, biases, group_size, bits, mode, bias)):
+    if not (metal_available() and use_kernel("quantized_linear", kernel_supports, x, w, scales, biases,
+                                             group_size, bits, mode, bias)):
         return quantized_linear_reference(x, w, scales, biases, group_size, bits, mode, bias)
     N, K = w.shape[0], w.shape[1] * 32 // bits
     lead = x.shape[:-1]

@@ -1,0 +1,49 @@
+"""Which mlxlocal.metal dispatch points a model calls, at which shapes: for the kernel warm-up.
+
+A site is (op, gate arguments) as the dispatch function's gate sees them, built from the
+model's own weights and lazily made activations (mx.zeros is never evaluated here), so the
+chooser derives exactly the key the real call will.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxlocal.models.layers import Linear, QuantizedLinear
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    """The embedding a native model's tied output head multiplies by (embedding_as_linear)."""
+    if getattr(model, "native", False) and "lm_head" not in model:
+        return model.model.embed_tokens
+    return None
+
+
+def projection_sites(model: nn.Module, rows: range, dtype: mx.Dtype) -> list[tuple[str, tuple]]:
+    """Every distinct projection (our Linear / QuantizedLinear layers and a tied head) at each
+    row count M in `rows`, activations in `dtype`. Models on mlx-lm's code have none."""
+    layers = [m for _, m in model.named_modules() if isinstance(m, (Linear, QuantizedLinear))]
+    head = _head(model)
+    distinct = {}  # one module per weight layout: a model repeats the same few projections per layer
+    for m in layers + ([head] if head is not None else []):
+        sig = (type(m), m is head, *((a.shape, a.dtype) for a in m.parameters().values() if isinstance(a, mx.array)))
+        distinct.setdefault(sig, m)
+    sites = []
+    for m in distinct.values():
+        for M in rows:
+            quantized = isinstance(m, (QuantizedLinear, nn.QuantizedEmbedding))
+            K = m.weight.shape[1] * 32 // m.bits if quantized else m.weight.shape[1]
+            x = mx.zeros((M, K), dtype)
+            bias = m.get("bias") if m is not head else None
+            if quantized:
+                sites.append(("quantized_linear", (x, m.weight, m.scales, m.get("biases"), m.group_size,
+                                                   m.bits, m.mode, bias)))
+            else:
+                sites.append(("linear", (x, m.weight, bias)))
+    return sites
+
+
+def attention_heads(model: nn.Module) -> list[tuple[int, int]]:
+    """(query heads, head dim of the queries) per attention layer of a native model."""
+    return [(layer.self_attn.n_heads, layer.self_attn.head_dim) for layer in model.layers]
