@@ -26,6 +26,10 @@ from mlxlocal.metal.dispatch import MLX, OURS, REFERENCE, Chooser, KernelModeErr
 from mlxlocal.source.loader import load
 
 MODULES = {op: importlib.import_module(spec.module) for op, spec in measure.OPS.items()}
+# Where each op's launches go through `run` (the quantized paged kernel launches through
+# paged_attention's run_launches).
+LAUNCHERS = {op: importlib.import_module(m.run_launches.__module__) if hasattr(m, "run_launches") else m
+             for op, m in MODULES.items()}
 needs_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal (Apple Silicon)")
 CHIP = "Apple M-test"
 
@@ -109,7 +113,7 @@ def test_every_dispatch_gate_runs_what_the_chooser_picked(fake_metal, monkeypatc
         launched.append(spec.name)
         return [mx.full(spec.output_shapes[0], 7.0, mx.float32)]
 
-    monkeypatch.setattr(MODULES[op], "run", fake_run)
+    monkeypatch.setattr(LAUNCHERS[op], "run", fake_run)
     q = mx.random.normal((1, 2, 1, 64))
     if op == "linear":
         args, kw = (mx.ones((1, 64)), mx.ones((32, 64)) / 64), {}
@@ -246,7 +250,7 @@ def test_the_timer_times_our_kernel_launch_and_the_builtin(fake_metal, monkeypat
         launched.append(spec.name)
         return [mx.zeros(spec.output_shapes[0], mx.float32)]
 
-    monkeypatch.setattr(MODULES[op], "run", fake_run)
+    monkeypatch.setattr(LAUNCHERS[op], "run", fake_run)
     key = {"linear": measure.shape_key("linear", M=3, N=32, K=64, dtype="float16", bias=0),
            "quantized_linear": measure.shape_key("quantized_linear", M=3, N=32, K=64, dtype="float16", bits=8,
                                                  group=32, bias=1),
