@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import types
@@ -106,6 +107,12 @@ def test_concurrent_scenario(tiny_model):
     assert c["e2e_ratio"] > 0
 
 
+def assert_median_of_known(value: float, runs: list) -> None:
+    known = [x for x in runs if x is not None]
+    assert all(x > 0 for x in known)
+    assert value == pytest.approx(statistics.median(known)) if known else math.isnan(value)
+
+
 def test_concurrent_compare_mlx_lm(tiny_model):
     c = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "2", "-p", "8", "-g", "5",
               "-n", "2", "--warmup", "0", "--compare", "mlx-lm", "--json")["concurrent"]
@@ -118,10 +125,13 @@ def test_concurrent_compare_mlx_lm(tiny_model):
         k = row["streams"]
         assert row["generated"] == row["mlx_lm_generated"] == 5 * k  # same lengths, EOS ignored
         assert len(row["decode_tps_runs"]) == len(row["mlx_lm_decode_tps_runs"]) == 2
-        assert row["decode_tps"] == pytest.approx(statistics.median(row["decode_tps_runs"]))
-        assert row["mlx_lm_decode_tps"] == pytest.approx(statistics.median(row["mlx_lm_decode_tps_runs"]))
-        assert row["mlx_lm_decode_tps"] > 0 and row["mlx_lm_e2e_tps"] > 0
-        assert row["decode_ratio_vs_mlx_lm"] == pytest.approx(row["decode_tps"] / row["mlx_lm_decode_tps"])
+        # A run has no decode rate when no moment had every stream decoding (a loaded machine can
+        # serialise 5-token streams): the row is the median of the runs that have one.
+        assert_median_of_known(row["decode_tps"], row["decode_tps_runs"])
+        assert_median_of_known(row["mlx_lm_decode_tps"], row["mlx_lm_decode_tps_runs"])
+        assert row["mlx_lm_e2e_tps"] > 0
+        if math.isfinite(row["decode_tps"]) and math.isfinite(row["mlx_lm_decode_tps"]):
+            assert row["decode_ratio_vs_mlx_lm"] == pytest.approx(row["decode_tps"] / row["mlx_lm_decode_tps"])
         assert row["e2e_ratio_vs_mlx_lm"] == pytest.approx(row["e2e_tps"] / row["mlx_lm_e2e_tps"])
 
 
