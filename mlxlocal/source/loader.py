@@ -79,12 +79,14 @@ def describe_quantization(config: dict[str, Any]) -> str:
     return text + (f", {overrides} per-layer overrides" if overrides else "")
 
 
-def load_from_dir(path: Path, name: str | None = None, source: str = "local") -> LoadedModel:
+def load_from_dir(path: Path, name: str | None = None, source: str = "local", tp: int = 1) -> LoadedModel:
     t0 = time.perf_counter()
     config = read_config_file(path)
-    weights, report = load_model_weights(path)
+    awq_gptq = config.get("quantization_config", {}).get("quant_method") in ("awq", "gptq")
+    shard = _tensor_parallel(config, str(path / "config.json"), tp, awq_gptq)
+    weights, report = load_model_weights(path, select=shard.plan.slicer if shard else None)
     notes: list[str] = []
-    if config.get("quantization_config", {}).get("quant_method") in ("awq", "gptq") and "quantization" not in config:
+    if awq_gptq and "quantization" not in config:
         from mlxlocal.weights.awq_gptq import convert_awq_gptq, convert_config
 
         try:
@@ -103,14 +105,43 @@ def load_from_dir(path: Path, name: str | None = None, source: str = "local") ->
             raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
 
     return assemble(path, config, weights, tokenizer, report, name or path.name, source, t0, notes,
-                    config_path=str(path / "config.json"))
+                    config_path=str(path / "config.json"), shard=shard)
+
+
+@dataclass
+class Shard:
+    """This process's part of a tensor-parallel model: its plan and its group."""
+
+    plan: Any  # models.parallel.TensorPlan
+    group: Any  # mx.distributed.Group
+
+
+def _tensor_parallel(config: dict[str, Any], config_path: str, tp: int, awq_gptq: bool) -> Shard | None:
+    """The shard to load for `tp` ranks (None for 1); refuses models it cannot split."""
+    if tp == 1:
+        return None
+    from mlxlocal.models.config import parse_config
+    from mlxlocal.models.parallel import TensorPlan, world
+
+    if not is_native(config.get("model_type")):
+        raise ModelLoadError(f"{config_path}: --tp needs a native model (llama, mistral, qwen2, qwen3); "
+                             f"model_type '{config.get('model_type')}' runs through mlx-lm")
+    if awq_gptq:
+        raise ModelLoadError(f"{config_path}: --tp cannot split AWQ/GPTQ packings; convert the model first")
+    group = world(tp)
+    return Shard(TensorPlan.of(parse_config(config, config_path), group.rank(), tp), group)
 
 
 def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], make_tokenizer,
              report: WeightsReport, name: str, source: str, t0: float, notes: list[str],
-             config_path: str) -> LoadedModel:
-    """Config + weights (any source format, already MLX) -> a loaded model and its info."""
+             config_path: str, shard: Shard | None = None) -> LoadedModel:
+    """Config + weights (any source format, already MLX) -> a loaded model and its info;
+    with `shard`, this rank's part of a tensor-parallel model (weights already sliced)."""
     model, model_config = build_model(config, weights, config_path)
+    if shard is not None:
+        from mlxlocal.models.parallel import shard_model
+
+        shard_model(model, shard.plan, shard.group)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     quantize_for_checkpoint(model, config, weights)
@@ -180,17 +211,18 @@ def _load_weights_strict(model: nn.Module, weights: dict[str, mx.array], path: P
     model.load_weights(list(weights.items()), strict=True)
 
 
-def load(spec: str) -> LoadedModel:
-    """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME."""
+def load(spec: str, tp: int = 1) -> LoadedModel:
+    """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME; with `tp` > 1,
+    this rank's shard of it (the process runs under `mlx.launch -n tp`)."""
     from mlxlocal.source import hub  # imported here: huggingface_hub is slow to import
 
     resolved = hub.resolve(spec)
     if resolved.path.is_file():  # hub.resolve returns a file only for GGUF
-        return load_from_gguf(resolved.path, name=resolved.name, source=resolved.source)
-    return load_from_dir(resolved.path, name=resolved.name, source=resolved.source)
+        return load_from_gguf(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
+    return load_from_dir(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
 
 
-def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -> LoadedModel:
+def load_from_gguf(path: Path, name: str | None = None, source: str = "local", tp: int = 1) -> LoadedModel:
     """A llama-family GGUF file: config, weights (MLX affine) and tokenizer from the file."""
     from mlxlocal.weights.gguf import load_gguf
     from mlxlocal.weights.gguf import load_tokenizer as load_gguf_tokenizer
@@ -198,6 +230,10 @@ def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -
     t0 = time.perf_counter()
     ckpt = load_gguf(path)
     config, weights = ckpt.config, ckpt.weights
+    shard = _tensor_parallel(config, str(path), tp, False)
+    if shard is not None:  # GGUF blocks are converted whole: the shard is cut after conversion
+        weights = {k: mx.contiguous(v[part]) if (part := shard.plan.slicer(k, tuple(v.shape))) else v
+                   for k, v in weights.items()}
     params_by_dtype: dict[str, int] = {}
     for value in weights.values():
         key = str(value.dtype).removeprefix("mlx.core.")
@@ -214,7 +250,7 @@ def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -
              f"({ckpt.file_bytes / 2**20:.1f} MiB file, {ckpt.weight_bytes / 2**20:.1f} MiB in MLX)"]
     return assemble(path, config, weights,
                     lambda: load_gguf_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
-                    report, name or path.stem, source, t0, notes, config_path=str(path))
+                    report, name or path.stem, source, t0, notes, config_path=str(path), shard=shard)
 
 
 def check_draft_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
