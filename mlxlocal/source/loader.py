@@ -36,12 +36,21 @@ class ModelInfo:
 
 
 @dataclass
+class Shard:
+    """This process's part of a tensor-parallel model: its plan and its group."""
+
+    plan: Any  # models.parallel.TensorPlan
+    group: Any  # mx.distributed.Group
+
+
+@dataclass
 class LoadedModel:
     model: nn.Module
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict[str, Any]
     model_config: ModelConfig | None
     info: ModelInfo
+    shard: Shard | None = None  # this rank's part of a tensor-parallel model
 
     def make_cache(self) -> list:
         if hasattr(self.model, "make_cache"):
@@ -108,14 +117,6 @@ def load_from_dir(path: Path, name: str | None = None, source: str = "local", tp
                     config_path=str(path / "config.json"), shard=shard)
 
 
-@dataclass
-class Shard:
-    """This process's part of a tensor-parallel model: its plan and its group."""
-
-    plan: Any  # models.parallel.TensorPlan
-    group: Any  # mx.distributed.Group
-
-
 def _tensor_parallel(config: dict[str, Any], config_path: str, tp: int, awq_gptq: bool) -> Shard | None:
     """The shard to load for `tp` ranks (None for 1); refuses models it cannot split."""
     if tp == 1:
@@ -180,7 +181,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
         load_seconds=time.perf_counter() - t0,
         notes=notes,
     )
-    return LoadedModel(model, tokenizer, config, model_config, info)
+    return LoadedModel(model, tokenizer, config, model_config, info, shard)
 
 
 def _no_length_warning(tokenizer: Any) -> None:
