@@ -78,6 +78,8 @@ def main() -> None:
     try:
         _main()
     finally:
+        if "mlxlocal.models.parallel" in sys.modules:  # rank 0 of a launch: the followers exit too
+            sys.modules["mlxlocal.models.parallel"].release()
         # MLX asks every thread that used it, the main one too, to clear its streams before
         # the interpreter ends, or the process may abort at exit.
         if "mlx.core" in sys.modules:
@@ -85,6 +87,12 @@ def main() -> None:
 
 
 def _main() -> None:
+    if os.environ.get("MLX_RANK", "0") != "0":
+        # A rank other than 0 of a launch (mlx.launch, launch-cluster): no front end of its
+        # own, it repeats rank 0's steps on its shard of the model until rank 0 exits.
+        from mlxlocal.engine.parallel import follower_main
+
+        sys.exit(follower_main())
     try:
         app()
     except MlxLocalError as e:  # anything a command did not catch itself

@@ -14,39 +14,17 @@ tensor parallelism: their re-rotation would have to be mirrored too.
 
 from __future__ import annotations
 
-import json
+import itertools
 import logging
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
 from mlxlocal.cache import KVPools, KVShape
 from mlxlocal.engine.runner import NativeRunner
+from mlxlocal.models.parallel import Channel, world
 
 log = logging.getLogger("mlxlocal.engine")
-
-
-class Channel:
-    """Rank 0 -> every other rank: JSON messages, in order. A broadcast is an all_sum to which
-    the other ranks add zeros: the ring backend sends only to direct neighbours."""
-
-    def __init__(self, group: mx.distributed.Group):
-        self.group = group
-
-    def _all_sum(self, x: mx.array) -> mx.array:
-        out = mx.distributed.all_sum(x, group=self.group)
-        mx.eval(out)
-        return out
-
-    def send(self, msg: dict) -> None:
-        payload = np.frombuffer(json.dumps(msg).encode(), dtype=np.uint8)
-        self._all_sum(mx.array([payload.size], mx.int32))
-        self._all_sum(mx.array(payload))
-
-    def recv(self) -> dict:
-        size = int(self._all_sum(mx.zeros((1,), mx.int32)).item())
-        return json.loads(np.array(self._all_sum(mx.zeros((size,), mx.uint8))).tobytes())
 
 
 def local_shapes(loaded) -> list[KVShape]:
@@ -65,90 +43,126 @@ class _Rows:
     edit: None = None
 
 
+_engine_ids = itertools.count()
+
+
 class MirroredPools(KVPools):
     """Rank 0's pools: their shape goes to the followers at creation, block copies as made."""
 
     editable = False  # cache edits are refused under tensor parallelism
 
-    def __init__(self, channel: Channel, shapes, num_blocks, block_size, dtype, windowed=None,
+    def __init__(self, channel: Channel, model: int, shapes, num_blocks, block_size, dtype, windowed=None,
                  window_blocks=0, bits=None, group_size=64):
-        channel.send({"op": "pools", "num_blocks": num_blocks, "block_size": block_size,
-                      "dtype": str(dtype).rsplit(".", 1)[-1], "windowed": windowed,
+        # One id per engine: an engine's pools on the followers (bench runs two engines on one model).
+        self.engine = next(_engine_ids)
+        channel.send({"op": "pools", "model": model, "engine": self.engine, "num_blocks": num_blocks,
+                      "block_size": block_size, "dtype": str(dtype).rsplit(".", 1)[-1], "windowed": windowed,
                       "window_blocks": window_blocks, "bits": bits, "group_size": group_size})
         super().__init__(shapes, num_blocks, block_size, dtype, windowed, window_blocks, bits, group_size)
         self.channel = channel
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.channel.send({"op": "copy", "src": src, "dst": dst})
+        self.channel.send({"op": "copy", "engine": self.engine, "src": src, "dst": dst})
         super().copy_block(src, dst)
 
     def move_rows(self, *args, **kwargs) -> None:
         raise RuntimeError("cache edits are not supported under tensor parallelism")
 
 
+def _windows(loaded) -> list[int | None]:
+    mc = loaded.model_config
+    return [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+
+
 class LeaderRunner(NativeRunner):
     """NativeRunner on rank 0: every forward is announced to the followers first."""
 
     def __init__(self, loaded):
-        mc = loaded.model_config
-        windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
-        super().__init__(loaded.model, local_shapes(loaded), windows)
-        self.channel = Channel(loaded.shard.group)
-        self._in_flight: mx.array | None = None  # the last forward's logits
+        super().__init__(loaded.model, local_shapes(loaded), _windows(loaded))
+        self.model_id = loaded.shard.model
+        self.channel: Channel | None = Channel(loaded.shard.group)
+        self.pools: MirroredPools | None = None
 
     def new_pools(self, *args, **kwargs) -> MirroredPools:
-        return MirroredPools(self.channel, *args, **kwargs)
+        self.pools = MirroredPools(self.channel, self.model_id, *args, **kwargs)
+        return self.pools
 
     def run(self, pools, seqs, starts, inputs, every=False):
-        # Collectives must run in the same order on every rank. Two forwards in flight at once
-        # (the engine builds the next step before the last is evaluated) could interleave
-        # their all_sums here while a follower runs them one forward after the other.
-        mx.eval(inputs, self._in_flight)
-        self.channel.send({
-            "op": "run", "starts": starts, "tokens": inputs.tolist(), "every": every,
-            "tables": [s.block_table for s in seqs],
-            "windows": [s.window_table for s in seqs] if any(pools.windowed) else None,
-        })
-        self._in_flight = logits = super().run(pools, seqs, starts, inputs, every)
+        # Collectives must run in the same order on every rank, and a follower runs forwards
+        # one after the other: so does rank 0, the message and the whole forward evaluated
+        # under the channel's lock (two engines, or a forward built before the last one ran,
+        # could otherwise interleave their all_sums).
+        with Channel.lock:
+            mx.eval(inputs)  # the followers need the token ids themselves
+            self.channel.send({
+                "op": "run", "engine": pools.engine, "starts": starts, "tokens": inputs.tolist(),
+                "every": every, "tables": [s.block_table for s in seqs],
+                "windows": [s.window_table for s in seqs] if any(pools.windowed) else None,
+            })
+            logits = super().run(pools, seqs, starts, inputs, every)
+            mx.eval(logits, pools.state())
         return logits
 
     def close(self) -> None:
-        """Release the followers (their loop returns); safe to call more than once."""
-        if self.channel is not None:
+        """The followers drop this engine's pools; safe to call more than once."""
+        if self.channel is not None and self.pools is not None:
             channel, self.channel = self.channel, None
             try:
-                channel.send({"op": "stop"})
+                channel.send({"op": "stop", "engine": self.pools.engine})
             except RuntimeError as e:  # a follower already gone: nothing to release
-                log.warning("tensor parallel: could not stop the followers: %s", e)
+                log.warning("tensor parallel: could not release the followers: %s", e)
 
 
-def follow(loaded) -> int:
-    """A follower rank's whole life: repeat rank 0's steps on this shard until told to stop.
-    Returns the number of forwards run."""
-    mc = loaded.model_config
-    windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
-    runner = NativeRunner(loaded.model, local_shapes(loaded), windows)
-    channel = Channel(loaded.shard.group)
-    pools: KVPools | None = None
-    forwards = 0
-    while True:
-        msg = channel.recv()
-        op = msg["op"]
-        if op == "stop":
-            return forwards
-        if op == "pools":
-            pools = KVPools(runner.shapes, msg["num_blocks"], msg["block_size"], getattr(mx, msg["dtype"]),
-                            msg["windowed"], msg["window_blocks"], msg["bits"], msg["group_size"])
-        elif op == "copy":
-            pools.copy_block(msg["src"], msg["dst"])
-        elif op == "run":
-            windows_of = msg["windows"] or [[] for _ in msg["tables"]]
-            seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows_of)]
-            logits = runner.run(pools, seqs, msg["starts"], mx.array(msg["tokens"], mx.uint32), msg["every"])
-            mx.eval(logits, pools.state())
-            forwards += 1
-        else:
-            raise RuntimeError(f"tensor parallel: unknown message {op!r} from rank 0")
+class Follower:
+    """A follower rank: the models rank 0 loaded (this rank's shards), the pools of each engine
+    rank 0 opened on them, and the step it is told to repeat."""
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group, self.channel = group, Channel(group)
+        self.runners: dict[int, NativeRunner] = {}  # by model id
+        self.pools: dict[int, tuple[NativeRunner, KVPools]] = {}  # by engine id
+        self.forwards = 0
+
+    def serve(self) -> int:
+        """Repeat rank 0's messages until it exits; returns the number of forwards run."""
+        while (msg := self.channel.recv())["op"] != "exit":
+            getattr(self, "_" + msg["op"])(msg)
+        return self.forwards
+
+    def _load(self, msg: dict) -> None:
+        from mlxlocal.source.loader import load
+
+        loaded = load(msg["spec"], tp=self.group.size())
+        self.runners[msg["model"]] = NativeRunner(loaded.model, local_shapes(loaded), _windows(loaded))
+
+    def _pools(self, msg: dict) -> None:
+        runner = self.runners[msg["model"]]
+        pools = KVPools(runner.shapes, msg["num_blocks"], msg["block_size"], getattr(mx, msg["dtype"]),
+                        msg["windowed"], msg["window_blocks"], msg["bits"], msg["group_size"])
+        self.pools[msg["engine"]] = (runner, pools)
+
+    def _copy(self, msg: dict) -> None:
+        self.pools[msg["engine"]][1].copy_block(msg["src"], msg["dst"])
+
+    def _stop(self, msg: dict) -> None:
+        self.pools.pop(msg["engine"], None)
+
+    def _run(self, msg: dict) -> None:
+        runner, pools = self.pools[msg["engine"]]
+        windows = msg["windows"] or [[] for _ in msg["tables"]]
+        seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows)]
+        logits = runner.run(pools, seqs, msg["starts"], mx.array(msg["tokens"], mx.uint32), msg["every"])
+        # Everything up to the logits: rank 0 waits in each of this forward's all_sums.
+        mx.eval(logits, pools.state())
+        self.forwards += 1
 
 
-__all__ = ["Channel", "LeaderRunner", "MirroredPools", "follow", "local_shapes"]
+def follower_main() -> int:
+    """The whole life of a rank other than 0 of a launch: follow rank 0 until it exits."""
+    follower = Follower(world())
+    forwards = follower.serve()
+    log.info("tensor parallel rank %d: %d forwards, released by rank 0", follower.group.rank(), forwards)
+    return 0
+
+
+__all__ = ["Follower", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes"]

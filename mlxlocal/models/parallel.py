@@ -17,11 +17,16 @@ plus the replicated embeddings and head.
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import re
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxlocal import metal
 from mlxlocal.errors import ModelLoadError
@@ -146,6 +151,61 @@ def shard_model(model: nn.Module, plan: TensorPlan, group: mx.distributed.Group)
         mlp.down_proj = RowParallelLinear(inter, hidden, "bias" in mlp.down_proj, group)
 
 
+class Channel:
+    """Rank 0 -> every other rank: JSON messages, in order. A broadcast is an all_sum to which
+    the other ranks add zeros: the ring backend sends only to direct neighbours."""
+
+    # Collectives must come in the same order on every rank: rank 0's engines (and their
+    # threads) take turns, a whole message or forward at a time.
+    lock = threading.RLock()
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+
+    def _all_sum(self, x: mx.array) -> mx.array:
+        out = mx.distributed.all_sum(x, group=self.group)
+        mx.eval(out)
+        return out
+
+    def send(self, msg: dict) -> None:
+        payload = np.frombuffer(json.dumps(msg).encode(), dtype=np.uint8)
+        with self.lock:
+            self._all_sum(mx.array([payload.size], mx.int32))
+            self._all_sum(mx.array(payload))
+
+    def recv(self) -> dict:
+        size = int(self._all_sum(mx.zeros((1,), mx.int32)).item())
+        return json.loads(np.array(self._all_sum(mx.zeros((size,), mx.uint8))).tobytes())
+
+
+_announced: list[str] = []  # model specs rank 0 told the followers to load, in order
+
+
+def announce_load(group: mx.distributed.Group, spec: str) -> int:
+    """Rank 0: tell the followers to load their shards of `spec`; returns the model's id in
+    the messages that follow. The first call also arranges that they exit with this process."""
+    if not _announced:
+        atexit.register(release, group)
+    _announced.append(spec)
+    Channel(group).send({"op": "load", "model": len(_announced) - 1, "spec": spec})
+    return len(_announced) - 1
+
+
+def release(group: mx.distributed.Group | None = None) -> None:
+    """Rank 0: let the followers exit (once; before MLX's streams are cleared at exit)."""
+    if _announced and _announced[-1] is not None:
+        _announced.append(None)  # released: nothing more to announce
+        try:
+            Channel(group or world()).send({"op": "exit"})
+        except RuntimeError:  # a follower already gone: nothing to release
+            pass
+
+
+def launched() -> bool:
+    """Started as one rank of several (mlx.launch or launch-cluster set MLX_RANK)."""
+    return "MLX_RANK" in os.environ
+
+
 def world(size: int | None = None) -> mx.distributed.Group:
     """The distributed group this process belongs to (mlx.launch sets it up); `size`, when
     given, must match it."""
@@ -156,4 +216,4 @@ def world(size: int | None = None) -> mx.distributed.Group:
     return group
 
 
-__all__ = ["QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "shard_model", "world"]
+__all__ = ["Channel", "announce_load", "QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "launched", "release", "shard_model", "world"]

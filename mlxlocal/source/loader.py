@@ -41,6 +41,7 @@ class Shard:
 
     plan: Any  # models.parallel.TensorPlan
     group: Any  # mx.distributed.Group
+    model: int = 0  # the id rank 0's messages name this model by
 
 
 @dataclass
@@ -212,15 +213,26 @@ def _load_weights_strict(model: nn.Module, weights: dict[str, mx.array], path: P
     model.load_weights(list(weights.items()), strict=True)
 
 
-def load(spec: str, tp: int = 1) -> LoadedModel:
-    """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME; with `tp` > 1,
-    this rank's shard of it (the process runs under `mlx.launch -n tp`)."""
+def load(spec: str, tp: int | None = None) -> LoadedModel:
+    """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME.
+
+    `tp`: tensor-parallel ranks; None means every rank of the launch this process is part of
+    (1 when not launched). With tp > 1 this is rank 0's shard, and the other ranks are told to
+    load theirs (they follow rank 0: engine/parallel.py)."""
+    from mlxlocal.models.parallel import announce_load, launched, world
     from mlxlocal.source import hub  # imported here: huggingface_hub is slow to import
 
+    if tp is None:
+        tp = world().size() if launched() else 1
     resolved = hub.resolve(spec)
+    model_id = announce_load(world(tp), spec) if tp > 1 and world(tp).rank() == 0 else None
     if resolved.path.is_file():  # hub.resolve returns a file only for GGUF
-        return load_from_gguf(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
-    return load_from_dir(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
+        loaded = load_from_gguf(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
+    else:
+        loaded = load_from_dir(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
+    if model_id is not None:
+        loaded.shard.model = model_id
+    return loaded
 
 
 def load_from_gguf(path: Path, name: str | None = None, source: str = "local", tp: int = 1) -> LoadedModel:
