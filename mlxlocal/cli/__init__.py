@@ -2,7 +2,7 @@
 
 One module per command group, each adding its commands with `register(app)`:
 generate.py (generate, chat), agent.py (run), models.py (show, pull, list, rm), serve.py,
-mcp_serve.py (mcp serve), embed.py, launch.py, bench.py, convert.py, quant.py (quantize, perplexity), tools.py
+mcp_serve.py (mcp serve), embed.py, launch.py, cluster.py (launch-cluster), bench.py, convert.py, quant.py (quantize, perplexity), tools.py
 (the `tools` group: check); common.py holds what they share.
 """
 
@@ -17,6 +17,7 @@ from mlxlocal import __version__
 from mlxlocal.cli import (
     agent,
     bench,
+    cluster,
     convert,
     embed,
     generate,
@@ -67,6 +68,7 @@ models.register(app)
 serve.register(app)
 mcp_serve.register(app)
 launch.register(app)
+cluster.register(app)
 app.command()(version)
 bench.register(app)
 convert.register(app)

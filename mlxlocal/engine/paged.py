@@ -35,7 +35,7 @@ from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
 from mlxlocal.engine.speculative import ModelDrafter, Speculator
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
-from mlxlocal.errors import MlxLocalError
+from mlxlocal.errors import FatalEngineError, MlxLocalError
 from mlxlocal.source.loader import LoadedModel
 
 log = logging.getLogger("mlxlocal.engine")
@@ -334,6 +334,8 @@ class PagedEngine(EngineBase):
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """End one request with an error: its blocks freed, its session emptied; others go on."""
+        if isinstance(error, FatalEngineError):  # not the request's fault: the engine stops (_run)
+            raise error
         if seq.status is not Status.FINISHED:
             self.scheduler.free(seq)
             if seq.session is not None:  # what it held may be half-written: start the next turn over

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from mlxlocal.cache import KVPools, KVShape
 from mlxlocal.engine.runner import NativeRunner
+from mlxlocal.errors import ClusterError
 from mlxlocal.models.parallel import Channel, world
 
 log = logging.getLogger("mlxlocal.engine")
@@ -100,7 +102,7 @@ class LeaderRunner(NativeRunner):
                 "windows": [s.window_table for s in seqs] if any(pools.windowed) else None,
             })
             logits = super().run(pools, seqs, starts, inputs, every)
-            mx.eval(logits, pools.state())
+            Channel.evaluate(logits, pools.state())
         return logits
 
     def close(self) -> None:
@@ -109,7 +111,7 @@ class LeaderRunner(NativeRunner):
             channel, self.channel = self.channel, None
             try:
                 channel.send({"op": "stop", "engine": self.pools.engine})
-            except RuntimeError as e:  # a follower already gone: nothing to release
+            except ClusterError as e:  # a follower already gone: nothing to release
                 log.warning("tensor parallel: could not release the followers: %s", e)
 
 
@@ -153,16 +155,25 @@ class Follower:
         seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows)]
         logits = runner.run(pools, seqs, msg["starts"], mx.array(msg["tokens"], mx.uint32), msg["every"])
         # Everything up to the logits: rank 0 waits in each of this forward's all_sums.
-        mx.eval(logits, pools.state())
+        Channel.evaluate(logits, pools.state())
         self.forwards += 1
 
 
 def follower_main() -> int:
     """The whole life of a rank other than 0 of a launch: follow rank 0 until it exits."""
     follower = Follower(world())
-    forwards = follower.serve()
+    try:
+        forwards = follower.serve()
+    except ClusterError as e:
+        print(f"rank {follower.group.rank()}: {e}", file=sys.stderr)
+        return 1
     log.info("tensor parallel rank %d: %d forwards, released by rank 0", follower.group.rank(), forwards)
     return 0
 
 
-__all__ = ["Follower", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes"]
+def cluster_problem() -> str | None:
+    """Why this process's cluster cannot run any more (None while it can, or when not launched)."""
+    return Channel.broken
+
+
+__all__ = ["Follower", "cluster_problem", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes"]

@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxlocal import metal
-from mlxlocal.errors import ModelLoadError
+from mlxlocal.errors import ClusterError, ModelLoadError
 from mlxlocal.models.config import ModelConfig
 from mlxlocal.models.layers import Linear, QuantizedLinear
 
@@ -153,18 +153,36 @@ def shard_model(model: nn.Module, plan: TensorPlan, group: mx.distributed.Group)
 
 class Channel:
     """Rank 0 -> every other rank: JSON messages, in order. A broadcast is an all_sum to which
-    the other ranks add zeros: the ring backend sends only to direct neighbours."""
+    the other ranks add zeros: the ring backend sends only to direct neighbours.
+
+    A failed collective (a rank died, a link dropped) leaves the group unusable: the first
+    failure is kept as `broken`, and every later message fails at once with it (ClusterError)
+    instead of waiting on a peer that is gone."""
 
     # Collectives must come in the same order on every rank: rank 0's engines (and their
     # threads) take turns, a whole message or forward at a time.
     lock = threading.RLock()
+    broken: str | None = None
 
     def __init__(self, group: mx.distributed.Group):
         self.group = group
 
+    @classmethod
+    def evaluate(cls, *arrays) -> None:
+        """mx.eval of work holding collectives; a backend failure marks the group broken."""
+        if cls.broken is not None:
+            raise ClusterError(cls.broken)
+        try:
+            mx.eval(*arrays)
+        except RuntimeError as e:
+            if not str(e).startswith("["):  # backends tag their errors: "[ring] ...", not ours
+                raise
+            cls.broken = f"a rank of the cluster is gone ({e}); restart the cluster"
+            raise ClusterError(cls.broken) from None
+
     def _all_sum(self, x: mx.array) -> mx.array:
         out = mx.distributed.all_sum(x, group=self.group)
-        mx.eval(out)
+        self.evaluate(out)
         return out
 
     def send(self, msg: dict) -> None:
@@ -197,7 +215,7 @@ def release(group: mx.distributed.Group | None = None) -> None:
         _announced.append(None)  # released: nothing more to announce
         try:
             Channel(group or world()).send({"op": "exit"})
-        except RuntimeError:  # a follower already gone: nothing to release
+        except ClusterError:  # a follower already gone: nothing to release
             pass
 
 
