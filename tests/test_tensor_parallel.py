@@ -181,6 +181,32 @@ def test_launch_cluster_refuses_bad_usage(args, message):
     assert out.returncode == 2 and message in out.stderr
 
 
+def test_show_prints_the_plan(tiny_models):
+    """`show --tp 2`: each rank's heads and weight bytes, the share the config implies."""
+    out = cli("show", str(tiny_models["llama"]), "--tp", "2")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    share = f"{weight_share(FAMILY_CONFIGS['llama'], 2):.0%}"
+    assert "rank 0 q heads 0..1, kv heads 0..0, mlp columns 0..63; weights" in text
+    assert "rank 1 q heads 2..3, kv heads 1..1, mlp columns 64..127; weights" in text and f"({share} of" in text
+    bad = cli("show", str(tiny_models["llama"]), "--tp", "3")
+    assert bad.returncode == 1 and "divisible by 3: 4 attention heads" in bad.stderr
+
+
+def test_bench_under_a_cluster_reports_ranks_and_links(tiny_models):
+    out = cli("launch-cluster", "-n", "2", "--", "bench", "-m", str(tiny_models["qwen3"]), "-p", "32", "-g", "16",
+              "--repeats", "1", "--warmup", "0", "--json", timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    speed = json.loads(out.stdout)["speed"]
+    c = speed["cluster"]
+    assert c["ranks"] == 2 and c["weight_bytes"][0] == c["weight_bytes"][1] > 0
+    assert all(p > 0 for p in c["peak_memory_bytes"]) and c["comm_s_per_step"] > 0
+    assert c["all_sums_per_step"] == 2 * FAMILY_CONFIGS["qwen3"]["num_hidden_layers"]
+    assert c["link_bytes_per_step"] == 4 * 1 * 64 * 4 * 2 * 1 // 2  # 4 all_sums of [1, 64] fp32, ring halves
+    roof = speed["roofline"]
+    assert roof["comm_s_per_token"] == c["comm_s_per_step"] and roof["weight_bytes"] == c["weight_bytes"][0]
+
+
 def test_served_cluster_answers_openai_and_survives_a_dead_rank(tiny_model):
     """`serve` on 2 ranks answers the official client with the one-process tokens; a follower
     killed mid-stream ends that stream with the reason within seconds; /health then says 503 with

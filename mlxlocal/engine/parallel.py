@@ -17,9 +17,11 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mlxlocal.cache import KVPools, KVShape
 from mlxlocal.engine.runner import NativeRunner
@@ -149,6 +151,19 @@ class Follower:
     def _stop(self, msg: dict) -> None:
         self.pools.pop(msg["engine"], None)
 
+    def _noop(self, msg: dict) -> None:
+        pass
+
+    def _probe(self, msg: dict) -> None:
+        all_sum_probe(self.group, msg["shape"], msg["dtype"], msg["count"])
+
+    def _report(self, msg: dict) -> None:
+        gather_rank_numbers(self.group, self._numbers())
+
+    def _numbers(self) -> list[int]:
+        weights = sum(v.nbytes for r in self.runners.values() for _, v in tree_flatten(r.model.parameters()))
+        return [mx.get_peak_memory(), weights]
+
     def _run(self, msg: dict) -> None:
         runner, pools = self.pools[msg["engine"]]
         windows = msg["windows"] or [[] for _ in msg["tables"]]
@@ -171,9 +186,62 @@ def follower_main() -> int:
     return 0
 
 
+def all_sum_probe(group, shape: list[int], dtype: str, count: int) -> float:
+    """`count` all_sums of one shape, one after the other (every rank runs the same): seconds."""
+    x = mx.zeros(shape, getattr(mx, dtype))
+    mx.eval(x)
+    t0 = time.perf_counter()
+    for _ in range(count):
+        Channel.evaluate(mx.distributed.all_sum(x, group=group))
+    return time.perf_counter() - t0
+
+
+def gather_rank_numbers(group, numbers: list[int]) -> list[list[int]]:
+    """Each rank's list of numbers (same length everywhere), gathered on every rank."""
+    n, k = group.size(), len(numbers)
+    mine = mx.zeros((n, k), mx.int64)
+    mine[group.rank()] = mx.array(numbers, mx.int64)
+    out = mx.distributed.all_sum(mine, group=group)
+    Channel.evaluate(out)
+    return out.tolist()
+
+
+def cluster_report(loaded, batch: int, repeats: int = 5) -> dict:
+    """Rank 0 (`bench` under a launch): each rank's peak memory and weight bytes, and the time one
+    decode step spends in communication: its 2 all_sums per layer of [batch, hidden] and the step's
+    message to the followers, timed alone (every rank running them), medians of `repeats`."""
+    import statistics
+
+    group, mc = loaded.shard.group, loaded.model_config
+    dtype = str(loaded.model.model.embed_tokens.weight.dtype).rsplit(".", 1)[-1]
+    shape, count = [batch, 1, mc.hidden_size], 2 * mc.num_hidden_layers
+    channel = Channel(group)
+    with Channel.lock:
+        channel.send({"op": "report"})
+        weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+        ranks = gather_rank_numbers(group, [mx.get_peak_memory(), weights])
+        times, sends = [], []
+        for _ in range(repeats):
+            channel.send({"op": "probe", "shape": shape, "dtype": dtype, "count": count})
+            times.append(all_sum_probe(group, shape, dtype, count))
+            # The step's own message (block tables and tokens of `batch` sequences, ~100 B each).
+            t0 = time.perf_counter()
+            channel.send({"op": "noop", "pad": "x" * 100 * batch})
+            sends.append(time.perf_counter() - t0)
+    itemsize = mx.zeros((1,), getattr(mx, dtype)).itemsize
+    n = group.size()
+    return {
+        "ranks": n, "peak_memory_bytes": [r[0] for r in ranks], "weight_bytes": [r[1] for r in ranks],
+        "comm_s_per_step": statistics.median(times) + statistics.median(sends), "all_sums_per_step": count,
+        "message_s_per_step": statistics.median(sends),
+        # A ring all-reduce moves 2 (n - 1) / n of the buffer through each rank's link.
+        "link_bytes_per_step": int(count * batch * mc.hidden_size * itemsize * 2 * (n - 1) / n),
+    }
+
+
 def cluster_problem() -> str | None:
     """Why this process's cluster cannot run any more (None while it can, or when not launched)."""
     return Channel.broken
 
 
-__all__ = ["Follower", "cluster_problem", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes"]
+__all__ = ["Follower", "cluster_problem", "cluster_report", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes"]

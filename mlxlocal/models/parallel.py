@@ -234,4 +234,26 @@ def world(size: int | None = None) -> mx.distributed.Group:
     return group
 
 
-__all__ = ["Channel", "announce_load", "QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "launched", "release", "shard_model", "world"]
+__all__ = ["Channel", "announce_load", "QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "launched", "release", "shard_model", "shard_report", "world"]
+
+
+def shard_report(model: nn.Module, cfg: ModelConfig, size: int) -> list[dict]:
+    """What each of `size` ranks would hold of this (whole, loaded) model: its heads, its
+    intermediate columns and its weight bytes, by the same slicer the ranks load with."""
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    rows = []
+    for rank in range(size):
+        plan = TensorPlan.of(cfg, rank, size)
+        nbytes = 0
+        for name, value in params:
+            part = plan.slicer(name, tuple(value.shape))
+            share = 1.0
+            for axis, s in enumerate(part or ()):
+                n = value.shape[axis]
+                share *= len(range(*s.indices(n))) / n
+            nbytes += int(value.nbytes * share)
+        rows.append({"rank": rank, "q_heads": plan.q[:2], "kv_heads": plan.kv[:2], "mlp": plan.mlp[:2],
+                     "weight_bytes": nbytes})
+    return rows
