@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -207,58 +208,97 @@ def test_bench_under_a_cluster_reports_ranks_and_links(tiny_models):
     assert roof["comm_s_per_token"] == c["comm_s_per_step"] and roof["weight_bytes"] == c["weight_bytes"][0]
 
 
-def test_served_cluster_answers_openai_and_survives_a_dead_rank(tiny_model):
-    """`serve` on 2 ranks answers the official client with the one-process tokens; a follower
-    killed mid-stream ends that stream with the reason within seconds; /health then says 503 with
-    it and later requests fail at once (nothing hangs)."""
+@contextmanager
+def served(tiny_model: Path, launcher: list[str], **env: str):
+    """`serve` on 2 ranks started by `launcher`; yields (base URL, the follower's pid)."""
     port = free_ports(1)[0]
-    server = subprocess.Popen([PYTHON, "-m", "mlxlocal", "launch-cluster", "-n", "2", "--", "serve", "-m",
-                               str(tiny_model), "--port", str(port)], env=ENV, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    server = subprocess.Popen([*launcher, "serve", "-m", str(tiny_model), "--port", str(port)],
+                              env=dict(ENV, **env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
                 if httpx.get(base + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.3)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
-        r = client.chat.completions.create(model=tiny_model.name, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=8, temperature=0)
-        one = cli("generate", "-m", str(tiny_model), "--max-tokens", "8", "--temp", "0", "-p", "hi", "--json")
-        assert r.choices[0].message.content == json.loads(one.stdout)["text"]
-
-        follower = next(p for p in _children(server.pid) if b"MLX_RANK=1" in _environ(p))
-        stream = client.chat.completions.create(model=tiny_model.name, max_tokens=2000, temperature=0, stream=True,
-                                                messages=[{"role": "user", "content": "go on"}],
-                                                extra_body={"ignore_eos": True})
-        threading.Timer(0.5, os.kill, (follower, signal.SIGKILL)).start()
-        t0 = time.monotonic()
-        with pytest.raises(openai.APIError, match="a rank of the cluster is gone"):
-            for _ in stream:
-                pass
-        assert time.monotonic() - t0 < 30
-        health = httpx.get(base + "/health", timeout=5)
-        assert health.status_code == 503 and "a rank of the cluster is gone" in health.json()["reason"]
-        t0 = time.monotonic()
-        with pytest.raises(openai.InternalServerError, match="a rank of the cluster is gone"):
-            client.chat.completions.create(model=tiny_model.name, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=4)
-        assert time.monotonic() - t0 < 10
+        ranks = [p for p in _descendants(server.pid) if b"MLX_RANK=" in _environ(p) and b"serve" in _cmdline(p)]
+        yield base, next(p for p in ranks if b"MLX_RANK=1" in _environ(p))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
-        server.wait(30)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
+def ask(base: str, tiny_model: Path, **kw):
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return client, client.chat.completions.create(model=tiny_model.name, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=8, temperature=0, **kw)
+
+
+def test_serve_under_mlx_launch_answers_openai(tiny_model):
+    """`mlx.launch -n 2 -- mlxlocal serve`: the official client gets the one-process reply."""
+    mlxlocal = [LAUNCH, "--backend", "ring", "-n", "2", "--python", PYTHON, "--", "-m", "mlxlocal"]
+    one = cli("generate", "-m", str(tiny_model), "--max-tokens", "8", "--temp", "0", "-p", "hi", "--json")
+    with served(tiny_model, mlxlocal) as (base, _):
+        _, r = ask(base, tiny_model)
+        assert r.choices[0].message.content == json.loads(one.stdout)["text"] and r.usage.completion_tokens == 8
+
+
+def _stream_until_error(client, tiny_model: Path) -> tuple[float, str]:
+    stream = client.chat.completions.create(model=tiny_model.name, max_tokens=4000, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": "go on"}],
+                                            extra_body={"ignore_eos": True})
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as e:
+        for _ in stream:
+            pass
+    return time.monotonic() - t0, str(e.value)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_lost_rank_ends_requests_and_health_says_why(tiny_model, how):
+    """launch-cluster serve: a follower killed (its sockets close) or stopped (SIGSTOP: nothing
+    closes, as when a link drops) mid-stream ends that stream with the reason within seconds;
+    /health then answers 503 with it and later requests fail within seconds (nothing hangs)."""
+    launcher = [PYTHON, "-m", "mlxlocal", "launch-cluster", "-n", "2", "--"]
+    reason = "a rank of the cluster is gone" if how == "killed" else "did not answer within 3 s"
+    with served(tiny_model, launcher, MLXLOCAL_CLUSTER_TIMEOUT="3") as (base, follower):
+        client, _ = ask(base, tiny_model)
+        threading.Timer(0.5, os.kill, (follower, signal.SIGKILL if how == "killed" else signal.SIGSTOP)).start()
+        seconds, error = _stream_until_error(client, tiny_model)
+        assert reason in error and seconds < 30, (seconds, error)
+        health = httpx.get(base + "/health", timeout=5)
+        assert health.status_code == 503 and reason in health.json()["reason"]
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError, match=reason):
+            ask(base, tiny_model)
+        assert time.monotonic() - t0 < 20
+        if how == "stopped":
+            os.kill(follower, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    out = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return out + [d for p in out for d in _descendants(p)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _environ(pid: int) -> bytes:
-    return Path(f"/proc/{pid}/environ").read_bytes()
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
 
 
 assert BASE and TEMPLATES and mx  # fixtures' configs are shared with conftest

@@ -55,6 +55,8 @@ class PagedEngine(EngineBase):
         super().__init__(loaded)
         self.config = cfg = config or EngineConfig()
         self.runner = runner = runner or make_runner(loaded)
+        if hasattr(runner, "on_lost"):  # tensor parallel: ranks that stop answering stop the engine
+            runner.on_lost = self._die
         bs = cfg.block_size
         spec = cfg.speculative
         drafter = ModelDrafter(spec.draft, loaded) if spec is not None and spec.method == "draft" else None

@@ -86,6 +86,10 @@ class LeaderRunner(NativeRunner):
         self.model_id = loaded.shard.model
         self.channel: Channel | None = Channel(loaded.shard.group)
         self.pools: MirroredPools | None = None
+        # Set by the engine: how it stops when the other ranks stop answering (its thread is
+        # then stuck in a collective; this fails its requests from the watchdog's thread).
+        self.on_lost = None
+        Channel.on_lost.append(lambda reason: self.on_lost and self.on_lost(f"ClusterError: {reason}"))
 
     def new_pools(self, *args, **kwargs) -> MirroredPools:
         self.pools = MirroredPools(self.channel, self.model_id, *args, **kwargs)
@@ -94,9 +98,9 @@ class LeaderRunner(NativeRunner):
     def run(self, pools, seqs, starts, inputs, every=False):
         # Collectives must run in the same order on every rank, and a follower runs forwards
         # one after the other: so does rank 0, the message and the whole forward evaluated
-        # under the channel's lock (two engines, or a forward built before the last one ran,
+        # under the channel's lock (Channel.turn) (two engines, or a forward built before the last one ran,
         # could otherwise interleave their all_sums).
-        with Channel.lock:
+        with Channel.turn():
             mx.eval(inputs)  # the followers need the token ids themselves
             self.channel.send({
                 "op": "run", "engine": pools.engine, "starts": starts, "tokens": inputs.tolist(),
@@ -170,7 +174,7 @@ class Follower:
         seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows)]
         logits = runner.run(pools, seqs, msg["starts"], mx.array(msg["tokens"], mx.uint32), msg["every"])
         # Everything up to the logits: rank 0 waits in each of this forward's all_sums.
-        Channel.evaluate(logits, pools.state())
+        Channel.evaluate(logits, pools.state(), watch=False)
         self.forwards += 1
 
 
@@ -192,7 +196,7 @@ def all_sum_probe(group, shape: list[int], dtype: str, count: int) -> float:
     mx.eval(x)
     t0 = time.perf_counter()
     for _ in range(count):
-        Channel.evaluate(mx.distributed.all_sum(x, group=group))
+        Channel.evaluate(mx.distributed.all_sum(x, group=group), watch=group.rank() == 0)
     return time.perf_counter() - t0
 
 
@@ -202,7 +206,7 @@ def gather_rank_numbers(group, numbers: list[int]) -> list[list[int]]:
     mine = mx.zeros((n, k), mx.int64)
     mine[group.rank()] = mx.array(numbers, mx.int64)
     out = mx.distributed.all_sum(mine, group=group)
-    Channel.evaluate(out)
+    Channel.evaluate(out, watch=group.rank() == 0)
     return out.tolist()
 
 
@@ -216,7 +220,7 @@ def cluster_report(loaded, batch: int, repeats: int = 5) -> dict:
     dtype = str(loaded.model.model.embed_tokens.weight.dtype).rsplit(".", 1)[-1]
     shape, count = [batch, 1, mc.hidden_size], 2 * mc.num_hidden_layers
     channel = Channel(group)
-    with Channel.lock:
+    with Channel.turn():
         channel.send({"op": "report"})
         weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
         ranks = gather_rank_numbers(group, [mx.get_peak_memory(), weights])

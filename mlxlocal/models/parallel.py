@@ -22,6 +22,8 @@ import json
 import os
 import re
 import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -167,11 +169,21 @@ class Channel:
     def __init__(self, group: mx.distributed.Group):
         self.group = group
 
+    # Rank 0 waits at most this long for the others in one message or forward: a rank that
+    # stopped answering (or a link that dropped without closing) would otherwise hang it.
+    timeout = float(os.environ.get("MLXLOCAL_CLUSTER_TIMEOUT", "120"))
+    on_lost: list = []  # called with the reason when rank 0 gives up waiting
+    _waiting_since: float | None = None
+    _watchdog: threading.Thread | None = None
+
     @classmethod
-    def evaluate(cls, *arrays) -> None:
-        """mx.eval of work holding collectives; a backend failure marks the group broken."""
+    def evaluate(cls, *arrays, watch: bool = True) -> None:
+        """mx.eval of work holding collectives; a backend failure marks the group broken.
+        `watch`: rank 0 waiting on the others, which must answer within `timeout`."""
         if cls.broken is not None:
             raise ClusterError(cls.broken)
+        if watch:
+            cls._arm()
         try:
             mx.eval(*arrays)
         except RuntimeError as e:
@@ -179,21 +191,59 @@ class Channel:
                 raise
             cls.broken = f"a rank of the cluster is gone ({e}); restart the cluster"
             raise ClusterError(cls.broken) from None
+        finally:
+            if watch:
+                cls._waiting_since = None
 
-    def _all_sum(self, x: mx.array) -> mx.array:
+    @classmethod
+    @contextmanager
+    def turn(cls):
+        """Hold `lock` for one message or forward. Gives up (ClusterError) once the group is
+        broken, even while a thread stuck in a dead collective still holds the lock."""
+        while not cls.lock.acquire(timeout=0.25):
+            if cls.broken is not None:
+                raise ClusterError(cls.broken)
+        try:
+            if cls.broken is not None:
+                raise ClusterError(cls.broken)
+            yield
+        finally:
+            cls.lock.release()
+
+    @classmethod
+    def _arm(cls) -> None:
+        cls._waiting_since = time.monotonic()
+        if cls._watchdog is None:
+            cls._watchdog = threading.Thread(target=cls._watch, name="mlxlocal-cluster-watchdog", daemon=True)
+            cls._watchdog.start()
+
+    @classmethod
+    def _watch(cls) -> None:
+        while cls.broken is None:
+            since = cls._waiting_since
+            if since is not None and time.monotonic() - since > cls.timeout:
+                cls.broken = (f"the other ranks did not answer within {cls.timeout:g} s (a rank stopped or a link "
+                              "dropped); restart the cluster")
+                for fn in list(cls.on_lost):
+                    fn(cls.broken)
+                return
+            time.sleep(min(0.5, cls.timeout / 4))
+
+    def _all_sum(self, x: mx.array, watch: bool = True) -> mx.array:
         out = mx.distributed.all_sum(x, group=self.group)
-        self.evaluate(out)
+        self.evaluate(out, watch=watch)
         return out
 
     def send(self, msg: dict) -> None:
         payload = np.frombuffer(json.dumps(msg).encode(), dtype=np.uint8)
-        with self.lock:
+        with self.turn():
             self._all_sum(mx.array([payload.size], mx.int32))
             self._all_sum(mx.array(payload))
 
     def recv(self) -> dict:
-        size = int(self._all_sum(mx.zeros((1,), mx.int32)).item())
-        return json.loads(np.array(self._all_sum(mx.zeros((size,), mx.uint8))).tobytes())
+        """A follower waiting for rank 0: unwatched (a server may idle for hours)."""
+        size = int(self._all_sum(mx.zeros((1,), mx.int32), watch=False).item())
+        return json.loads(np.array(self._all_sum(mx.zeros((size,), mx.uint8), watch=False)).tobytes())
 
 
 _announced: list[str] = []  # model specs rank 0 told the followers to load, in order
