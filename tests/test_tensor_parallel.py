@@ -148,6 +148,14 @@ def test_two_ranks_every_family_matches_the_whole_model(tiny_models, quantized_t
     assert q["bytes_rank0"] < 0.75 * q["bytes_whole"], q
 
 
+def test_two_ranks_with_kv_bits_and_speculation(quantized_tp_model):
+    """8-bit KV pools (group 32: head_dim 32), prompt lookup and a draft model on a tensor-parallel
+    4-bit target: the tokens of the whole model (the drafts must have been accepted)."""
+    (row,) = launch(2, str(quantized_tp_model[0]), "--features")
+    assert row["kv8"] and row["lookup"] and row["draft"], row
+    assert row["draft_accepted"] > 0 and row["lookup_accepted"] > 0, row
+
+
 def test_four_ranks_replicate_kv_heads(tiny_models):
     """4 ranks, 2 KV heads: pairs of ranks share one; tokens still those of the whole model."""
     (row,) = launch(4, str(tiny_models["llama"]))

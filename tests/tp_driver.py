@@ -19,7 +19,7 @@ if os.environ.get("MLX_RANK", "0") != "0":
 
     sys.exit(follower_main())
 
-from mlxlocal.engine import SamplingParams, open_engine  # noqa: E402
+from mlxlocal.engine import SamplingParams, SpeculativeConfig, open_engine  # noqa: E402
 from mlxlocal.source.loader import load  # noqa: E402
 
 
@@ -62,11 +62,34 @@ def check(path: str) -> dict:
     hits = tp.stats()["prefix_hit_tokens"] - before
     for e in (tp, tp2, ref):
         e.shutdown()
-    return {"model": path, "batch1": batch1, "batch8": got == want, "prefix": prefix, "prefix_hit_tokens": hits,
+    extra = {}
+    if "--features" in sys.argv:
+        extra = features(sharded, whole, prompts)
+    return {**extra, "model": path, "batch1": batch1, "batch8": got == want, "prefix": prefix, "prefix_hit_tokens": hits,
             "bytes_rank0": weight_bytes(sharded), "bytes_whole": weight_bytes(whole),
             "heads": sharded.shard.plan.local_heads}
 
 
+def features(sharded, whole, prompts) -> dict:
+    """8-bit KV pools, prompt-lookup speculation (a verify forward of every position) and a draft
+    model (the whole model: drafts run on rank 0 alone) under tensor parallelism."""
+    out = {}
+    for name, kw, ref_kw in (
+        ("kv8", {"kv_bits": 8, "kv_group_size": 32}, {"kv_bits": 8, "kv_group_size": 32}),
+        ("lookup", {"speculative": SpeculativeConfig(method="lookup")}, {}),
+        ("draft", {"speculative": SpeculativeConfig(method="draft", draft=whole)}, {}),
+    ):
+        tp = open_engine(sharded, block_size=16, max_num_seqs=8, **kw)
+        ref = open_engine(whole, block_size=16, max_num_seqs=8, **ref_kw)
+        repetitive = prompts[1] * 3  # lookup finds matches
+        out[name] = all(greedy(tp, p, 20) == greedy(ref, p, 20) for p in (prompts[0], repetitive))
+        if name != "kv8":
+            out[name + "_accepted"] = tp.stats()["spec_accepted"]
+        tp.shutdown()
+        ref.shutdown()
+    return out
+
+
 if __name__ == "__main__":
-    for model in sys.argv[1:]:
+    for model in [a for a in sys.argv[1:] if not a.startswith("--")]:
         print(json.dumps(check(model)), flush=True)
