@@ -238,8 +238,9 @@ def served(tiny_model: Path, launcher: list[str], **env: str):
         os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(30)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # ending must not hang either, whatever happened to a rank
             os.killpg(server.pid, signal.SIGKILL)
+            raise AssertionError("the cluster did not exit within 30 s of SIGTERM") from None
 
 
 def ask(base: str, tiny_model: Path, **kw):

@@ -81,7 +81,14 @@ def main() -> None:
         _main()
     finally:
         if "mlxlocal.models.parallel" in sys.modules:  # rank 0 of a launch: the followers exit too
-            sys.modules["mlxlocal.models.parallel"].release()
+            if not sys.modules["mlxlocal.models.parallel"].release():
+                # A rank is gone or stuck: a thread of ours may wait in a collective forever,
+                # so end now, with the command's own exit status.
+                ending = sys.exc_info()[1]
+                code = ending.code if isinstance(ending, SystemExit) else (1 if ending else 0)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code if isinstance(code, int) else 1)
         # MLX asks every thread that used it, the main one too, to clear its streams before
         # the interpreter ends, or the process may abort at exit.
         if "mlx.core" in sys.modules:

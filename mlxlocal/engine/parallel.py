@@ -115,10 +115,8 @@ class LeaderRunner(NativeRunner):
         """The followers drop this engine's pools; safe to call more than once."""
         if self.channel is not None and self.pools is not None:
             channel, self.channel = self.channel, None
-            try:
-                channel.send({"op": "stop", "engine": self.pools.engine})
-            except ClusterError as e:  # a follower already gone: nothing to release
-                log.warning("tensor parallel: could not release the followers: %s", e)
+            if Channel.broken is None and not channel.send_bounded({"op": "stop", "engine": self.pools.engine}):
+                log.warning("tensor parallel: could not release the followers: %s", Channel.broken)
 
 
 class Follower:

@@ -234,6 +234,26 @@ class Channel:
         self.evaluate(out, watch=watch)
         return out
 
+    def send_bounded(self, msg: dict, timeout: float = 5.0) -> bool:
+        """send, from a thread of its own, waited for at most `timeout` seconds: for goodbyes
+        (shutdown, exit), which must not hang on a rank that stopped answering. False if it did
+        not complete (the group is then broken)."""
+        done: list[bool] = []
+
+        def go() -> None:
+            try:
+                self.send(msg)
+                done.append(True)
+            except ClusterError:
+                done.append(False)
+
+        thread = threading.Thread(target=go, name="mlxlocal-cluster-goodbye", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive() and Channel.broken is None:
+            Channel.broken = f"the other ranks did not take a message within {timeout:g} s; restart the cluster"
+        return bool(done and done[0])
+
     def send(self, msg: dict) -> None:
         payload = np.frombuffer(json.dumps(msg).encode(), dtype=np.uint8)
         with self.turn():
@@ -259,14 +279,16 @@ def announce_load(group: mx.distributed.Group, spec: str) -> int:
     return len(_announced) - 1
 
 
-def release(group: mx.distributed.Group | None = None) -> None:
-    """Rank 0: let the followers exit (once; before MLX's streams are cleared at exit)."""
-    if _announced and _announced[-1] is not None:
-        _announced.append(None)  # released: nothing more to announce
-        try:
-            Channel(group or world()).send({"op": "exit"})
-        except ClusterError:  # a follower already gone: nothing to release
-            pass
+def release(group: mx.distributed.Group | None = None) -> bool:
+    """Rank 0: let the followers exit (once; before MLX's streams are cleared at exit). False
+    when they could not be told (a rank gone or stuck): a thread may then be stuck in a
+    collective, and the process should end without waiting for it (os._exit)."""
+    if not _announced or _announced[-1] is None:
+        return True
+    _announced.append(None)  # released: nothing more to announce
+    if Channel.broken is not None:
+        return False
+    return Channel(group or world()).send_bounded({"op": "exit"})
 
 
 def launched() -> bool:
