@@ -29,6 +29,9 @@ from mlxlocal.errors import ModelLoadError
 from mlxlocal.models.config import parse_config
 from mlxlocal.models.parallel import TensorPlan
 
+# Real ranks are subprocesses: out of the quick subset; the plan tests below are quick but tiny.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 LAUNCH = str(Path(PYTHON).parent / "mlx.launch")
