@@ -52,3 +52,12 @@ class InputTooLongError(MlxLocalError):
 
 class EngineOptionError(MlxLocalError, ValueError):
     """An engine option the model cannot take (e.g. --kv-bits on the dense engine): one line."""
+
+
+class FatalEngineError(MlxLocalError):
+    """An error after which the engine cannot go on (it stops, with this as its reason),
+    unlike a request's own error, which fails that request alone."""
+
+
+class ClusterError(FatalEngineError):
+    """A rank of a multi-rank (tensor-parallel) run is gone or unreachable."""

@@ -155,8 +155,15 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
         decode = out["mlxlocal"]["decode_tps"]["mean"]
         if batch > 1:  # the bound is per stream: compare the per-stream rate
             decode = statistics.fmean(r["per_stream_decode_tps"] for r in ours)
-        roof = decode_roofline(detect_bandwidth(bandwidth), loaded.info.weights.total_bytes, kv,
-                               prompt_tokens + gen_tokens / 2, decode)
+        weights, comm = loaded.info.weights.total_bytes, 0.0
+        if getattr(loaded, "shard", None) is not None:  # under a launch: each rank's share, plus the links
+            from mlxlocal.engine.parallel import cluster_report
+
+            out["cluster"] = cluster = cluster_report(loaded, batch)
+            weights, comm = cluster["weight_bytes"][0], cluster["comm_s_per_step"]
+            kv //= cluster["ranks"]
+            cluster["comm_fraction"] = comm * decode if decode else None
+        roof = decode_roofline(detect_bandwidth(bandwidth), weights, kv, prompt_tokens + gen_tokens / 2, decode, comm)
         out["roofline"] = roof.as_dict()
     if ref is not None:
         out["mlx_lm"] = summarize(theirs)

@@ -121,6 +121,8 @@ def print_speed(s: dict, con: Console) -> None:
     con.print(t)
     if "mlx_lm" in s:
         con.print(f"run order: {' '.join(s['order'])}" + (f"  ({s['ratios_note']})" if s.get("ratios_note") else ""))
+    if s.get("cluster"):
+        print_cluster(s["cluster"], con)
     r = s.get("roofline")
     if r:
         t = Table(title="decode roofline (batch 1: bandwidth ÷ bytes read per token)")
@@ -133,10 +135,27 @@ def print_speed(s: dict, con: Console) -> None:
                   _num(r["bound_tps"]), _num(r["measured_decode_tps"]), _num(r["fraction"], "{:.0%}"))
         con.print(t)
         con.print(f"bandwidth from {r['bandwidth_source']}; bytes/token = weights {_mib(r['weight_bytes'])} "
-                  f"+ KV {r['kv_bytes_per_token']} B × mean context {r['mean_context']:.0f}")
+                  f"+ KV {r['kv_bytes_per_token']} B × mean context {r['mean_context']:.0f}"
+                  + (f" (one rank's share) + {r['comm_s_per_token'] * 1e3:.2f} ms on the links per token"
+                     if r.get("comm_s_per_token") else ""))
         if r["fraction"] and r["fraction"] > 1:
             con.print("[yellow]above the bound: the weights fit in CPU caches (tiny model) or the "
                       "bandwidth figure is too low[/]")
+
+
+def print_cluster(c: dict, con: Console) -> None:
+    """bench under a launch: what each rank holds and what the links cost per decode step."""
+    t = Table(title=f"tensor parallel over {c['ranks']} ranks")
+    t.add_column("rank")
+    t.add_column("weights", justify="right")
+    t.add_column("peak memory", justify="right")
+    for rank, (w, peak) in enumerate(zip(c["weight_bytes"], c["peak_memory_bytes"])):
+        t.add_row(str(rank), _mib(w), _mib(peak))
+    con.print(t)
+    share = f" ({c['comm_fraction']:.0%} of a decode step)" if c.get("comm_fraction") is not None else ""
+    con.print(f"communication per decode step: {c['comm_s_per_step'] * 1e3:.2f} ms{share}: {c['all_sums_per_step']} "
+              f"all_sums of the activations ({c['link_bytes_per_step'] / 1024:.1f} KiB through each rank's link) "
+              f"and the step's message to the followers ({c['message_s_per_step'] * 1e3:.2f} ms), timed alone")
 
 
 def print_agent(a: dict, con: Console) -> None:

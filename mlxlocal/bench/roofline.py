@@ -101,15 +101,18 @@ class Roofline:
     bound_tps: float
     measured_decode_tps: float | None = None
     fraction: float | None = None
+    comm_s_per_token: float = 0.0  # tensor parallel: the link's share of each token
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def decode_roofline(bw: Bandwidth, weight_bytes: int, kv_per_token: int, mean_context: float,
-                    measured_tps: float | None = None) -> Roofline:
+                    measured_tps: float | None = None, comm_s_per_token: float = 0.0) -> Roofline:
+    """Tokens/s if each token costs reading its bytes at `bw` (one rank's share under tensor
+    parallelism, read by every rank at once) plus `comm_s_per_token` on the links."""
     per_token = weight_bytes + kv_per_token * mean_context
-    bound = bw.gbps * 1e9 / per_token
+    bound = 1.0 / (per_token / (bw.gbps * 1e9) + comm_s_per_token)
     fraction = measured_tps / bound if measured_tps and bound > 0 else None
     return Roofline(bw.gbps, bw.source, int(weight_bytes), int(kv_per_token), float(mean_context),
-                    float(per_token), bound, measured_tps, fraction)
+                    float(per_token), bound, measured_tps, fraction, comm_s_per_token)

@@ -2,7 +2,7 @@
 
 One module per command group, each adding its commands with `register(app)`:
 generate.py (generate, chat), agent.py (run), models.py (show, pull, list, rm), serve.py,
-mcp_serve.py (mcp serve), embed.py, launch.py, bench.py, convert.py, quant.py (quantize, perplexity), tools.py
+mcp_serve.py (mcp serve), embed.py, launch.py, cluster.py (launch-cluster), bench.py, convert.py, quant.py (quantize, perplexity), tools.py
 (the `tools` group: check); common.py holds what they share.
 """
 
@@ -17,6 +17,7 @@ from mlxlocal import __version__
 from mlxlocal.cli import (
     agent,
     bench,
+    cluster,
     convert,
     embed,
     generate,
@@ -67,6 +68,7 @@ models.register(app)
 serve.register(app)
 mcp_serve.register(app)
 launch.register(app)
+cluster.register(app)
 app.command()(version)
 bench.register(app)
 convert.register(app)
@@ -78,6 +80,15 @@ def main() -> None:
     try:
         _main()
     finally:
+        if "mlxlocal.models.parallel" in sys.modules:  # rank 0 of a launch: the followers exit too
+            if not sys.modules["mlxlocal.models.parallel"].release():
+                # A rank is gone or stuck: a thread of ours may wait in a collective forever,
+                # so end now, with the command's own exit status.
+                ending = sys.exc_info()[1]
+                code = ending.code if isinstance(ending, SystemExit) else (1 if ending else 0)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code if isinstance(code, int) else 1)
         # MLX asks every thread that used it, the main one too, to clear its streams before
         # the interpreter ends, or the process may abort at exit.
         if "mlx.core" in sys.modules:
@@ -85,6 +96,12 @@ def main() -> None:
 
 
 def _main() -> None:
+    if os.environ.get("MLX_RANK", "0") != "0":
+        # A rank other than 0 of a launch (mlx.launch, launch-cluster): no front end of its
+        # own, it repeats rank 0's steps on its shard of the model until rank 0 exits.
+        from mlxlocal.engine.parallel import follower_main
+
+        sys.exit(follower_main())
     try:
         app()
     except MlxLocalError as e:  # anything a command did not catch itself

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -133,13 +133,18 @@ def rm(
     _console().print(f"deleted {model}, freed {human_size(freed)}")
 
 
-def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
+def show(model: str = typer.Argument(..., help=MODEL_HELP),
+         tp: Optional[int] = typer.Option(None, "--tp", help="Also print how N tensor-parallel ranks would "
+                                          "split it (launch-cluster -n N): heads and bytes per rank")) -> None:
     """Load a model and print its architecture, size, quantization and how it was loaded."""
     from mlxlocal.engine import engine_kind, kv_bytes_per_token
     from mlxlocal.source.loader import load
 
+    if tp is not None and tp < 1:
+        fail(f"--tp must be at least 1 (got {tp})", 2)
     try:
-        loaded = load(model)
+        loaded = load(model, tp=1)
+        plan = tp_rows(loaded, tp) if tp and tp > 1 else []
     except MlxLocalError as e:
         fail(str(e))
     info, cfg = loaded.info, loaded.model_config
@@ -176,6 +181,7 @@ def show(model: str = typer.Argument(..., help=MODEL_HELP)) -> None:
         ("load time", f"{info.load_seconds:.2f} s"),
     ]
     rows += [("note", note) for note in info.notes]
+    rows += plan
     for row in rows:
         table.add_row(*row)
     Console().print(table)
@@ -197,6 +203,25 @@ def print_kernel_paths(loaded) -> None:
     t = kernel_table(k, f"decode ops (decode rows 1..{cfg.max_num_seqs}, block size {cfg.block_size}): "
                         "path per op and shape")
     console.print(t if t is not None else "kernels: none of mlxlocal's dispatch points (mlx-lm's model code)")
+
+
+def tp_rows(loaded, n: int) -> list[tuple[str, str]]:
+    """`show --tp N`: what each rank holds (the plan the ranks load by) and its weight bytes."""
+    from mlxlocal.errors import ModelLoadError
+    from mlxlocal.models.parallel import shard_report
+
+    if loaded.model_config is None:
+        raise ModelLoadError(f"--tp: {loaded.info.name} runs through mlx-lm's model code; tensor "
+                             "parallelism covers the native families (llama, mistral, qwen2, qwen3)")
+    total = sum(r["weight_bytes"] for r in shard_report(loaded.model, loaded.model_config, 1))
+    rows = [("tensor parallel", f"{n} ranks: q/k/v and gate/up split by rows, o and down by columns (one "
+             "all_sum each per layer); embeddings, norms and head on every rank")]
+    for r in shard_report(loaded.model, loaded.model_config, n):
+        rows.append((f"  rank {r['rank']}", f"q heads {r['q_heads'][0]}..{r['q_heads'][1] - 1}, kv heads "
+                     f"{r['kv_heads'][0]}..{r['kv_heads'][1] - 1}, mlp columns {r['mlp'][0]}..{r['mlp'][1] - 1}; "
+                     f"weights {human_bytes(r['weight_bytes'])} ({r['weight_bytes'] / total:.0%} of "
+                     f"{human_bytes(total)})"))
+    return rows
 
 
 def kv_rows(per_token: dict | None) -> list[tuple[str, str]]:

@@ -108,7 +108,7 @@ def perplexity_cmd(
     kv = kv_precision(kv_bits, kv_group_size)  # exits 2 naming the option
     text = _read_text(file) or BUILTIN_TEXT
     try:
-        loaded = load(model)
+        loaded = load(model, tp=1)  # runs the model directly: whole, on this rank
         with _progress() as prog:
             task = prog.add_task("perplexity", total=None)
             res = perplexity(loaded, text, seq_len=seq_len, batch_size=batch_size,

@@ -36,7 +36,7 @@ from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
 from mlxlocal.engine.speculative import ModelDrafter, Speculator
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
-from mlxlocal.errors import MlxLocalError
+from mlxlocal.errors import FatalEngineError, MlxLocalError
 from mlxlocal.source.loader import LoadedModel
 
 log = logging.getLogger("mlxlocal.engine")
@@ -56,6 +56,8 @@ class PagedEngine(EngineBase):
         super().__init__(loaded)
         self.config = cfg = config or EngineConfig()
         self.runner = runner = runner or make_runner(loaded)
+        if hasattr(runner, "on_lost"):  # tensor parallel: ranks that stop answering stop the engine
+            runner.on_lost = self._die
         bs = cfg.block_size
         spec = cfg.speculative
         drafter = ModelDrafter(spec.draft, loaded) if spec is not None and spec.method == "draft" else None
@@ -63,7 +65,8 @@ class PagedEngine(EngineBase):
         self.num_blocks, window_blocks, window = size.num_blocks, size.window_blocks, size.window
         windowed = [w is not None for w in runner.windows]
         q = dict(bits=cfg.kv_bits, group_size=cfg.kv_group_size)
-        self.pools = KVPools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks, **q)
+        new_pools = getattr(runner, "new_pools", KVPools)  # tensor parallel: pools that tell the followers
+        self.pools = new_pools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks, **q)
         self.blocks = BlockManager(self.num_blocks, bs, cfg.prefix_cache)
         self.windows = WindowBlocks(window_blocks, bs, window) if window else None
         snapshots = None
@@ -157,6 +160,8 @@ class PagedEngine(EngineBase):
         if any(self.pools.windowed) or self.runner.recurrent:
             raise ValueError("cache edits are not supported for models with sliding-window or recurrent "
                              f"layers ({self.info.name}): their state cannot drop a span")
+        if not getattr(self.pools, "editable", True):
+            raise ValueError("cache edits are not supported under tensor parallelism (--tp)")
         if any(e.reposition for e in edits) and self._rotator is None:
             self._rotator = cache_edits.Rotator(self.runner.model)
         return cache_edits.fit(len(prompt), edits, self.context_length)
@@ -218,6 +223,8 @@ class PagedEngine(EngineBase):
                 log.warning("engine thread still busy after %.1f s; failing its requests", timeout)
         # Idempotent; if the thread is stuck in a long step it stops at its next loop turn.
         self._die("the engine was shut down")
+        if (thread is None or not thread.is_alive()) and hasattr(self.runner, "close"):
+            self.runner.close()  # tensor parallel: the followers' loops end too
 
     def _dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine for {self.info.name} has stopped: {self.dead_reason}")
@@ -332,6 +339,8 @@ class PagedEngine(EngineBase):
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """End one request with an error: its blocks freed, its session emptied; others go on."""
+        if isinstance(error, FatalEngineError):  # not the request's fault: the engine stops (_run)
+            raise error
         if seq.status is not Status.FINISHED:
             self.scheduler.free(seq)
             if seq.session is not None:  # what it held may be half-written: start the next turn over

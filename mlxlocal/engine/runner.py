@@ -177,6 +177,10 @@ class MlxLmRunner:
 def make_runner(loaded) -> NativeRunner | MlxLmRunner:
     """The runner for a loaded model; raises NotPageable when its cache cannot be paged."""
     mc = loaded.model_config
+    if getattr(loaded, "shard", None) is not None:
+        from mlxlocal.engine.parallel import LeaderRunner  # imports this module
+
+        return LeaderRunner(loaded)
     if loaded.info.native:
         windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
         shapes = KVPools.uniform(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)

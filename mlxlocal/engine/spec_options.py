@@ -50,10 +50,11 @@ class SpeculationChoice:
         with self._lock:
             if self._path is None:
                 self._path = hub.resolve(self.draft_spec).path.resolve()
-            if self._path == target.info.path.resolve():
+            # A tensor-parallel target cannot draft for itself on rank 0 alone: a whole copy.
+            if self._path == target.info.path.resolve() and target.shard is None:
                 return target
             if self._draft is None:
-                self._draft = load(self.draft_spec)
+                self._draft = load(self.draft_spec, tp=1)  # drafts run on rank 0 only
             draft = self._draft
         check_draft_tokenizer(target, draft)
         return draft

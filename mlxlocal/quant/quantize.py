@@ -163,7 +163,7 @@ def quantize(src: str, out: Path, *, mode: str = "affine", bits: int | None = No
 
     step = progress or (lambda _msg: None)
     step("load")
-    loaded = load(src)
+    loaded = load(src, tp=1)  # runs the model directly: whole, on this rank
     notes: list[str] = []
     model = loaded.model
     if dequantize_in_place(model):

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxlocal.engine import Engine
+from mlxlocal.engine import Engine, cluster_problem
 from mlxlocal.engine.base import in_own_thread
 from mlxlocal.engine.spec_options import open_engine_with, speculation_of
 from mlxlocal.errors import MlxLocalError
@@ -325,11 +325,12 @@ class ModelRegistry:
         spec = speculation_of(self.engine_options)  # --draft-model / --prompt-lookup: every model's engine
         body["speculative"] = spec.as_dict() if spec is not None else None
         dead = [m for m in self.loaded() if m.dead_reason is not None]
-        if not dead:
+        cluster = cluster_problem()  # a multi-rank run that lost a rank: nothing restarts it
+        if not dead and cluster is None:
             return 200, body
-        reasons = "; ".join(f"model '{m.name}': engine stopped: {m.dead_reason} (restarted on its next request)"
-                            for m in dead)
-        return 503, {**body, "status": "error", "reason": reasons}
+        reasons = [f"model '{m.name}': engine stopped: {m.dead_reason} (restarted on its next request)"
+                   for m in dead if cluster is None]
+        return 503, {**body, "status": "error", "reason": "; ".join(reasons + ([cluster] if cluster else []))}
 
     def shutdown(self) -> None:
         for e in self.embedders:

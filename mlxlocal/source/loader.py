@@ -36,12 +36,22 @@ class ModelInfo:
 
 
 @dataclass
+class Shard:
+    """This process's part of a tensor-parallel model: its plan and its group."""
+
+    plan: Any  # models.parallel.TensorPlan
+    group: Any  # mx.distributed.Group
+    model: int = 0  # the id rank 0's messages name this model by
+
+
+@dataclass
 class LoadedModel:
     model: nn.Module
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict[str, Any]
     model_config: ModelConfig | None
     info: ModelInfo
+    shard: Shard | None = None  # this rank's part of a tensor-parallel model
 
     def make_cache(self) -> list:
         if hasattr(self.model, "make_cache"):
@@ -79,12 +89,14 @@ def describe_quantization(config: dict[str, Any]) -> str:
     return text + (f", {overrides} per-layer overrides" if overrides else "")
 
 
-def load_from_dir(path: Path, name: str | None = None, source: str = "local") -> LoadedModel:
+def load_from_dir(path: Path, name: str | None = None, source: str = "local", tp: int = 1) -> LoadedModel:
     t0 = time.perf_counter()
     config = read_config_file(path)
-    weights, report = load_model_weights(path)
+    awq_gptq = config.get("quantization_config", {}).get("quant_method") in ("awq", "gptq")
+    shard = _tensor_parallel(config, str(path / "config.json"), tp, awq_gptq)
+    weights, report = load_model_weights(path, select=shard.plan.slicer if shard else None)
     notes: list[str] = []
-    if config.get("quantization_config", {}).get("quant_method") in ("awq", "gptq") and "quantization" not in config:
+    if awq_gptq and "quantization" not in config:
         from mlxlocal.weights.awq_gptq import convert_awq_gptq, convert_config
 
         try:
@@ -103,14 +115,35 @@ def load_from_dir(path: Path, name: str | None = None, source: str = "local") ->
             raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
 
     return assemble(path, config, weights, tokenizer, report, name or path.name, source, t0, notes,
-                    config_path=str(path / "config.json"))
+                    config_path=str(path / "config.json"), shard=shard)
+
+
+def _tensor_parallel(config: dict[str, Any], config_path: str, tp: int, awq_gptq: bool) -> Shard | None:
+    """The shard to load for `tp` ranks (None for 1); refuses models it cannot split."""
+    if tp == 1:
+        return None
+    from mlxlocal.models.config import parse_config
+    from mlxlocal.models.parallel import TensorPlan, world
+
+    if not is_native(config.get("model_type")):
+        raise ModelLoadError(f"{config_path}: --tp needs a native model (llama, mistral, qwen2, qwen3); "
+                             f"model_type '{config.get('model_type')}' runs through mlx-lm")
+    if awq_gptq:
+        raise ModelLoadError(f"{config_path}: --tp cannot split AWQ/GPTQ packings; convert the model first")
+    group = world(tp)
+    return Shard(TensorPlan.of(parse_config(config, config_path), group.rank(), tp), group)
 
 
 def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], make_tokenizer,
              report: WeightsReport, name: str, source: str, t0: float, notes: list[str],
-             config_path: str) -> LoadedModel:
-    """Config + weights (any source format, already MLX) -> a loaded model and its info."""
+             config_path: str, shard: Shard | None = None) -> LoadedModel:
+    """Config + weights (any source format, already MLX) -> a loaded model and its info;
+    with `shard`, this rank's part of a tensor-parallel model (weights already sliced)."""
     model, model_config = build_model(config, weights, config_path)
+    if shard is not None:
+        from mlxlocal.models.parallel import shard_model
+
+        shard_model(model, shard.plan, shard.group)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     quantize_for_checkpoint(model, config, weights)
@@ -149,7 +182,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
         load_seconds=time.perf_counter() - t0,
         notes=notes,
     )
-    return LoadedModel(model, tokenizer, config, model_config, info)
+    return LoadedModel(model, tokenizer, config, model_config, info, shard)
 
 
 def _no_length_warning(tokenizer: Any) -> None:
@@ -180,17 +213,29 @@ def _load_weights_strict(model: nn.Module, weights: dict[str, mx.array], path: P
     model.load_weights(list(weights.items()), strict=True)
 
 
-def load(spec: str) -> LoadedModel:
-    """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME."""
+def load(spec: str, tp: int | None = None) -> LoadedModel:
+    """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME.
+
+    `tp`: tensor-parallel ranks; None means every rank of the launch this process is part of
+    (1 when not launched). With tp > 1 this is rank 0's shard, and the other ranks are told to
+    load theirs (they follow rank 0: engine/parallel.py)."""
+    from mlxlocal.models.parallel import announce_load, launched, world
     from mlxlocal.source import hub  # imported here: huggingface_hub is slow to import
 
+    if tp is None:
+        tp = world().size() if launched() else 1
     resolved = hub.resolve(spec)
+    model_id = announce_load(world(tp), spec) if tp > 1 and world(tp).rank() == 0 else None
     if resolved.path.is_file():  # hub.resolve returns a file only for GGUF
-        return load_from_gguf(resolved.path, name=resolved.name, source=resolved.source)
-    return load_from_dir(resolved.path, name=resolved.name, source=resolved.source)
+        loaded = load_from_gguf(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
+    else:
+        loaded = load_from_dir(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
+    if model_id is not None:
+        loaded.shard.model = model_id
+    return loaded
 
 
-def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -> LoadedModel:
+def load_from_gguf(path: Path, name: str | None = None, source: str = "local", tp: int = 1) -> LoadedModel:
     """A llama-family GGUF file: config, weights (MLX affine) and tokenizer from the file."""
     from mlxlocal.weights.gguf import load_gguf
     from mlxlocal.weights.gguf import load_tokenizer as load_gguf_tokenizer
@@ -198,6 +243,10 @@ def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -
     t0 = time.perf_counter()
     ckpt = load_gguf(path)
     config, weights = ckpt.config, ckpt.weights
+    shard = _tensor_parallel(config, str(path), tp, False)
+    if shard is not None:  # GGUF blocks are converted whole: the shard is cut after conversion
+        weights = {k: mx.contiguous(v[part]) if (part := shard.plan.slicer(k, tuple(v.shape))) else v
+                   for k, v in weights.items()}
     params_by_dtype: dict[str, int] = {}
     for value in weights.values():
         key = str(value.dtype).removeprefix("mlx.core.")
@@ -214,7 +263,7 @@ def load_from_gguf(path: Path, name: str | None = None, source: str = "local") -
              f"({ckpt.file_bytes / 2**20:.1f} MiB file, {ckpt.weight_bytes / 2**20:.1f} MiB in MLX)"]
     return assemble(path, config, weights,
                     lambda: load_gguf_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
-                    report, name or path.stem, source, t0, notes, config_path=str(path))
+                    report, name or path.stem, source, t0, notes, config_path=str(path), shard=shard)
 
 
 def check_draft_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

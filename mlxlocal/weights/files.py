@@ -17,6 +17,7 @@ from mlxlocal.errors import ModelLoadError, WeightFileError
 from mlxlocal.units import human_bytes
 from mlxlocal.weights.safetensors import (
     SafetensorsHeader,
+    Selector,
     load_tensors,
     metal_available,
     read_header,
@@ -167,15 +168,16 @@ def _describe_path(n_zero: int, n_copy: int, tried: bool, metal: bool) -> str:
             "(misaligned or not adoptable)")
 
 
-def load_model_weights(model_dir: Path, adopt: bool | None = None
+def load_model_weights(model_dir: Path, adopt: bool | None = None, select: Selector | None = None
                        ) -> tuple[dict[str, mx.array], WeightsReport]:
-    """Load every weight of a model directory; report files, sizes and the load path."""
+    """Load every weight of a model directory (or the parts `select` picks: see load_tensors);
+    report files, sizes and the load path."""
     headers = _read_all(Path(model_dir))  # validate everything before loading anything
     weights: dict[str, mx.array] = {}
     n_zero = n_copy = 0
     tried = adopt if adopt is not None else metal_available()
     for h in headers:
-        res = load_tensors(h.path, adopt)
+        res = load_tensors(h.path, adopt, select)
         weights.update(res.arrays)
         n_zero += res.n_zero_copy
         n_copy += res.n_copied

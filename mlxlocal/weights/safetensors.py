@@ -13,12 +13,15 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
 from mlxlocal.errors import WeightFileError
+
+# name, shape -> the slices of that tensor to load (None: all of it)
+Selector = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
 
 # A real header is a few hundred KiB at most; a bigger claim is corruption or an attack.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -258,11 +261,14 @@ def _to_mx(view: np.ndarray, info: TensorInfo, aligned: bool, try_adopt: bool
     return arr, adopted
 
 
-def load_tensors(path: str | os.PathLike[str], adopt: bool | None = None) -> LoadResult:
+def load_tensors(path: str | os.PathLike[str], adopt: bool | None = None,
+                 select: Selector | None = None) -> LoadResult:
     """Validate, memory-map and load every tensor; count which load path each took.
 
     adopt=None tries zero-copy adoption only when Metal is available; True always tries
-    (falling back to a copy on failure); False always copies.
+    (falling back to a copy on failure); False always copies. `select(name, shape)` may
+    return the slices of a tensor to load (tensor parallelism: a rank's shard): only those
+    bytes are copied out of the mapping.
     """
     p = Path(path)
     metal = metal_available()
@@ -289,8 +295,11 @@ def load_tensors(path: str | os.PathLike[str], adopt: bool | None = None) -> Loa
         offset = header.data_start + info.begin
         view = np.frombuffer(mm, dtype=np_dtype, count=info.numel, offset=offset)
         view = view.reshape(info.shape)
+        part = select(name, tuple(info.shape)) if select is not None else None
+        if part is not None:  # a strided slice of the mapping: copied, never adopted
+            view = view[part]
         # The map starts page-aligned, so file-offset alignment == pointer alignment.
-        arr, adopted = _to_mx(view, info, offset % itemsize == 0, try_adopt)
+        arr, adopted = _to_mx(view, info, offset % itemsize == 0 and part is None, try_adopt)
         result.arrays[name] = arr
         if adopted:
             result.n_zero_copy += 1

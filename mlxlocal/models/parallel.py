@@ -1,0 +1,331 @@
+"""Tensor parallelism for the native llama family over mx.distributed (Megatron layout).
+
+q/k/v and gate/up are column-parallel: rank r holds the output rows of its query heads, its
+KV heads and its slice of the intermediate columns. o and down are row-parallel: rank r holds
+the matching input columns, and the partial products meet in one all_sum per projection (the
+bias, where there is one, is added once, after the sum). Embeddings, norms and the vocab
+projection are replicated, so every rank ends with the same logits.
+
+KV heads are split when the ranks divide them, and replicated in groups when there are fewer
+KV heads than ranks (each rank keeps the one KV head its query heads read). A rank's paged
+pools hold its own KV heads only.
+
+Each rank loads its shard straight from the mapped file (`TensorPlan.slicer`): a slice of the
+mapped bytes is copied, never the whole tensor, so weights per rank are about 1/N of the model
+plus the replicated embeddings and head.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxlocal import metal
+from mlxlocal.errors import ClusterError, ModelLoadError
+from mlxlocal.models.config import ModelConfig
+from mlxlocal.models.layers import Linear, QuantizedLinear
+
+# Parameter name -> (which split, axis): rows of column-parallel, columns of row-parallel.
+_SPLITS = (
+    (re.compile(r"\.self_attn\.q_proj\.(weight|bias|scales|biases)$"), "q", 0),
+    (re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias|scales|biases)$"), "kv", 0),
+    (re.compile(r"\.self_attn\.o_proj\.(weight|scales|biases)$"), "q", -1),
+    (re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias|scales|biases)$"), "mlp", 0),
+    (re.compile(r"\.mlp\.down_proj\.(weight|scales|biases)$"), "mlp", -1),
+)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """What rank `rank` of `size` holds: [start, stop) of the query heads, KV heads and
+    intermediate columns (each a fraction of its total)."""
+
+    rank: int
+    size: int
+    q: tuple[int, int, int]  # (start, stop, total) query heads
+    kv: tuple[int, int, int]  # (start, stop, total) KV heads
+    mlp: tuple[int, int, int]  # (start, stop, total) intermediate columns
+
+    @staticmethod
+    def of(cfg: ModelConfig, rank: int, size: int) -> TensorPlan:
+        """The plan for `rank`; a model the ranks cannot split evenly is refused, naming why."""
+        hq, hkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"rank {rank} of {size}")
+        problems = []
+        if hq % size:
+            problems.append(f"{hq} attention heads")
+        if hkv % size and size % hkv:
+            problems.append(f"{hkv} KV heads (neither divides the other)")
+        if inter % size:
+            problems.append(f"intermediate_size {inter}")
+        if problems:
+            raise ModelLoadError(f"tensor parallel over {size} ranks needs each of these divisible "
+                                 f"by {size}: {', '.join(problems)}")
+        per_q = hq // size
+        if hkv % size == 0:
+            kv = (rank * hkv // size, (rank + 1) * hkv // size, hkv)
+        else:  # fewer KV heads than ranks: each group of size/hkv ranks shares one KV head
+            kv = (rank // (size // hkv), rank // (size // hkv) + 1, hkv)
+        per_i = inter // size
+        return TensorPlan(rank, size, (rank * per_q, (rank + 1) * per_q, hq), kv,
+                          (rank * per_i, (rank + 1) * per_i, inter))
+
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) this rank computes."""
+        return self.q[1] - self.q[0], self.kv[1] - self.kv[0]
+
+    def slicer(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The part of tensor `name` this rank loads (None: all of it, a replicated tensor)."""
+        for pattern, which, axis in _SPLITS:
+            if pattern.search(name):
+                start, stop, total = getattr(self, which)
+                n = shape[axis]
+                if (start * n) % total or (stop * n) % total:
+                    raise ModelLoadError(
+                        f"tensor '{name}' {tuple(shape)}: rank {self.rank}'s part ({which} {start}..{stop} "
+                        f"of {total}) does not fall on whole elements of axis {axis} ({n}); a "
+                        f"quantization group would straddle two ranks: use fewer ranks or a smaller group")
+                part = slice(start * n // total, stop * n // total)
+                return (part,) if axis == 0 else (slice(None),) * (len(shape) - 1) + (part,)
+        return None
+
+
+class RowParallelLinear(Linear):
+    """A row-parallel projection: this rank's input columns, the partial products all_sum'ed,
+    then the (unsplit) bias once. Parameter names stay nn.Linear's, as in the checkpoint."""
+
+    def __init__(self, in_dims: int, out_dims: int, bias: bool, group: mx.distributed.Group):
+        super().__init__(in_dims, out_dims, bias=bias)
+        self.group = group
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.distributed.all_sum(metal.linear(x, self.weight), group=self.group)
+        return y + self.bias if "bias" in self else y
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", quantize_input=False):
+        if mode != "affine" or quantize_input:
+            raise ModelLoadError(f"tensor parallelism supports affine quantization only, not {mode!r}")
+        q = QuantizedRowParallel.from_linear(self, group_size, bits, mode)
+        q.group = self.group
+        return q
+
+
+class QuantizedRowParallel(QuantizedLinear):
+    """RowParallelLinear over a quantized weight (group set by `to_quantized`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = metal.quantized_linear(x, self.weight, self.scales, self.get("biases"),
+                                   self.group_size, self.bits, self.mode)
+        y = mx.distributed.all_sum(y, group=self.group)
+        return y + self.bias if "bias" in self else y
+
+
+def shard_model(model: nn.Module, plan: TensorPlan, group: mx.distributed.Group) -> None:
+    """Resize a freshly built native model (weights not loaded, not yet quantized: its
+    parameters are lazy and never materialise at full size) to `plan`'s shard, in place."""
+    cfg: ModelConfig = model.config
+    d, hidden = cfg.head_dim, cfg.hidden_size
+    hq, hkv = plan.local_heads
+    inter = plan.mlp[1] - plan.mlp[0]
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.n_heads, attn.n_kv_heads = hq, hkv
+        qkv_bias = "bias" in attn.q_proj
+        attn.q_proj = Linear(hidden, hq * d, bias=qkv_bias)
+        attn.k_proj = Linear(hidden, hkv * d, bias=qkv_bias)
+        attn.v_proj = Linear(hidden, hkv * d, bias=qkv_bias)
+        attn.o_proj = RowParallelLinear(hq * d, hidden, "bias" in attn.o_proj, group)
+        mlp_bias = "bias" in mlp.gate_proj
+        mlp.gate_proj = Linear(hidden, inter, bias=mlp_bias)
+        mlp.up_proj = Linear(hidden, inter, bias=mlp_bias)
+        mlp.down_proj = RowParallelLinear(inter, hidden, "bias" in mlp.down_proj, group)
+
+
+class Channel:
+    """Rank 0 -> every other rank: JSON messages, in order. A broadcast is an all_sum to which
+    the other ranks add zeros: the ring backend sends only to direct neighbours.
+
+    A failed collective (a rank died, a link dropped) leaves the group unusable: the first
+    failure is kept as `broken`, and every later message fails at once with it (ClusterError)
+    instead of waiting on a peer that is gone."""
+
+    # Collectives must come in the same order on every rank: rank 0's engines (and their
+    # threads) take turns, a whole message or forward at a time.
+    lock = threading.RLock()
+    broken: str | None = None
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+
+    # Rank 0 waits at most this long for the others in one message or forward: a rank that
+    # stopped answering (or a link that dropped without closing) would otherwise hang it.
+    timeout = float(os.environ.get("MLXLOCAL_CLUSTER_TIMEOUT", "120"))
+    on_lost: list = []  # called with the reason when rank 0 gives up waiting
+    _waiting_since: float | None = None
+    _watchdog: threading.Thread | None = None
+
+    @classmethod
+    def evaluate(cls, *arrays, watch: bool = True) -> None:
+        """mx.eval of work holding collectives; a backend failure marks the group broken.
+        `watch`: rank 0 waiting on the others, which must answer within `timeout`."""
+        if cls.broken is not None:
+            raise ClusterError(cls.broken)
+        if watch:
+            cls._arm()
+        try:
+            mx.eval(*arrays)
+        except RuntimeError as e:
+            if not str(e).startswith("["):  # backends tag their errors: "[ring] ...", not ours
+                raise
+            cls.broken = f"a rank of the cluster is gone ({e}); restart the cluster"
+            raise ClusterError(cls.broken) from None
+        finally:
+            if watch:
+                cls._waiting_since = None
+
+    @classmethod
+    @contextmanager
+    def turn(cls):
+        """Hold `lock` for one message or forward. Gives up (ClusterError) once the group is
+        broken, even while a thread stuck in a dead collective still holds the lock."""
+        while not cls.lock.acquire(timeout=0.25):
+            if cls.broken is not None:
+                raise ClusterError(cls.broken)
+        try:
+            if cls.broken is not None:
+                raise ClusterError(cls.broken)
+            yield
+        finally:
+            cls.lock.release()
+
+    @classmethod
+    def _arm(cls) -> None:
+        cls._waiting_since = time.monotonic()
+        if cls._watchdog is None:
+            cls._watchdog = threading.Thread(target=cls._watch, name="mlxlocal-cluster-watchdog", daemon=True)
+            cls._watchdog.start()
+
+    @classmethod
+    def _watch(cls) -> None:
+        while cls.broken is None:
+            since = cls._waiting_since
+            if since is not None and time.monotonic() - since > cls.timeout:
+                cls.broken = (f"the other ranks did not answer within {cls.timeout:g} s (a rank stopped or a link "
+                              "dropped); restart the cluster")
+                for fn in list(cls.on_lost):
+                    fn(cls.broken)
+                return
+            time.sleep(min(0.5, cls.timeout / 4))
+
+    def _all_sum(self, x: mx.array, watch: bool = True) -> mx.array:
+        out = mx.distributed.all_sum(x, group=self.group)
+        self.evaluate(out, watch=watch)
+        return out
+
+    def send_bounded(self, msg: dict, timeout: float = 5.0) -> bool:
+        """send, from a thread of its own, waited for at most `timeout` seconds: for goodbyes
+        (shutdown, exit), which must not hang on a rank that stopped answering. False if it did
+        not complete (the group is then broken)."""
+        done: list[bool] = []
+
+        def go() -> None:
+            try:
+                self.send(msg)
+                done.append(True)
+            except ClusterError:
+                done.append(False)
+
+        thread = threading.Thread(target=go, name="mlxlocal-cluster-goodbye", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive() and Channel.broken is None:
+            Channel.broken = f"the other ranks did not take a message within {timeout:g} s; restart the cluster"
+        return bool(done and done[0])
+
+    def send(self, msg: dict) -> None:
+        payload = np.frombuffer(json.dumps(msg).encode(), dtype=np.uint8)
+        with self.turn():
+            self._all_sum(mx.array([payload.size], mx.int32))
+            self._all_sum(mx.array(payload))
+
+    def recv(self) -> dict:
+        """A follower waiting for rank 0: unwatched (a server may idle for hours)."""
+        size = int(self._all_sum(mx.zeros((1,), mx.int32), watch=False).item())
+        return json.loads(np.array(self._all_sum(mx.zeros((size,), mx.uint8), watch=False)).tobytes())
+
+
+_announced: list[str] = []  # model specs rank 0 told the followers to load, in order
+
+
+def announce_load(group: mx.distributed.Group, spec: str) -> int:
+    """Rank 0: tell the followers to load their shards of `spec`; returns the model's id in
+    the messages that follow. The first call also arranges that they exit with this process."""
+    if not _announced:
+        atexit.register(release, group)
+    _announced.append(spec)
+    Channel(group).send({"op": "load", "model": len(_announced) - 1, "spec": spec})
+    return len(_announced) - 1
+
+
+def release(group: mx.distributed.Group | None = None) -> bool:
+    """Rank 0: let the followers exit (once; before MLX's streams are cleared at exit). False
+    when they could not be told (a rank gone or stuck): a thread may then be stuck in a
+    collective, and the process should end without waiting for it (os._exit)."""
+    if not _announced or _announced[-1] is None:
+        return True
+    _announced.append(None)  # released: nothing more to announce
+    if Channel.broken is not None:
+        return False
+    return Channel(group or world()).send_bounded({"op": "exit"})
+
+
+def launched() -> bool:
+    """Started as one rank of several (mlx.launch or launch-cluster set MLX_RANK)."""
+    return "MLX_RANK" in os.environ
+
+
+def world(size: int | None = None) -> mx.distributed.Group:
+    """The distributed group this process belongs to (mlx.launch sets it up); `size`, when
+    given, must match it."""
+    group = mx.distributed.init()
+    if size is not None and group.size() != size:
+        raise ModelLoadError(f"--tp {size} asks for {size} ranks, but this process runs in a group of "
+                             f"{group.size()} (start it with `mlx.launch -n {size} ...`)")
+    return group
+
+
+__all__ = ["Channel", "announce_load", "QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "launched", "release", "shard_model", "shard_report", "world"]
+
+
+def shard_report(model: nn.Module, cfg: ModelConfig, size: int) -> list[dict]:
+    """What each of `size` ranks would hold of this (whole, loaded) model: its heads, its
+    intermediate columns and its weight bytes, by the same slicer the ranks load with."""
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    rows = []
+    for rank in range(size):
+        plan = TensorPlan.of(cfg, rank, size)
+        nbytes = 0
+        for name, value in params:
+            part = plan.slicer(name, tuple(value.shape))
+            share = 1.0
+            for axis, s in enumerate(part or ()):
+                n = value.shape[axis]
+                share *= len(range(*s.indices(n))) / n
+            nbytes += int(value.nbytes * share)
+        rows.append({"rank": rank, "q_heads": plan.q[:2], "kv_heads": plan.kv[:2], "mlp": plan.mlp[:2],
+                     "weight_bytes": nbytes})
+    return rows
