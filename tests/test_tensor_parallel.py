@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,9 +40,32 @@ LAUNCH = str(Path(PYTHON).parent / "mlx.launch")
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), MLXLOCAL_LOG_LEVEL="WARNING")
 
 
+def port_run(n: int) -> int:
+    """The first of n consecutive loopback ports free now: mlx.launch's ring listens on
+    --starting-port + rank (its fixed default would collide with any other launch running)."""
+    while True:
+        start = random.randint(20000, 60000)
+        socks = []
+        try:
+            for port in range(start, start + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+def mlx_launch(n: int) -> list[str]:
+    return [LAUNCH, "--backend", "ring", "-n", str(n), "--starting-port", str(port_run(n)), "--python", PYTHON, "--"]
+
+
 def launch(n: int, *args: str, timeout: float = 240) -> list[dict]:
     """tests/tp_driver.py on n ranks; rank 0's JSON lines."""
-    out = subprocess.run([LAUNCH, "--backend", "ring", "-n", str(n), "--python", PYTHON, "--",
+    out = subprocess.run([*mlx_launch(n),
                           str(ROOT / "tests" / "tp_driver.py"), *args],
                          capture_output=True, text=True, timeout=timeout, env=ENV)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -228,8 +253,9 @@ def served(tiny_model: Path, launcher: list[str], **env: str):
                               start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and server.poll() is None, "the cluster never answered /health"
             try:
                 if httpx.get(base + "/health", timeout=2).status_code == 200:
                     break
@@ -254,7 +280,7 @@ def ask(base: str, tiny_model: Path, **kw):
 
 def test_serve_under_mlx_launch_answers_openai(tiny_model):
     """`mlx.launch -n 2 -- mlxlocal serve`: the official client gets the one-process reply."""
-    mlxlocal = [LAUNCH, "--backend", "ring", "-n", "2", "--python", PYTHON, "--", "-m", "mlxlocal"]
+    mlxlocal = [*mlx_launch(2), "-m", "mlxlocal"]
     one = cli("generate", "-m", str(tiny_model), "--max-tokens", "8", "--temp", "0", "-p", "hi", "--json")
     with served(tiny_model, mlxlocal) as (base, _):
         _, r = ask(base, tiny_model)
