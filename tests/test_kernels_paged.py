@@ -18,7 +18,16 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_kernels import assert_close, emulate, f32, from_kernel, needs_emu, needs_metal, to_dtype
+from test_kernels import (
+    _mx,
+    _np,
+    assert_close,
+    emulate,
+    f32,
+    needs_emu,
+    needs_metal,
+    to_dtype,
+)
 
 try:
     from metal_emu import KernelRuntimeError
@@ -294,16 +303,6 @@ def test_dispatch_under_emulation(emulated_metal, ctx, window, n_keys, launches)
 
 
 # ---------------------------------------------------------------- real Metal
-
-
-def _mx(t: np.ndarray, dtype: str) -> mx.array:
-    if t.dtype == np.uint16:  # bfloat16 bits
-        return mx.array(from_kernel(t, dtype)).astype(mx.bfloat16)
-    return mx.array(t)
-
-
-def _np(a: mx.array) -> np.ndarray:
-    return np.array(a.astype(mx.float32))
 
 
 @needs_metal
