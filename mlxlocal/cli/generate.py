@@ -117,15 +117,21 @@ def generate(
         pieces: list[str] = []
         tokens: list[int] = []
         stats = None
-        for chunk in engine.generate(ids, params):
-            pieces.append(chunk.text)
-            if chunk.token is not None:
-                tokens.append(chunk.token)
-            if chunk.stats is not None:
-                stats = chunk.stats
-            if not as_json and chunk.text:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+        try:
+            for chunk in engine.generate(ids, params):
+                pieces.append(chunk.text)
+                if chunk.token is not None:
+                    tokens.append(chunk.token)
+                if chunk.stats is not None:
+                    stats = chunk.stats
+                if not as_json and chunk.text:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            kv_bits = engine.kv_pool.get("kv_bits")
+        finally:
+            # The engine thread ends (and clears its MLX stream) before the interpreter does: a
+            # live worker stream at exit can abort the process ("terminate called ...": CI once).
+            engine.shutdown()
     except KVPrecisionError as e:  # the model's head_dim and --kv-group-size disagree
         fail(str(e), 2)
     except MlxLocalError as e:
@@ -135,7 +141,7 @@ def generate(
     if as_json:
         result = {"model": engine.info.name, "text": "".join(pieces), "tokens": tokens, **stats.as_dict(),
                   "acceptance_rate": acceptance_rate(stats) if spec else None, "synthetic": synthetic,
-                  "kv_bits": engine.kv_pool.get("kv_bits")}
+                  "kv_bits": kv_bits}
         print(json.dumps(result))
         return
     sys.stdout.write("\n")
