@@ -1,9 +1,9 @@
 """One rank of a pipeline-parallel check, started by mlx.launch (tests/test_pipeline_parallel.py).
 
-argv: PP MODEL_DIR...  Rank 0 loads each model over PP stages and, on its own, the whole
+argv: PP N1 N8 MODEL_DIR...  Rank 0 loads each model over PP stages and, on its own, the whole
 model (load(path, tp=1): the single-process path), runs the same greedy requests through
-both engines (batch 1, then 8 concurrent requests sharing a prefix: continuous batching and
-the prefix cache) and prints one JSON line per model. The other ranks follow rank 0 and print
+both engines (batch 1: N1 tokens, then 8 concurrent requests sharing a prefix: N8 tokens each, continuous
+batching and the prefix cache) and prints one JSON line per model. The other ranks follow rank 0 and print
 one JSON line when it releases them: their weight bytes per model and forwards run.
 """
 
@@ -55,19 +55,20 @@ def batch(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
-def lead(pp: int, paths: list[str]) -> None:
+def lead(pp: int, n1: int, n8: int, paths: list[str]) -> None:
     for path in paths:
         staged, whole = load(path, pp=pp), load(path, tp=1)
         engines = [open_engine(m, block_size=16, max_num_seqs=8) for m in (staged, whole)]
         prompts = [prompt_of(3 + 5 * i, i) for i in range(8)]
-        one = [generate(e, prompts[0], 20) for e in engines]
-        eight = [batch(e, prompts + [prompts[0]], 12) for e in engines]  # last one: a full prefix hit
-        stats = engines[0].stats()
+        one = [generate(e, prompts[0], n1) for e in engines]
+        eight = [batch(e, prompts + [prompts[0]], n8) for e in engines]  # last one: a full prefix hit
+        stats, runner = engines[0].stats(), engines[0].runner
         print(json.dumps({
             "model": os.path.basename(path), "batch1": one, "batch8": eight,
             "weight_bytes": weight_bytes(staged.model), "whole_bytes": weight_bytes(whole.model),
             "layers": [staged.shard.plan.start, staged.shard.plan.stop], "model_id": staged.shard.model,
-            "prefix_hit_tokens": stats.get("prefix_hit_tokens", stats.get("prefix_cache_hit_tokens")),
+            "prefix_hit_tokens": stats.get("prefix_hit_tokens"), "forwards": runner.forwards,
+            "micro_batches": runner.sent,
         }), flush=True)
         for e in engines:
             e.shutdown()
@@ -77,4 +78,4 @@ if __name__ == "__main__":
     if os.environ.get("MLX_RANK", "0") != "0":
         follow()
     else:
-        lead(int(sys.argv[1]), sys.argv[2:])
+        lead(*map(int, sys.argv[1:4]), sys.argv[4:])

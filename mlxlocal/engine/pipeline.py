@@ -72,6 +72,7 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
         self.pools = None
         self.micro_batches = micro_batches or self.plan.size
         self.hidden = loaded.model_config.hidden_size
+        self.forwards = self.sent = 0  # forwards run, micro-batches sent down the pipeline
 
     def run(self, pools, seqs, starts, inputs, every=False):
         parts = split(len(seqs), self.micro_batches)
@@ -89,6 +90,7 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
             for lo, hi in parts:
                 h = self.layers(pools, seqs[lo:hi], starts[lo:hi], embed(self.model, inputs[lo:hi]), not every)
                 mx.eval(mx.distributed.send(h.astype(self.dtype), 1, group=group))
+                self.sent += 1
             out = []
             for lo, hi in parts:
                 h = mx.distributed.recv((hi - lo, n if every else 1, self.hidden), self.dtype, size - 1, group=group)
@@ -98,6 +100,7 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
                 mx.eval(out[-1])
             logits = out[0] if len(out) == 1 else mx.concatenate(out)
             mx.eval(logits, pools.state())
+            self.forwards += 1
         return logits if every else logits[:, -1, :]
 
 
