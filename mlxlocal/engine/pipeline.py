@@ -16,6 +16,8 @@ builds the next, so while rank 1 works on micro-batch 1, rank 0 already works on
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
@@ -73,6 +75,9 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
         self.micro_batches = micro_batches or self.plan.size
         self.hidden = loaded.model_config.hidden_size
         self.forwards = self.sent = 0  # forwards run, micro-batches sent down the pipeline
+        # Seconds in rank 0's own stage (embed, layers, sends) and waiting for the pipeline's
+        # output (receives, head): the second is the other ranks' time plus the links'.
+        self.stage_seconds = self.wait_seconds = 0.0
 
     def run(self, pools, seqs, starts, inputs, every=False):
         parts = split(len(seqs), self.micro_batches)
@@ -87,10 +92,12 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
                 "windows": [s.window_table for s in seqs] if any(pools.windowed) else None,
             })
             size, group = self.plan.size, self.group
+            t0 = time.perf_counter()
             for lo, hi in parts:
                 h = self.layers(pools, seqs[lo:hi], starts[lo:hi], embed(self.model, inputs[lo:hi]), not every)
                 mx.eval(mx.distributed.send(h.astype(self.dtype), 1, group=group))
                 self.sent += 1
+            t1 = time.perf_counter()
             out = []
             for lo, hi in parts:
                 h = mx.distributed.recv((hi - lo, n if every else 1, self.hidden), self.dtype, size - 1, group=group)
@@ -101,6 +108,8 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
             logits = out[0] if len(out) == 1 else mx.concatenate(out)
             mx.eval(logits, pools.state())
             self.forwards += 1
+            self.stage_seconds += t1 - t0
+            self.wait_seconds += time.perf_counter() - t1
         return logits if every else logits[:, -1, :]
 
 
