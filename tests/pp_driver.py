@@ -3,7 +3,7 @@
 argv: PP N1 N8 MODEL_DIR...  Rank 0 loads each model over PP stages and, on its own, the whole
 model (load(path, tp=1): the single-process path), runs the same greedy requests through
 both engines (batch 1: N1 tokens, then 8 concurrent requests sharing a prefix: N8 tokens each, continuous
-batching and the prefix cache) and prints one JSON line per model. The other ranks follow rank 0 and print
+batching and the prefix cache) and prints one JSON line per model (and, for the first, one for a prompt-lookup speculative engine on the stages). The other ranks follow rank 0 and print
 one JSON line when it releases them: their weight bytes per model and forwards run.
 """
 
@@ -16,7 +16,7 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlxlocal.engine import SamplingParams, open_engine  # noqa: E402
+from mlxlocal.engine import SamplingParams, SpeculativeConfig, open_engine  # noqa: E402
 from mlxlocal.engine.parallel import Follower  # noqa: E402
 from mlxlocal.engine.pipeline import weight_bytes  # noqa: E402
 from mlxlocal.models.parallel import world  # noqa: E402
@@ -72,6 +72,13 @@ def lead(pp: int, n1: int, n8: int, paths: list[str]) -> None:
         }), flush=True)
         for e in engines:
             e.shutdown()
+        if path != paths[0]:
+            continue
+        # Speculative verification feeds several tokens and wants every position's logits.
+        spec = open_engine(staged, block_size=16, max_num_seqs=8, speculative=SpeculativeConfig("lookup"))
+        print(json.dumps({"lookup": generate(spec, prompts[0], n1), "spec_accepted": spec.stats()["spec_accepted"]}),
+              flush=True)
+        spec.shutdown()
 
 
 if __name__ == "__main__":

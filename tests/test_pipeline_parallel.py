@@ -50,7 +50,9 @@ def launch(ranks: int, pp: int, models: list[Path], n1: int, n8: int, timeout: f
         pytest.fail(f"{ranks} ranks did not finish within {timeout} s:\n{out[-2000:]}\n{errs[-4000:]}")
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-2000:]}\n{errs[-4000:]}"
-    return [x for x in lines if "model" in x], sorted((x for x in lines if "rank" in x), key=lambda x: x["rank"])
+    models = [x for x in lines if "model" in x]
+    models[0].update(next(x for x in lines if "lookup" in x))  # the first model's speculative run
+    return models, sorted((x for x in lines if "rank" in x), key=lambda x: x["rank"])
 
 
 def check(models: list[dict], followers: list[dict], ranks: int, layers: dict[str, int], n1: int, n8: int) -> None:
@@ -58,6 +60,8 @@ def check(models: list[dict], followers: list[dict], ranks: int, layers: dict[st
         name = m["model"]
         staged, whole = m["batch1"]
         assert staged == whole and len(staged) == n1, name
+        # Prompt lookup's verification: several tokens fed, every position's logits back.
+        assert m is not models[0] or (m["lookup"] == whole and m["spec_accepted"] > 0), name
         staged, whole = m["batch8"]
         assert staged == whole and all(len(t) == n8 for t in staged), name
         assert m["prefix_hit_tokens"] > 0, name  # the shared prefix was reused
@@ -78,10 +82,10 @@ def check(models: list[dict], followers: list[dict], ranks: int, layers: dict[st
 @needs_launch
 def test_two_ranks_match_single_process(tiny_models, four_layers):
     paths = [tiny_models[f] for f in FAMILY_CONFIGS] + [four_layers]
-    models, followers = launch(2, 2, paths, 16, 10)
+    models, followers = launch(2, 2, paths, 12, 8)
     assert [m["model"] for m in models] == [p.name for p in paths]
     assert len(followers) == 1 and followers[0]["forwards"] > 0
-    check(models, followers, 2, {**{f: 2 for f in FAMILY_CONFIGS}, "llama4": 4}, 16, 10)
+    check(models, followers, 2, {**{f: 2 for f in FAMILY_CONFIGS}, "llama4": 4}, 12, 8)
 
 
 @needs_launch
