@@ -86,6 +86,7 @@ def check(models: list[dict], followers: list[dict], ranks: int, layers: dict[st
         assert f["pool_layers"] == sorted({b - a for a, b in f["layers"].values()})
 
 
+@pytest.mark.slow  # launched ranks are subprocesses, like the other slow tests
 @needs_launch
 def test_two_ranks_match_single_process(tiny_models, four_layers, tmp_path):
     paths = [tiny_models[f] for f in FAMILY_CONFIGS] + [four_layers]
@@ -95,6 +96,7 @@ def test_two_ranks_match_single_process(tiny_models, four_layers, tmp_path):
     check(models, followers, 2, {**{f: 2 for f in FAMILY_CONFIGS}, "llama4": 4}, 10, 6)
 
 
+@pytest.mark.slow  # launched ranks are subprocesses, like the other slow tests
 @needs_launch
 def test_four_ranks_one_layer_each(four_layers, tmp_path):
     # Four ranks on this 2-core machine are slow (each Channel message is two all_sums
@@ -116,13 +118,15 @@ def test_plan_splits_contiguously_and_refuses_more_ranks_than_layers():
         PipelinePlan.of(cfg, 0, 8)
 
 
-def test_load_refuses_pp_with_tp_and_a_wrong_group_size(tiny_model):
+def test_load_refuses_pp_with_tp_a_wrong_group_size_and_mlx_lm_models(tiny_model, gemma_model):
     from mlxlocal.source.loader import load
 
     with pytest.raises(ModelLoadError, match=r"--pp 2 with --tp 2"):
         load(str(tiny_model), tp=2, pp=2)
     with pytest.raises(ModelLoadError, match=r"--pp 2 asks for 2 ranks.*group of 1"):
         load(str(tiny_model), pp=2)
+    with pytest.raises(ModelLoadError, match=r"--pp needs a native model.*'gemma'"):
+        load(str(gemma_model), pp=2)
 
 
 def test_selector_skip_leaves_tensors_out(tmp_path):
