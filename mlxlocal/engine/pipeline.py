@@ -102,8 +102,9 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
             for lo, hi in parts:
                 h = mx.distributed.recv((hi - lo, n if every else 1, self.hidden), self.dtype, size - 1, group=group)
                 out.append(head(self.model, h))
-                # One receive per evaluation: nothing orders two recvs within one graph, and
-                # the micro-batches' states arrive in order on the one link.
+                # One receive per evaluation: nothing orders two recvs within one graph (MLX
+                # ran three of one graph in reverse order, every time), and the micro-batches'
+                # states arrive in order on the one link. Sends likewise, one per evaluation.
                 mx.eval(out[-1])
             logits = out[0] if len(out) == 1 else mx.concatenate(out)
             mx.eval(logits, pools.state())
