@@ -138,6 +138,11 @@ class Follower:
     def _load(self, msg: dict) -> None:
         from mlxlocal.source.loader import load
 
+        if msg.get("pp"):  # a pipeline stage: engine/pipeline.py
+            from mlxlocal.engine.pipeline import StageRunner
+
+            self.runners[msg["model"]] = StageRunner(load(msg["spec"], pp=msg["pp"]))
+            return
         loaded = load(msg["spec"], tp=self.group.size())
         self.runners[msg["model"]] = NativeRunner(loaded.model, local_shapes(loaded), _windows(loaded))
 
@@ -168,6 +173,10 @@ class Follower:
 
     def _run(self, msg: dict) -> None:
         runner, pools = self.pools[msg["engine"]]
+        if msg.get("pp"):  # a pipeline stage: its layers, hidden states from/to its neighbours
+            runner.follow(pools, msg)
+            self.forwards += 1
+            return
         windows = msg["windows"] or [[] for _ in msg["tables"]]
         seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows)]
         logits = runner.run(pools, seqs, msg["starts"], mx.array(msg["tokens"], mx.uint32), msg["every"])
