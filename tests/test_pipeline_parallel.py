@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from cluster_util import mlx_launch
 from conftest import FAMILY_CONFIGS, build_tiny
 
 from mlxlocal.errors import ModelLoadError
@@ -34,10 +35,10 @@ def four_layers(tmp_path_factory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("pp") / "llama4", FOUR, template="llama3")
 
 
-def launch(tmp: Path, ranks: int, pp: int, paths: list[Path], n1: int, n8: int, timeout: float = 120) -> tuple[list[dict], list[dict]]:
+def launch(tmp: Path, ranks: int, pp: int, paths: list[Path], n1: int, n8: int, timeout: float = 240) -> tuple[list[dict], list[dict]]:
     """Run the driver on `ranks` ranks; (rank 0's line per model, the followers' lines).
     The whole process group is killed on timeout: a stuck rank never hangs the suite."""
-    cmd = [str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--python", sys.executable,
+    cmd = [*mlx_launch(ranks),
            str(REPO / "tests" / "pp_driver.py"), str(tmp), str(pp), str(n1), str(n8), *map(str, paths)]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

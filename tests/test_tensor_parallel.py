@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
+from cluster_util import mlx_launch
 from conftest import BASE, FAMILY_CONFIGS, TEMPLATES, build_tiny
 
 from mlxlocal.cluster import free_ports
@@ -36,31 +35,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-LAUNCH = str(Path(PYTHON).parent / "mlx.launch")
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), MLXLOCAL_LOG_LEVEL="WARNING")
-
-
-def port_run(n: int) -> int:
-    """The first of n consecutive loopback ports free now: mlx.launch's ring listens on
-    --starting-port + rank (its fixed default would collide with any other launch running)."""
-    while True:
-        start = random.randint(20000, 60000)
-        socks = []
-        try:
-            for port in range(start, start + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return start
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-
-
-def mlx_launch(n: int) -> list[str]:
-    return [LAUNCH, "--backend", "ring", "-n", str(n), "--starting-port", str(port_run(n)), "--python", PYTHON, "--"]
 
 
 def launch(n: int, *args: str, timeout: float = 240) -> list[dict]:
@@ -199,12 +174,15 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, env=ENV)
 
 
-def test_launch_cluster_generate_equals_one_process(tiny_model):
+@pytest.mark.parametrize("how", [[], ["--pp"]])
+def test_launch_cluster_generate_equals_one_process(tiny_model, how):
+    """`launch-cluster -n 2` (heads) and `-n 2 --pp` (layers): the one-process greedy tokens."""
     args = ["generate", "-m", str(tiny_model), "--max-tokens", "12", "--temp", "0", "-p", "hello there", "--json"]
     one = cli(*args)
-    two = cli("launch-cluster", "-n", "2", "--", *args)
+    two = cli("launch-cluster", "-n", "2", *how, "--", *args)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout)["tokens"] == json.loads(one.stdout)["tokens"]
+    assert len(json.loads(one.stdout)["tokens"]) == 12
 
 
 @pytest.mark.parametrize("args,message", [

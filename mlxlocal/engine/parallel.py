@@ -81,8 +81,9 @@ def _windows(loaded) -> list[int | None]:
 class LeaderRunner(NativeRunner):
     """NativeRunner on rank 0: every forward is announced to the followers first."""
 
-    def __init__(self, loaded):
-        super().__init__(loaded.model, local_shapes(loaded), _windows(loaded))
+    def __init__(self, loaded, shapes: list[KVShape] | None = None, windows: list[int | None] | None = None):
+        # shapes / windows: what this rank's pools hold (default: its KV heads of every layer).
+        super().__init__(loaded.model, shapes or local_shapes(loaded), windows or _windows(loaded))
         self.model_id = loaded.shard.model
         self.channel: Channel | None = Channel(loaded.shard.group)
         self.pools: MirroredPools | None = None

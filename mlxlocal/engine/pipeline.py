@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 
 from mlxlocal.cache import KVPools, KVShape, PagedLayerView
 from mlxlocal.engine.parallel import LeaderRunner, _Rows
-from mlxlocal.engine.runner import NativeRunner, step_batch
+from mlxlocal.engine.runner import step_batch
 from mlxlocal.models.parallel import Channel
 from mlxlocal.models.pipeline import PipelinePlan, embed, head, run_layers
 
@@ -67,11 +67,8 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
     every rank has one to work on); a prefill (one sequence) is never cut."""
 
     def __init__(self, loaded, micro_batches: int | None = None):
-        NativeRunner.__init__(self, loaded.model, *stage_layout(loaded))
+        LeaderRunner.__init__(self, loaded, *stage_layout(loaded))
         self.plan, self.group = loaded.shard.plan, loaded.shard.group
-        self.model_id = loaded.shard.model
-        self.channel: Channel | None = Channel(self.group)
-        self.pools = None
         self.micro_batches = micro_batches or self.plan.size
         self.hidden = loaded.model_config.hidden_size
         self.forwards = self.sent = 0  # forwards run, micro-batches sent down the pipeline
@@ -83,8 +80,9 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
         parts = split(len(seqs), self.micro_batches)
         n = inputs.shape[1]
         # As under tensor parallelism: the message and the whole forward under the channel's
-        # lock, so two engines' sends and receives never interleave.
-        with Channel.lock:
+        # lock, so two engines' sends and receives never interleave; waits watched (a stage
+        # that stops answering stops the engine), a lost link a ClusterError.
+        with Channel.turn():
             self.channel.send({
                 "op": "run", "pp": True, "engine": pools.engine, "starts": starts, "n": n, "every": every,
                 "parts": parts, "dtype": str(self.dtype).rsplit(".", 1)[-1],
@@ -95,7 +93,7 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
             t0 = time.perf_counter()
             for lo, hi in parts:
                 h = self.layers(pools, seqs[lo:hi], starts[lo:hi], embed(self.model, inputs[lo:hi]), not every)
-                mx.eval(mx.distributed.send(h.astype(self.dtype), 1, group=group))
+                Channel.evaluate(mx.distributed.send(h.astype(self.dtype), 1, group=group))
                 self.sent += 1
             t1 = time.perf_counter()
             out = []
@@ -105,9 +103,9 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
                 # One receive per evaluation: nothing orders two recvs within one graph (MLX
                 # ran three of one graph in reverse order, every time), and the micro-batches'
                 # states arrive in order on the one link. Sends likewise, one per evaluation.
-                mx.eval(out[-1])
+                Channel.evaluate(out[-1])
             logits = out[0] if len(out) == 1 else mx.concatenate(out)
-            mx.eval(logits, pools.state())
+            Channel.evaluate(logits, pools.state())
             self.forwards += 1
             self.stage_seconds += t1 - t0
             self.wait_seconds += time.perf_counter() - t1
@@ -133,8 +131,8 @@ class StageRunner(_Stage):
         for lo, hi in msg["parts"]:
             h = mx.distributed.recv((hi - lo, n, self.hidden), dtype, rank - 1, group=group)
             h = self.layers(pools, seqs[lo:hi], starts[lo:hi], h, not msg["every"])
-            mx.eval(mx.distributed.send(h.astype(dtype), (rank + 1) % size, group=group))
-        mx.eval(pools.state())
+            Channel.evaluate(mx.distributed.send(h.astype(dtype), (rank + 1) % size, group=group), watch=False)
+        Channel.evaluate(pools.state(), watch=False)
 
 
 __all__ = ["PipelineLeaderRunner", "StageRunner", "split", "stage_layout", "weight_bytes"]

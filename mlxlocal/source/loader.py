@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,11 +240,13 @@ def load(spec: str, tp: int | None = None, pp: int | None = None) -> LoadedModel
     `tp`: tensor-parallel ranks; None means every rank of the launch this process is part of
     (1 when not launched). With tp > 1 this is rank 0's shard, and the other ranks are told to
     load theirs (they follow rank 0: engine/parallel.py).
-    `pp`: pipeline stages (layer ranges, engine/pipeline.py); not combined with tp > 1."""
+    `pp`: pipeline stages (layer ranges, engine/pipeline.py); None means MLXLOCAL_PP under a
+    launch (launch-cluster --pp N sets it), else 1; not combined with tp > 1."""
     from mlxlocal.models.parallel import announce_load, launched, world
     from mlxlocal.source import hub  # imported here: huggingface_hub is slow to import
 
-    pp = pp or 1
+    if pp is None:  # launch-cluster --pp N (or MLXLOCAL_PP under mlx.launch): pipeline stages
+        pp = _env_pp() if launched() else 1
     if pp > 1 and tp not in (None, 1):
         raise ModelLoadError(f"--pp {pp} with --tp {tp}: pipeline and tensor parallelism cannot be "
                              "combined yet; use one of them over all the ranks")
@@ -260,6 +263,13 @@ def load(spec: str, tp: int | None = None, pp: int | None = None) -> LoadedModel
     if model_id is not None:
         loaded.shard.model = model_id
     return loaded
+
+
+def _env_pp() -> int:
+    value = os.environ.get("MLXLOCAL_PP", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ModelLoadError(f"MLXLOCAL_PP must be a whole number of pipeline stages >= 1, not {value!r}")
+    return int(value)
 
 
 def load_from_gguf(path: Path, name: str | None = None, source: str = "local", tp: int = 1,
