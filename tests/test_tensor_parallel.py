@@ -208,16 +208,22 @@ def test_show_prints_the_plan(tiny_models):
     assert bad.returncode == 1 and "divisible by 3: 4 attention heads" in bad.stderr
 
 
-def test_bench_under_a_cluster_reports_ranks_and_links(tiny_models):
-    out = cli("launch-cluster", "-n", "2", "--", "bench", "-m", str(tiny_models["qwen3"]), "-p", "32", "-g", "16",
-              "--repeats", "1", "--warmup", "0", "--json", timeout=240)
+@pytest.mark.parametrize("how", [[], ["--pp"]])
+def test_bench_under_a_cluster_reports_ranks_and_links(tiny_models, how):
+    out = cli("launch-cluster", "-n", "2", *how, "--", "bench", "-m", str(tiny_models["qwen3"]), "-p", "32",
+              "-g", "16", "--repeats", "1", "--warmup", "0", "--json", timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     speed = json.loads(out.stdout)["speed"]
     c = speed["cluster"]
-    assert c["ranks"] == 2 and c["weight_bytes"][0] == c["weight_bytes"][1] > 0
+    assert c["ranks"] == 2 and all(w > 0 for w in c["weight_bytes"])
     assert all(p > 0 for p in c["peak_memory_bytes"]) and c["comm_s_per_step"] > 0
-    assert c["all_sums_per_step"] == 2 * FAMILY_CONFIGS["qwen3"]["num_hidden_layers"]
-    assert c["link_bytes_per_step"] == 4 * 1 * 64 * 4 * 2 * 1 // 2  # 4 all_sums of [1, 64] fp32, ring halves
+    if how:  # one layer each: rank 0 also holds the (tied) embedding
+        assert c["mode"] == "pipeline" and c["weight_bytes"][0] > c["weight_bytes"][1]
+        assert c["collectives_per_step"] == 1 and c["link_bytes_per_step"] == 1 * 64 * 4  # [1, 64] fp32 per link
+    else:
+        assert c["mode"] == "tensor" and c["weight_bytes"][0] == c["weight_bytes"][1]
+        assert c["collectives_per_step"] == 2 * FAMILY_CONFIGS["qwen3"]["num_hidden_layers"]
+        assert c["link_bytes_per_step"] == 4 * 1 * 64 * 4 * 2 * 1 // 2  # 4 all_sums of [1, 64] fp32, ring halves
     roof = speed["roofline"]
     assert roof["comm_s_per_token"] == c["comm_s_per_step"] and roof["weight_bytes"] == c["weight_bytes"][0]
 
