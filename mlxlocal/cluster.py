@@ -108,6 +108,18 @@ def _end(followers: list[subprocess.Popen]) -> None:
                 p.kill()
 
 
+def hosts_in(hostfile: str) -> int:
+    """How many ranks an mlx.launch hostfile describes (a JSON list of hosts)."""
+    try:
+        with open(hostfile) as f:
+            hosts = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{hostfile}: cannot read the hostfile ({e})") from None
+    if not isinstance(hosts, list) or not hosts:
+        raise ValueError(f"{hostfile}: expected a JSON list of hosts")
+    return len(hosts)
+
+
 def run_hosts(hostfile: str, argv: Sequence[str], python: str | None = None) -> int:
     """Run `mlxlocal argv` on the hosts of `hostfile` through mlx.launch (ring backend)."""
     launcher = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executable), "mlx.launch")
@@ -115,4 +127,4 @@ def run_hosts(hostfile: str, argv: Sequence[str], python: str | None = None) -> 
                             "--python", python or sys.executable, "--", "-m", "mlxlocal", *argv])
 
 
-__all__ = ["free_ports", "ring_hostfile", "run_hosts", "run_local"]
+__all__ = ["free_ports", "hosts_in", "ring_hostfile", "run_hosts", "run_local"]

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
+from cluster_util import mlx_launch
 from conftest import BASE, FAMILY_CONFIGS, TEMPLATES, build_tiny
 
 from mlxlocal.cluster import free_ports
@@ -36,31 +35,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-LAUNCH = str(Path(PYTHON).parent / "mlx.launch")
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), MLXLOCAL_LOG_LEVEL="WARNING")
-
-
-def port_run(n: int) -> int:
-    """The first of n consecutive loopback ports free now: mlx.launch's ring listens on
-    --starting-port + rank (its fixed default would collide with any other launch running)."""
-    while True:
-        start = random.randint(20000, 60000)
-        socks = []
-        try:
-            for port in range(start, start + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return start
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-
-
-def mlx_launch(n: int) -> list[str]:
-    return [LAUNCH, "--backend", "ring", "-n", str(n), "--starting-port", str(port_run(n)), "--python", PYTHON, "--"]
 
 
 def launch(n: int, *args: str, timeout: float = 240) -> list[dict]:
@@ -199,12 +174,15 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, env=ENV)
 
 
-def test_launch_cluster_generate_equals_one_process(tiny_model):
+@pytest.mark.parametrize("how", [[], ["--pp"]])
+def test_launch_cluster_generate_equals_one_process(tiny_model, how):
+    """`launch-cluster -n 2` (heads) and `-n 2 --pp` (layers): the one-process greedy tokens."""
     args = ["generate", "-m", str(tiny_model), "--max-tokens", "12", "--temp", "0", "-p", "hello there", "--json"]
     one = cli(*args)
-    two = cli("launch-cluster", "-n", "2", "--", *args)
+    two = cli("launch-cluster", "-n", "2", *how, "--", *args)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout)["tokens"] == json.loads(one.stdout)["tokens"]
+    assert len(json.loads(one.stdout)["tokens"]) == 12
 
 
 @pytest.mark.parametrize("args,message", [
@@ -230,16 +208,22 @@ def test_show_prints_the_plan(tiny_models):
     assert bad.returncode == 1 and "divisible by 3: 4 attention heads" in bad.stderr
 
 
-def test_bench_under_a_cluster_reports_ranks_and_links(tiny_models):
-    out = cli("launch-cluster", "-n", "2", "--", "bench", "-m", str(tiny_models["qwen3"]), "-p", "32", "-g", "16",
-              "--repeats", "1", "--warmup", "0", "--json", timeout=240)
+@pytest.mark.parametrize("how", [[], ["--pp"]])
+def test_bench_under_a_cluster_reports_ranks_and_links(tiny_models, how):
+    out = cli("launch-cluster", "-n", "2", *how, "--", "bench", "-m", str(tiny_models["qwen3"]), "-p", "32",
+              "-g", "16", "--repeats", "1", "--warmup", "0", "--json", timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     speed = json.loads(out.stdout)["speed"]
     c = speed["cluster"]
-    assert c["ranks"] == 2 and c["weight_bytes"][0] == c["weight_bytes"][1] > 0
+    assert c["ranks"] == 2 and all(w > 0 for w in c["weight_bytes"])
     assert all(p > 0 for p in c["peak_memory_bytes"]) and c["comm_s_per_step"] > 0
-    assert c["all_sums_per_step"] == 2 * FAMILY_CONFIGS["qwen3"]["num_hidden_layers"]
-    assert c["link_bytes_per_step"] == 4 * 1 * 64 * 4 * 2 * 1 // 2  # 4 all_sums of [1, 64] fp32, ring halves
+    if how:  # one layer each: rank 0 also holds the (tied) embedding
+        assert c["mode"] == "pipeline" and c["weight_bytes"][0] > c["weight_bytes"][1]
+        assert c["collectives_per_step"] == 1 and c["link_bytes_per_step"] == 1 * 64 * 4  # [1, 64] fp32 per link
+    else:
+        assert c["mode"] == "tensor" and c["weight_bytes"][0] == c["weight_bytes"][1]
+        assert c["collectives_per_step"] == 2 * FAMILY_CONFIGS["qwen3"]["num_hidden_layers"]
+        assert c["link_bytes_per_step"] == 4 * 1 * 64 * 4 * 2 * 1 // 2  # 4 all_sums of [1, 64] fp32, ring halves
     roof = speed["roofline"]
     assert roof["comm_s_per_token"] == c["comm_s_per_step"] and roof["weight_bytes"] == c["weight_bytes"][0]
 

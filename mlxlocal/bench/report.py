@@ -145,7 +145,8 @@ def print_speed(s: dict, con: Console) -> None:
 
 def print_cluster(c: dict, con: Console) -> None:
     """bench under a launch: what each rank holds and what the links cost per decode step."""
-    t = Table(title=f"tensor parallel over {c['ranks']} ranks")
+    split = "heads (tensor parallel)" if c["mode"] == "tensor" else "layers (pipeline parallel)"
+    t = Table(title=f"{c['ranks']} ranks, the model split by {split}")
     t.add_column("rank")
     t.add_column("weights", justify="right")
     t.add_column("peak memory", justify="right")
@@ -153,9 +154,11 @@ def print_cluster(c: dict, con: Console) -> None:
         t.add_row(str(rank), _mib(w), _mib(peak))
     con.print(t)
     share = f" ({c['comm_fraction']:.0%} of a decode step)" if c.get("comm_fraction") is not None else ""
-    con.print(f"communication per decode step: {c['comm_s_per_step'] * 1e3:.2f} ms{share}: {c['all_sums_per_step']} "
-              f"all_sums of the activations ({c['link_bytes_per_step'] / 1024:.1f} KiB through each rank's link) "
-              f"and the step's message to the followers ({c['message_s_per_step'] * 1e3:.2f} ms), timed alone")
+    what = (f"{c['collectives_per_step']} all_sums of the activations" if c["mode"] == "tensor"
+            else "the hidden state once around the ring")
+    con.print(f"communication per decode step: {c['comm_s_per_step'] * 1e3:.2f} ms{share}: {what} "
+              f"({c['link_bytes_per_step'] / 1024:.1f} KiB through each rank's link) and the step's message "
+              f"to the followers ({c['message_s_per_step'] * 1e3:.2f} ms), timed alone")
 
 
 def print_agent(a: dict, con: Console) -> None:

@@ -4,6 +4,7 @@ The logic lives in mlxlocal.cluster; this module is the command's options and er
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
@@ -14,6 +15,7 @@ HELP = """Run an mlxlocal command on N ranks of MLX's ring backend, the model sp
 (tensor parallel). Rank 0 runs the command (terminal, HTTP); the others follow its steps.
 
   mlxlocal launch-cluster -n 2 -- serve -m qwen3-8b
+  mlxlocal launch-cluster -n 2 --pp -- generate -m qwen3-8b -p "hi"
   mlxlocal launch-cluster --hostfile hosts.json -- chat -m llama-3.3-70b
 
 -n starts the ranks on this machine (loopback); --hostfile runs them on several Macs
@@ -25,7 +27,10 @@ def register(app: typer.Typer) -> None:
                  context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def launch_cluster(
         ctx: typer.Context,
-        ranks: Optional[int] = typer.Option(None, "-n", "--ranks", help="Ranks on this machine (loopback)"),
+        ranks: Optional[int] = typer.Option(None, "-n", "--ranks", "--tp", help="Ranks on this machine (loopback); "
+                                            "the model is split across them by heads (tensor parallel)"),
+        pp: bool = typer.Option(False, "--pp", help="Split the model by layers instead (pipeline parallel: "
+                                "one range of layers per rank; for slow links)"),
         hostfile: Optional[str] = typer.Option(None, "--hostfile", help="mlx.launch hostfile (several machines)"),
         python: Optional[str] = typer.Option(None, "--python", help="Python to run the ranks with"),
     ) -> None:
@@ -40,5 +45,10 @@ def register(app: typer.Typer) -> None:
             fail("give either -n N (ranks on this machine) or --hostfile FILE", 2)
         if ranks is not None and ranks < 2:
             fail(f"-n must be at least 2 (got {ranks})", 2)
+        if pp:  # read by every rank's loader (models are split by layers)
+            try:
+                os.environ["MLXLOCAL_PP"] = str(ranks or cluster.hosts_in(hostfile))
+            except ValueError as e:
+                fail(str(e), 2)
         code = cluster.run_local(ranks, argv, python) if ranks else cluster.run_hosts(hostfile, argv, python)
         raise typer.Exit(code)

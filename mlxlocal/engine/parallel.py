@@ -81,8 +81,9 @@ def _windows(loaded) -> list[int | None]:
 class LeaderRunner(NativeRunner):
     """NativeRunner on rank 0: every forward is announced to the followers first."""
 
-    def __init__(self, loaded):
-        super().__init__(loaded.model, local_shapes(loaded), _windows(loaded))
+    def __init__(self, loaded, shapes: list[KVShape] | None = None, windows: list[int | None] | None = None):
+        # shapes / windows: what this rank's pools hold (default: its KV heads of every layer).
+        super().__init__(loaded.model, shapes or local_shapes(loaded), windows or _windows(loaded))
         self.model_id = loaded.shard.model
         self.channel: Channel | None = Channel(loaded.shard.group)
         self.pools: MirroredPools | None = None
@@ -138,6 +139,11 @@ class Follower:
     def _load(self, msg: dict) -> None:
         from mlxlocal.source.loader import load
 
+        if msg.get("pp"):  # a pipeline stage: engine/pipeline.py
+            from mlxlocal.engine.pipeline import StageRunner
+
+            self.runners[msg["model"]] = StageRunner(load(msg["spec"], pp=msg["pp"]))
+            return
         loaded = load(msg["spec"], tp=self.group.size())
         self.runners[msg["model"]] = NativeRunner(loaded.model, local_shapes(loaded), _windows(loaded))
 
@@ -157,7 +163,7 @@ class Follower:
         pass
 
     def _probe(self, msg: dict) -> None:
-        all_sum_probe(self.group, msg["shape"], msg["dtype"], msg["count"])
+        all_sum_probe(self.group, msg["shape"], msg["dtype"], msg["count"], msg.get("ring", False))
 
     def _report(self, msg: dict) -> None:
         gather_rank_numbers(self.group, self._numbers())
@@ -168,6 +174,10 @@ class Follower:
 
     def _run(self, msg: dict) -> None:
         runner, pools = self.pools[msg["engine"]]
+        if msg.get("pp"):  # a pipeline stage: its layers, hidden states from/to its neighbours
+            runner.follow(pools, msg)
+            self.forwards += 1
+            return
         windows = msg["windows"] or [[] for _ in msg["tables"]]
         seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows)]
         logits = runner.run(pools, seqs, msg["starts"], mx.array(msg["tokens"], mx.uint32), msg["every"])
@@ -188,13 +198,23 @@ def follower_main() -> int:
     return 0
 
 
-def all_sum_probe(group, shape: list[int], dtype: str, count: int) -> float:
-    """`count` all_sums of one shape, one after the other (every rank runs the same): seconds."""
+def all_sum_probe(group, shape: list[int], dtype: str, count: int, ring: bool = False) -> float:
+    """`count` all_sums of one shape, one after the other (every rank runs the same), or with
+    `ring` `count` trips of one array around the ring (a pipeline's hidden state): seconds."""
     x = mx.zeros(shape, getattr(mx, dtype))
     mx.eval(x)
+    rank, n, watch = group.rank(), group.size(), group.rank() == 0
     t0 = time.perf_counter()
     for _ in range(count):
-        Channel.evaluate(mx.distributed.all_sum(x, group=group), watch=group.rank() == 0)
+        if not ring:
+            Channel.evaluate(mx.distributed.all_sum(x, group=group), watch=watch)
+            continue
+        if rank != 0:  # each hop evaluated alone: two receives in one graph are not ordered
+            x = mx.distributed.recv_like(x, rank - 1, group=group)
+            Channel.evaluate(x, watch=False)
+        Channel.evaluate(mx.distributed.send(x, (rank + 1) % n, group=group), watch=watch)
+        if rank == 0:
+            Channel.evaluate(mx.distributed.recv_like(x, n - 1, group=group))
     return time.perf_counter() - t0
 
 
@@ -210,13 +230,15 @@ def gather_rank_numbers(group, numbers: list[int]) -> list[list[int]]:
 
 def cluster_report(loaded, batch: int, repeats: int = 5) -> dict:
     """Rank 0 (`bench` under a launch): each rank's peak memory and weight bytes, and the time one
-    decode step spends in communication: its 2 all_sums per layer of [batch, hidden] and the step's
-    message to the followers, timed alone (every rank running them), medians of `repeats`."""
+    decode step spends in communication, timed alone (every rank taking part), medians of
+    `repeats`: tensor parallel, its 2 all_sums per layer of [batch, hidden]; pipeline, one trip
+    of [batch, hidden] around the ring; both, the step's message to the followers."""
     import statistics
 
     group, mc = loaded.shard.group, loaded.model_config
+    pipeline = hasattr(loaded.shard.plan, "prune")
     dtype = str(loaded.model.model.embed_tokens.weight.dtype).rsplit(".", 1)[-1]
-    shape, count = [batch, 1, mc.hidden_size], 2 * mc.num_hidden_layers
+    shape, count = [batch, 1, mc.hidden_size], 1 if pipeline else 2 * mc.num_hidden_layers
     channel = Channel(group)
     with Channel.turn():
         channel.send({"op": "report"})
@@ -224,20 +246,22 @@ def cluster_report(loaded, batch: int, repeats: int = 5) -> dict:
         ranks = gather_rank_numbers(group, [mx.get_peak_memory(), weights])
         times, sends = [], []
         for _ in range(repeats):
-            channel.send({"op": "probe", "shape": shape, "dtype": dtype, "count": count})
-            times.append(all_sum_probe(group, shape, dtype, count))
+            channel.send({"op": "probe", "shape": shape, "dtype": dtype, "count": count, "ring": pipeline})
+            times.append(all_sum_probe(group, shape, dtype, count, pipeline))
             # The step's own message (block tables and tokens of `batch` sequences, ~100 B each).
             t0 = time.perf_counter()
             channel.send({"op": "noop", "pad": "x" * 100 * batch})
             sends.append(time.perf_counter() - t0)
     itemsize = mx.zeros((1,), getattr(mx, dtype)).itemsize
-    n = group.size()
+    n, payload = group.size(), batch * mc.hidden_size * itemsize
     return {
-        "ranks": n, "peak_memory_bytes": [r[0] for r in ranks], "weight_bytes": [r[1] for r in ranks],
-        "comm_s_per_step": statistics.median(times) + statistics.median(sends), "all_sums_per_step": count,
-        "message_s_per_step": statistics.median(sends),
-        # A ring all-reduce moves 2 (n - 1) / n of the buffer through each rank's link.
-        "link_bytes_per_step": int(count * batch * mc.hidden_size * itemsize * 2 * (n - 1) / n),
+        "ranks": n, "mode": "pipeline" if pipeline else "tensor", "peak_memory_bytes": [r[0] for r in ranks],
+        "weight_bytes": [r[1] for r in ranks],
+        "comm_s_per_step": statistics.median(times) + statistics.median(sends),
+        "collectives_per_step": count, "message_s_per_step": statistics.median(sends),
+        # A ring all-reduce moves 2 (n - 1) / n of the buffer through each rank's link; a
+        # pipeline sends its hidden state once over each link.
+        "link_bytes_per_step": int(payload if pipeline else count * payload * 2 * (n - 1) / n),
     }
 
 

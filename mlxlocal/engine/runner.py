@@ -177,6 +177,10 @@ class MlxLmRunner:
 def make_runner(loaded) -> NativeRunner | MlxLmRunner:
     """The runner for a loaded model; raises NotPageable when its cache cannot be paged."""
     mc = loaded.model_config
+    if getattr(loaded, "shard", None) is not None and hasattr(loaded.shard.plan, "prune"):
+        from mlxlocal.engine.pipeline import PipelineLeaderRunner  # imports this module
+
+        return PipelineLeaderRunner(loaded)
     if getattr(loaded, "shard", None) is not None:
         from mlxlocal.engine.parallel import LeaderRunner  # imports this module
 

@@ -269,13 +269,14 @@ class Channel:
 _announced: list[str] = []  # model specs rank 0 told the followers to load, in order
 
 
-def announce_load(group: mx.distributed.Group, spec: str) -> int:
-    """Rank 0: tell the followers to load their shards of `spec`; returns the model's id in
-    the messages that follow. The first call also arranges that they exit with this process."""
+def announce_load(group: mx.distributed.Group, spec: str, **how) -> int:
+    """Rank 0: tell the followers to load their shards of `spec` (`how`: e.g. pp=N, pipeline
+    stages); returns the model's id in the messages that follow. The first call also
+    arranges that they exit with this process."""
     if not _announced:
         atexit.register(release, group)
     _announced.append(spec)
-    Channel(group).send({"op": "load", "model": len(_announced) - 1, "spec": spec})
+    Channel(group).send({"op": "load", "model": len(_announced) - 1, "spec": spec, **how})
     return len(_announced) - 1
 
 

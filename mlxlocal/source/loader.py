@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,11 +90,13 @@ def describe_quantization(config: dict[str, Any]) -> str:
     return text + (f", {overrides} per-layer overrides" if overrides else "")
 
 
-def load_from_dir(path: Path, name: str | None = None, source: str = "local", tp: int = 1) -> LoadedModel:
+def load_from_dir(path: Path, name: str | None = None, source: str = "local", tp: int = 1,
+                  pp: int = 1) -> LoadedModel:
     t0 = time.perf_counter()
     config = read_config_file(path)
     awq_gptq = config.get("quantization_config", {}).get("quant_method") in ("awq", "gptq")
-    shard = _tensor_parallel(config, str(path / "config.json"), tp, awq_gptq)
+    shard = (_pipeline_parallel(config, str(path / "config.json"), pp) if pp > 1
+             else _tensor_parallel(config, str(path / "config.json"), tp, awq_gptq))
     weights, report = load_model_weights(path, select=shard.plan.slicer if shard else None)
     notes: list[str] = []
     if awq_gptq and "quantization" not in config:
@@ -134,13 +137,31 @@ def _tensor_parallel(config: dict[str, Any], config_path: str, tp: int, awq_gptq
     return Shard(TensorPlan.of(parse_config(config, config_path), group.rank(), tp), group)
 
 
+def _pipeline_parallel(config: dict[str, Any], config_path: str, pp: int) -> Shard:
+    """This rank's layers of `pp` pipeline stages (models/pipeline.py)."""
+    from mlxlocal.models.config import parse_config
+    from mlxlocal.models.parallel import world
+    from mlxlocal.models.pipeline import PipelinePlan
+
+    if not is_native(config.get("model_type")):
+        raise ModelLoadError(f"{config_path}: --pp needs a native model (llama, mistral, qwen2, qwen3); "
+                             f"model_type '{config.get('model_type')}' runs through mlx-lm")
+    group = world()
+    if group.size() != pp:
+        raise ModelLoadError(f"--pp {pp} asks for {pp} ranks, but this process runs in a group of "
+                             f"{group.size()} (start it with `mlx.launch -n {pp} ...`)")
+    return Shard(PipelinePlan.of(parse_config(config, config_path), group.rank(), pp), group)
+
+
 def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], make_tokenizer,
              report: WeightsReport, name: str, source: str, t0: float, notes: list[str],
              config_path: str, shard: Shard | None = None) -> LoadedModel:
     """Config + weights (any source format, already MLX) -> a loaded model and its info;
     with `shard`, this rank's part of a tensor-parallel model (weights already sliced)."""
     model, model_config = build_model(config, weights, config_path)
-    if shard is not None:
+    if shard is not None and hasattr(shard.plan, "prune"):  # pipeline stage: its layers only
+        shard.plan.prune(model)
+    elif shard is not None:
         from mlxlocal.models.parallel import shard_model
 
         shard_model(model, shard.plan, shard.group)
@@ -213,29 +234,46 @@ def _load_weights_strict(model: nn.Module, weights: dict[str, mx.array], path: P
     model.load_weights(list(weights.items()), strict=True)
 
 
-def load(spec: str, tp: int | None = None) -> LoadedModel:
+def load(spec: str, tp: int | None = None, pp: int | None = None) -> LoadedModel:
     """Load `spec`: a local dir, a catalog alias, a HF repo id or synthetic:NAME.
 
     `tp`: tensor-parallel ranks; None means every rank of the launch this process is part of
     (1 when not launched). With tp > 1 this is rank 0's shard, and the other ranks are told to
-    load theirs (they follow rank 0: engine/parallel.py)."""
+    load theirs (they follow rank 0: engine/parallel.py).
+    `pp`: pipeline stages (layer ranges, engine/pipeline.py); None means MLXLOCAL_PP under a
+    launch (launch-cluster --pp N sets it), else 1; not combined with tp > 1."""
     from mlxlocal.models.parallel import announce_load, launched, world
     from mlxlocal.source import hub  # imported here: huggingface_hub is slow to import
 
+    if pp is None:  # launch-cluster --pp N (or MLXLOCAL_PP under mlx.launch): pipeline stages
+        pp = _env_pp() if launched() else 1
+    if pp > 1 and tp not in (None, 1):
+        raise ModelLoadError(f"--pp {pp} with --tp {tp}: pipeline and tensor parallelism cannot be "
+                             "combined yet; use one of them over all the ranks")
     if tp is None:
-        tp = world().size() if launched() else 1
+        tp = 1 if pp > 1 else world().size() if launched() else 1
     resolved = hub.resolve(spec)
     model_id = announce_load(world(tp), spec) if tp > 1 and world(tp).rank() == 0 else None
+    if pp > 1 and world().rank() == 0 and world().size() == pp:
+        model_id = announce_load(world(), spec, pp=pp)
     if resolved.path.is_file():  # hub.resolve returns a file only for GGUF
-        loaded = load_from_gguf(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
+        loaded = load_from_gguf(resolved.path, name=resolved.name, source=resolved.source, tp=tp, pp=pp)
     else:
-        loaded = load_from_dir(resolved.path, name=resolved.name, source=resolved.source, tp=tp)
+        loaded = load_from_dir(resolved.path, name=resolved.name, source=resolved.source, tp=tp, pp=pp)
     if model_id is not None:
         loaded.shard.model = model_id
     return loaded
 
 
-def load_from_gguf(path: Path, name: str | None = None, source: str = "local", tp: int = 1) -> LoadedModel:
+def _env_pp() -> int:
+    value = os.environ.get("MLXLOCAL_PP", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ModelLoadError(f"MLXLOCAL_PP must be a whole number of pipeline stages >= 1, not {value!r}")
+    return int(value)
+
+
+def load_from_gguf(path: Path, name: str | None = None, source: str = "local", tp: int = 1,
+                   pp: int = 1) -> LoadedModel:
     """A llama-family GGUF file: config, weights (MLX affine) and tokenizer from the file."""
     from mlxlocal.weights.gguf import load_gguf
     from mlxlocal.weights.gguf import load_tokenizer as load_gguf_tokenizer
@@ -243,8 +281,10 @@ def load_from_gguf(path: Path, name: str | None = None, source: str = "local", t
     t0 = time.perf_counter()
     ckpt = load_gguf(path)
     config, weights = ckpt.config, ckpt.weights
-    shard = _tensor_parallel(config, str(path), tp, False)
-    if shard is not None:  # GGUF blocks are converted whole: the shard is cut after conversion
+    shard = _pipeline_parallel(config, str(path), pp) if pp > 1 else _tensor_parallel(config, str(path), tp, False)
+    if shard is not None and pp > 1:  # converted whole, then other stages' tensors dropped
+        weights = {k: v for k, v in weights.items() if shard.plan.slicer(k, tuple(v.shape)) is None}
+    elif shard is not None:  # GGUF blocks are converted whole: the shard is cut after conversion
         weights = {k: mx.contiguous(v[part]) if (part := shard.plan.slicer(k, tuple(v.shape))) else v
                    for k, v in weights.items()}
     params_by_dtype: dict[str, int] = {}

@@ -20,8 +20,16 @@ import numpy as np
 
 from mlxlocal.errors import WeightFileError
 
-# name, shape -> the slices of that tensor to load (None: all of it)
-Selector = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
+# name, shape -> the slices of that tensor to load (None: all of it; SKIP: none, not read)
+Selector = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None | _Skip"]
+
+
+class _Skip:
+    def __repr__(self) -> str:
+        return "SKIP"
+
+
+SKIP = _Skip()  # a Selector's answer for a tensor this process does not hold (pipeline stages)
 
 # A real header is a few hundred KiB at most; a bigger claim is corruption or an attack.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -268,7 +276,7 @@ def load_tensors(path: str | os.PathLike[str], adopt: bool | None = None,
     adopt=None tries zero-copy adoption only when Metal is available; True always tries
     (falling back to a copy on failure); False always copies. `select(name, shape)` may
     return the slices of a tensor to load (tensor parallelism: a rank's shard): only those
-    bytes are copied out of the mapping.
+    bytes are copied out of the mapping; or SKIP: the tensor is left out, its bytes never read.
     """
     p = Path(path)
     metal = metal_available()
@@ -288,6 +296,9 @@ def load_tensors(path: str | os.PathLike[str], adopt: bool | None = None,
         raise _fail(p, f"file size changed while loading ({header.file_size} -> {len(mm)})")
 
     for name, info in header.tensors.items():
+        part = select(name, tuple(info.shape)) if select is not None else None
+        if part is SKIP:
+            continue
         np_dtype, mx_dtype, itemsize = DTYPES[info.dtype]
         if info.nbytes == 0:  # nothing to map; an empty array is free
             result.arrays[name] = mx.zeros(info.shape, dtype=mx_dtype)
@@ -295,7 +306,6 @@ def load_tensors(path: str | os.PathLike[str], adopt: bool | None = None,
         offset = header.data_start + info.begin
         view = np.frombuffer(mm, dtype=np_dtype, count=info.numel, offset=offset)
         view = view.reshape(info.shape)
-        part = select(name, tuple(info.shape)) if select is not None else None
         if part is not None:  # a strided slice of the mapping: copied, never adopted
             view = view[part]
         # The map starts page-aligned, so file-offset alignment == pointer alignment.
