@@ -204,6 +204,11 @@ def test_show_prints_the_plan(tiny_models):
     share = f"{weight_share(FAMILY_CONFIGS['llama'], 2):.0%}"
     assert "rank 0 q heads 0..1, kv heads 0..0, mlp columns 0..63; weights" in text
     assert "rank 1 q heads 2..3, kv heads 1..1, mlp columns 64..127; weights" in text and f"({share} of" in text
+    pp = " ".join(cli("show", str(tiny_models["llama"]), "--pp", "2").stdout.split())
+    # One layer each; rank 0 also the embeddings, norm and head (344,832 and 147,968 bytes: what
+    # launched stages of this model held when measured; test_pipeline_parallel checks the shares).
+    assert "rank 0 layers 0..0 + embeddings, final norm, head; weights 336.75 KiB" in pp
+    assert "rank 1 layers 1..1; weights 144.50 KiB" in pp
     bad = cli("show", str(tiny_models["llama"]), "--tp", "3")
     assert bad.returncode == 1 and "divisible by 3: 4 attention heads" in bad.stderr
 

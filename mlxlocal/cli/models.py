@@ -135,16 +135,19 @@ def rm(
 
 def show(model: str = typer.Argument(..., help=MODEL_HELP),
          tp: Optional[int] = typer.Option(None, "--tp", help="Also print how N tensor-parallel ranks would "
-                                          "split it (launch-cluster -n N): heads and bytes per rank")) -> None:
+                                          "split it (launch-cluster -n N): heads and bytes per rank"),
+         pp: Optional[int] = typer.Option(None, "--pp", help="Also print how N pipeline stages would split it "
+                                          "(launch-cluster -n N --pp): layers and bytes per rank")) -> None:
     """Load a model and print its architecture, size, quantization and how it was loaded."""
     from mlxlocal.engine import engine_kind, kv_bytes_per_token
     from mlxlocal.source.loader import load
 
-    if tp is not None and tp < 1:
-        fail(f"--tp must be at least 1 (got {tp})", 2)
+    for option, n in (("--tp", tp), ("--pp", pp)):
+        if n is not None and n < 1:
+            fail(f"{option} must be at least 1 (got {n})", 2)
     try:
-        loaded = load(model, tp=1)
-        plan = tp_rows(loaded, tp) if tp and tp > 1 else []
+        loaded = load(model, tp=1, pp=1)
+        plan = (tp_rows(loaded, tp) if tp and tp > 1 else []) + (pp_rows(loaded, pp) if pp and pp > 1 else [])
     except MlxLocalError as e:
         fail(str(e))
     info, cfg = loaded.info, loaded.model_config
@@ -205,14 +208,19 @@ def print_kernel_paths(loaded) -> None:
     console.print(t if t is not None else "kernels: none of mlxlocal's dispatch points (mlx-lm's model code)")
 
 
-def tp_rows(loaded, n: int) -> list[tuple[str, str]]:
-    """`show --tp N`: what each rank holds (the plan the ranks load by) and its weight bytes."""
+def _native_only(loaded, option: str) -> None:
     from mlxlocal.errors import ModelLoadError
-    from mlxlocal.models.parallel import shard_report
 
     if loaded.model_config is None:
-        raise ModelLoadError(f"--tp: {loaded.info.name} runs through mlx-lm's model code; tensor "
-                             "parallelism covers the native families (llama, mistral, qwen2, qwen3)")
+        raise ModelLoadError(f"{option}: {loaded.info.name} runs through mlx-lm's model code; splitting a model "
+                             "over ranks covers the native families (llama, mistral, qwen2, qwen3)")
+
+
+def tp_rows(loaded, n: int) -> list[tuple[str, str]]:
+    """`show --tp N`: what each rank holds (the plan the ranks load by) and its weight bytes."""
+    from mlxlocal.models.parallel import shard_report
+
+    _native_only(loaded, "--tp")
     total = sum(r["weight_bytes"] for r in shard_report(loaded.model, loaded.model_config, 1))
     rows = [("tensor parallel", f"{n} ranks: q/k/v and gate/up split by rows, o and down by columns (one "
              "all_sum each per layer); embeddings, norms and head on every rank")]
@@ -222,6 +230,21 @@ def tp_rows(loaded, n: int) -> list[tuple[str, str]]:
                      f"weights {human_bytes(r['weight_bytes'])} ({r['weight_bytes'] / total:.0%} of "
                      f"{human_bytes(total)})"))
     return rows
+
+
+def pp_rows(loaded, n: int) -> list[tuple[str, str]]:
+    """`show --pp N`: each stage's layers (rank 0 also the embeddings and the head) and bytes."""
+    from mlxlocal.models.pipeline import stage_report
+
+    _native_only(loaded, "--pp")
+    rows = stage_report(loaded.model, loaded.model_config, n)
+    total = rows[0]["total_bytes"]
+    out = [("pipeline parallel", f"{n} stages: a range of layers each, hidden states rank to rank around the ring")]
+    for r in rows:
+        ends = " + embeddings, final norm, head" if r["ends"] else ""
+        out.append((f"  rank {r['rank']}", f"layers {r['layers'][0]}..{r['layers'][1] - 1}{ends}; weights "
+                    f"{human_bytes(r['weight_bytes'])} ({r['weight_bytes'] / total:.0%} of {human_bytes(total)})"))
+    return out
 
 
 def kv_rows(per_token: dict | None) -> list[tuple[str, str]]:

@@ -84,6 +84,21 @@ class PipelinePlan:
                 del model.lm_head
 
 
+def stage_report(model: nn.Module, cfg: ModelConfig, size: int) -> list[dict]:
+    """What each of `size` stages would hold of this (whole, loaded) model: its layers and its
+    weight bytes, by the same slicer the ranks load with."""
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    rows = []
+    for rank in range(size):
+        plan = PipelinePlan.of(cfg, rank, size)
+        held = sum(v.nbytes for name, v in params if plan.slicer(name, tuple(v.shape)) is not SKIP)
+        rows.append({"rank": rank, "layers": (plan.start, plan.stop), "ends": plan.ends, "weight_bytes": held,
+                     "total_bytes": sum(v.nbytes for _, v in params)})
+    return rows
+
+
 def embed(model: nn.Module, tokens: mx.array) -> mx.array:
     return model.model.embed_tokens(tokens)
 
@@ -103,4 +118,4 @@ def head(model: nn.Module, h: mx.array) -> mx.array:
     return embedding_as_linear(model.model.embed_tokens, h)
 
 
-__all__ = ["PipelinePlan", "embed", "head", "run_layers"]
+__all__ = ["PipelinePlan", "embed", "head", "run_layers", "stage_report"]
