@@ -144,7 +144,7 @@ class Follower:
 
             self.runners[msg["model"]] = StageRunner(load(msg["spec"], pp=msg["pp"]))
             return
-        loaded = load(msg["spec"], tp=self.group.size())
+        loaded = load(msg["spec"], tp=self.group.size(), pp=1)  # as rank 0 decided
         self.runners[msg["model"]] = NativeRunner(loaded.model, local_shapes(loaded), _windows(loaded))
 
     def _pools(self, msg: dict) -> None:
