@@ -287,12 +287,13 @@ def _stream_until_error(client, tiny_model: Path) -> tuple[float, str]:
     return time.monotonic() - t0, str(e.value)
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
-def test_a_lost_rank_ends_requests_and_health_says_why(tiny_model, how):
-    """launch-cluster serve: a follower killed (its sockets close) or stopped (SIGSTOP: nothing
-    closes, as when a link drops) mid-stream ends that stream with the reason within seconds;
-    /health then answers 503 with it and later requests fail within seconds (nothing hangs)."""
-    launcher = [PYTHON, "-m", "mlxlocal", "launch-cluster", "-n", "2", "--"]
+@pytest.mark.parametrize("how,split", [("killed", []), ("stopped", []), ("killed", ["--pp"])])
+def test_a_lost_rank_ends_requests_and_health_says_why(tiny_model, how, split):
+    """launch-cluster serve (heads, or --pp layers): a follower killed (its sockets close) or
+    stopped (SIGSTOP: nothing closes, as when a link drops) mid-stream ends that stream with the
+    reason within seconds; /health then answers 503 with it and later requests fail within
+    seconds (nothing hangs)."""
+    launcher = [PYTHON, "-m", "mlxlocal", "launch-cluster", "-n", "2", *split, "--"]
     reason = "a rank of the cluster is gone" if how == "killed" else "did not answer within 3 s"
     with served(tiny_model, launcher, MLXLOCAL_CLUSTER_TIMEOUT="3") as (base, follower):
         client, _ = ask(base, tiny_model)
