@@ -159,6 +159,30 @@ def test_two_ranks_with_kv_bits_and_speculation(quantized_tp_model):
     assert row["draft_accepted"] > 0 and row["lookup_accepted"] > 0, row
 
 
+MOE = dict(BASE, model_type="qwen3_moe", rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)
+
+
+def test_mlx_lm_model_split_by_its_own_shard(tmp_path):
+    """An mlx-lm-path MoE model (qwen3_moe: mlx-lm's code, split by its own shard()) on 2 ranks:
+    the tokens of the whole model, batch 1 and 8 over two engines, a prefix hit; a rank holds
+    less than the whole."""
+    (row,) = launch(2, str(build_tiny(tmp_path / "qwen3moe", MOE)))
+    assert row["batch1"] and row["batch8"] and row["prefix"] and row["prefix_hit_tokens"] >= 16, row
+    assert row["bytes_rank0"] < 0.8 * row["bytes_whole"], row
+
+
+def test_mlx_lm_model_without_shard_is_refused(mlx_lm_models):
+    """The split each rank's loader decides (before any group is needed): an mlx-lm model class
+    without shard() cannot be split."""
+    from mlxlocal.source.loader import _tensor_parallel
+
+    config = json.loads((mlx_lm_models["gemma3"] / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=r"--tp needs a native model .* or an mlx-lm model with shard\(\); "
+                                             r"model_type 'gemma3_text' has none"):
+        _tensor_parallel(config, "config.json", 2, False)
+
+
 def test_four_ranks_replicate_kv_heads(tiny_models):
     """4 ranks, 2 KV heads: pairs of ranks share one; tokens still those of the whole model."""
     (row,) = launch(4, str(tiny_models["llama"]))

@@ -67,7 +67,7 @@ def check(path: str) -> dict:
         extra = features(sharded, whole, prompts)
     return {**extra, "model": path, "batch1": batch1, "batch8": got == want, "prefix": prefix, "prefix_hit_tokens": hits,
             "bytes_rank0": weight_bytes(sharded), "bytes_whole": weight_bytes(whole),
-            "heads": sharded.shard.plan.local_heads}
+            "heads": getattr(sharded.shard.plan, "local_heads", None)}
 
 
 def features(sharded, whole, prompts) -> dict:

@@ -212,8 +212,9 @@ def _native_only(loaded, option: str) -> None:
     from mlxlocal.errors import ModelLoadError
 
     if loaded.model_config is None:
-        raise ModelLoadError(f"{option}: {loaded.info.name} runs through mlx-lm's model code; splitting a model "
-                             "over ranks covers the native families (llama, mistral, qwen2, qwen3)")
+        raise ModelLoadError(f"{option}: {loaded.info.name} runs through mlx-lm's model code: the plan is printed "
+                             "for the native families (llama, mistral, qwen2, qwen3); an mlx-lm model with shard() "
+                             "is split by mlx-lm's own rules under launch-cluster -n N")
 
 
 def tp_rows(loaded, n: int) -> list[tuple[str, str]]:

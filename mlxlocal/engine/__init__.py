@@ -46,6 +46,9 @@ def open_engine(loaded: LoadedModel, **config) -> Engine:
     try:
         runner = make_runner(loaded)
     except NotPageable as e:
+        if getattr(loaded, "shard", None) is not None:  # the dense engine has no followers
+            raise EngineOptionError(f"{loaded.info.name}: tensor parallelism needs the paged engine, and this "
+                                    f"model's cache cannot be paged ({e})") from e
         wanted = [name for name, on in (("speculative decoding", config.get("speculative")),
                                         ("--kv-bits", config.get("kv_bits"))) if on]
         if wanted:  # the dense engine has neither: refused, not ignored

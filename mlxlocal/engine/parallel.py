@@ -24,8 +24,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxlocal.cache import KVPools, KVShape
-from mlxlocal.engine.runner import NativeRunner
-from mlxlocal.errors import ClusterError
+from mlxlocal.cache.mlx_lm_views import CacheLayout
+from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, step_inputs
+from mlxlocal.errors import ClusterError, ModelLoadError
 from mlxlocal.models.parallel import Channel, world
 
 log = logging.getLogger("mlxlocal.engine")
@@ -120,6 +121,43 @@ class LeaderRunner(NativeRunner):
                 log.warning("tensor parallel: could not release the followers: %s", Channel.broken)
 
 
+class MlxLmLeaderRunner(MlxLmRunner):
+    """MlxLmRunner on rank 0 for an mlx-lm model split by its own shard(): its cache probe and
+    every forward are announced first, as LeaderRunner does for native models. Sequences
+    decode one per forward (the batched-decode probe could fail halfway through a forward's
+    collectives); recurrent (hybrid) models are refused."""
+
+    new_pools, close = LeaderRunner.new_pools, LeaderRunner.close
+
+    def __init__(self, loaded):
+        self.model_id = loaded.shard.model
+        self.channel: Channel | None = Channel(loaded.shard.group)
+        self.pools: MirroredPools | None = None
+        layout = CacheLayout(loaded.model)  # NotPageable before any message
+        with Channel.turn():  # the probe forward's all_sums, with the followers'
+            self.channel.send({"op": "probe_cache", "model": self.model_id})
+            super().__init__(loaded.model, layout)
+        if self.recurrent:
+            raise ModelLoadError(f"{loaded.info.name}: tensor parallelism does not cover recurrent (hybrid) "
+                                 "layers: their states would have to be mirrored on every rank")
+        self.batched_decode = False
+        self.on_lost = None
+        Channel.on_lost.append(lambda reason: self.on_lost and self.on_lost(f"ClusterError: {reason}"))
+
+    def _run(self, pools, seqs, starts, n, inputs=None, every=False, snapshot=True):
+        with Channel.turn():
+            inputs = step_inputs(seqs, starts, n) if inputs is None else inputs
+            mx.eval(inputs)
+            self.channel.send({
+                "op": "run", "mlx_lm": True, "engine": pools.engine, "starts": starts, "tokens": inputs.tolist(),
+                "every": every, "tables": [s.block_table for s in seqs],
+                "windows": [s.window_table for s in seqs] if any(pools.windowed) else None,
+            })
+            logits = super()._run(pools, seqs, starts, 0, inputs, every, False)
+            Channel.evaluate(logits, pools.state())
+        return logits
+
+
 class Follower:
     """A follower rank: the models rank 0 loaded (this rank's shards), the pools of each engine
     rank 0 opened on them, and the step it is told to repeat."""
@@ -127,6 +165,7 @@ class Follower:
     def __init__(self, group: mx.distributed.Group):
         self.group, self.channel = group, Channel(group)
         self.runners: dict[int, NativeRunner] = {}  # by model id
+        self.loaded: dict = {}  # mlx-lm models loaded, waiting for their cache probe
         self.pools: dict[int, tuple[NativeRunner, KVPools]] = {}  # by engine id
         self.forwards = 0
 
@@ -145,6 +184,9 @@ class Follower:
             self.runners[msg["model"]] = StageRunner(load(msg["spec"], pp=msg["pp"]))
             return
         loaded = load(msg["spec"], tp=self.group.size(), pp=1)  # as rank 0 decided
+        if not loaded.info.native:  # its runner comes with rank 0's cache probe (_probe_cache)
+            self.loaded[msg["model"]] = loaded
+            return
         self.runners[msg["model"]] = NativeRunner(loaded.model, local_shapes(loaded), _windows(loaded))
 
     def _pools(self, msg: dict) -> None:
@@ -158,6 +200,11 @@ class Follower:
 
     def _stop(self, msg: dict) -> None:
         self.pools.pop(msg["engine"], None)
+
+    def _probe_cache(self, msg: dict) -> None:
+        """An mlx-lm model's runner: its cache probe runs a forward, with rank 0's."""
+        loaded = self.loaded[msg["model"]]  # each engine rank 0 opens probes again
+        self.runners[msg["model"]] = MlxLmRunner(loaded.model, CacheLayout(loaded.model))
 
     def _noop(self, msg: dict) -> None:
         pass
@@ -180,7 +227,11 @@ class Follower:
             return
         windows = msg["windows"] or [[] for _ in msg["tables"]]
         seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows)]
-        logits = runner.run(pools, seqs, msg["starts"], mx.array(msg["tokens"], mx.uint32), msg["every"])
+        tokens = mx.array(msg["tokens"], mx.uint32)
+        if msg.get("mlx_lm"):
+            logits = runner._run(pools, seqs, msg["starts"], 0, tokens, msg["every"], False)
+        else:
+            logits = runner.run(pools, seqs, msg["starts"], tokens, msg["every"])
         # Everything up to the logits: rank 0 waits in each of this forward's all_sums.
         Channel.evaluate(logits, pools.state(), watch=False)
         self.forwards += 1
@@ -270,4 +321,4 @@ def cluster_problem() -> str | None:
     return Channel.broken
 
 
-__all__ = ["Follower", "cluster_problem", "cluster_report", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes"]
+__all__ = ["Follower", "MlxLmLeaderRunner", "cluster_problem", "cluster_report", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes"]

@@ -182,9 +182,9 @@ def make_runner(loaded) -> NativeRunner | MlxLmRunner:
 
         return PipelineLeaderRunner(loaded)
     if getattr(loaded, "shard", None) is not None:
-        from mlxlocal.engine.parallel import LeaderRunner  # imports this module
+        from mlxlocal.engine.parallel import LeaderRunner, MlxLmLeaderRunner  # imports this module
 
-        return LeaderRunner(loaded)
+        return LeaderRunner(loaded) if loaded.info.native else MlxLmLeaderRunner(loaded)
     if loaded.info.native:
         windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
         shapes = KVPools.uniform(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)

@@ -21,6 +21,7 @@ __all__ = [
     "build_model",
     "is_native",
     "mlx_lm_model_types",
+    "mlx_lm_shardable",
     "quantize_for_checkpoint",
 ]
 
@@ -49,6 +50,12 @@ def _mlx_lm_classes(config: dict[str, Any]):
             f"model_type '{config.get('model_type')}' is not supported. Native: {native}; "
             f"through mlx-lm: {', '.join(mlx_lm_model_types())}"
         ) from None
+
+
+def mlx_lm_shardable(config: dict[str, Any]) -> bool:
+    """An mlx-lm model class with its own tensor-parallel `shard(group)`."""
+    model_cls, _ = _mlx_lm_classes(normalize_for_mlx_lm(config))
+    return hasattr(model_cls, "shard")
 
 
 def build_model(config: dict[str, Any], weights: dict[str, mx.array], path: str) -> tuple[nn.Module, ModelConfig | None]:

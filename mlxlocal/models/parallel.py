@@ -102,6 +102,28 @@ class TensorPlan:
         return None
 
 
+@dataclass(frozen=True)
+class MlxLmPlan:
+    """An mlx-lm-path model split by its own `shard(group)` (mlx-lm's tensor-parallel layout):
+    every rank loads the whole checkpoint, then keeps its slices."""
+
+    rank: int
+    size: int
+
+    @staticmethod
+    def of(config: dict, rank: int, size: int, config_path: str) -> MlxLmPlan:
+        # mlx-lm's shard() divides the head counts with //: refuse what would not split evenly.
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads") or heads
+        if not isinstance(heads, int) or heads % size or kv % size:
+            raise ModelLoadError(f"{config_path}: tensor parallel over {size} ranks needs the attention heads "
+                                 f"({heads}) and KV heads ({kv}) divisible by {size}")
+        return MlxLmPlan(rank, size)
+
+    def slicer(self, name: str, shape: tuple[int, ...]) -> None:
+        return None  # loaded whole: shard() cuts it
+
+
 class RowParallelLinear(Linear):
     """A row-parallel projection: this rank's input columns, the partial products all_sum'ed,
     then the (unsplit) bias once. Parameter names stay nn.Linear's, as in the checkpoint."""
@@ -307,7 +329,7 @@ def world(size: int | None = None) -> mx.distributed.Group:
     return group
 
 
-__all__ = ["Channel", "announce_load", "QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "launched", "release", "shard_model", "shard_report", "world"]
+__all__ = ["Channel", "MlxLmPlan", "announce_load", "QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "launched", "release", "shard_model", "shard_report", "world"]
 
 
 def shard_report(model: nn.Module, cfg: ModelConfig, size: int) -> list[dict]:

@@ -125,14 +125,18 @@ def _tensor_parallel(config: dict[str, Any], config_path: str, tp: int, awq_gptq
     """The shard to load for `tp` ranks (None for 1); refuses models it cannot split."""
     if tp == 1:
         return None
+    from mlxlocal.models import mlx_lm_shardable
     from mlxlocal.models.config import parse_config
-    from mlxlocal.models.parallel import TensorPlan, world
+    from mlxlocal.models.parallel import MlxLmPlan, TensorPlan, world
 
-    if not is_native(config.get("model_type")):
-        raise ModelLoadError(f"{config_path}: --tp needs a native model (llama, mistral, qwen2, qwen3); "
-                             f"model_type '{config.get('model_type')}' runs through mlx-lm")
     if awq_gptq:
         raise ModelLoadError(f"{config_path}: --tp cannot split AWQ/GPTQ packings; convert the model first")
+    if not is_native(config.get("model_type")):
+        if not mlx_lm_shardable(config):
+            raise ModelLoadError(f"{config_path}: --tp needs a native model (llama, mistral, qwen2, qwen3) or an "
+                                 f"mlx-lm model with shard(); model_type '{config.get('model_type')}' has none")
+        group = world(tp)
+        return Shard(MlxLmPlan.of(config, group.rank(), tp, config_path), group)
     group = world(tp)
     return Shard(TensorPlan.of(parse_config(config, config_path), group.rank(), tp), group)
 
@@ -161,7 +165,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     model, model_config = build_model(config, weights, config_path)
     if shard is not None and hasattr(shard.plan, "prune"):  # pipeline stage: its layers only
         shard.plan.prune(model)
-    elif shard is not None:
+    elif shard is not None and is_native(config.get("model_type")):
         from mlxlocal.models.parallel import shard_model
 
         shard_model(model, shard.plan, shard.group)
@@ -170,6 +174,8 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     quantize_for_checkpoint(model, config, weights)
     model.eval()
     _load_weights_strict(model, weights, path)
+    if shard is not None and not hasattr(shard.plan, "prune") and not is_native(config.get("model_type")):
+        model.shard(shard.group)  # mlx-lm's own tensor-parallel split (models.parallel.MlxLmPlan)
     mx.eval(model.parameters())
     # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
     # graphs built on this thread's stream.
