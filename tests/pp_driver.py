@@ -18,8 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlxlocal.engine import SamplingParams, SpeculativeConfig, open_engine  # noqa: E402
 from mlxlocal.engine.parallel import Follower  # noqa: E402
-from mlxlocal.engine.pipeline import weight_bytes  # noqa: E402
-from mlxlocal.models.parallel import world  # noqa: E402
+from mlxlocal.models.parallel import weight_bytes, world  # noqa: E402
 from mlxlocal.source.loader import load  # noqa: E402
 
 OUT = None  # this rank's lines, in a file of its own: mlx.launch's relay of stdout may cut lines
@@ -44,7 +43,7 @@ def follow() -> None:
     follower = Recording(world())
     forwards = follower.serve()
     emit({"rank": follower.group.rank(), "forwards": forwards,
-                      "weight_bytes": {m: r.weight_bytes for m, r in follower.runners.items()},
+                      "weight_bytes": {m: weight_bytes(r.model) for m, r in follower.runners.items()},
                       "layers": {m: [r.plan.start, r.plan.stop] for m, r in follower.runners.items()},
                       "pool_layers": sorted(set(follower.pool_layers.values()))})
 

@@ -21,13 +21,12 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from mlxlocal.cache import KVPools, KVShape
 from mlxlocal.cache.mlx_lm_views import CacheLayout
-from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, step_inputs
+from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, layer_windows, step_inputs
 from mlxlocal.errors import ClusterError, ModelLoadError
-from mlxlocal.models.parallel import Channel, world
+from mlxlocal.models.parallel import Channel, weight_bytes, world
 
 log = logging.getLogger("mlxlocal.engine")
 
@@ -74,44 +73,29 @@ class MirroredPools(KVPools):
         raise RuntimeError("cache edits are not supported under tensor parallelism")
 
 
-def _windows(loaded) -> list[int | None]:
-    mc = loaded.model_config
-    return [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+def step_message(pools: MirroredPools, seqs, starts: list[int], every: bool, **extra) -> dict:
+    """A forward's announcement: which engine, where each sequence's tokens go, what it sees
+    (the followers build the same StepBatch from it); `extra`: the runner's own fields."""
+    return {"op": "run", "engine": pools.engine, "starts": starts, "every": every,
+            "tables": [s.block_table for s in seqs],
+            "windows": [s.window_table for s in seqs] if any(pools.windowed) else None, **extra}
 
 
-class LeaderRunner(NativeRunner):
-    """NativeRunner on rank 0: every forward is announced to the followers first."""
+class _Leading:
+    """What every rank-0 runner shares: the channel, the engine's mirrored pools, and how the
+    engine stops when the other ranks stop answering (`on_lost`, set by the engine: its
+    thread is then stuck in a collective; this fails its requests from the watchdog's thread)."""
 
-    def __init__(self, loaded, shapes: list[KVShape] | None = None, windows: list[int | None] | None = None):
-        # shapes / windows: what this rank's pools hold (default: its KV heads of every layer).
-        super().__init__(loaded.model, shapes or local_shapes(loaded), windows or _windows(loaded))
+    def _lead(self, loaded) -> None:
         self.model_id = loaded.shard.model
         self.channel: Channel | None = Channel(loaded.shard.group)
         self.pools: MirroredPools | None = None
-        # Set by the engine: how it stops when the other ranks stop answering (its thread is
-        # then stuck in a collective; this fails its requests from the watchdog's thread).
         self.on_lost = None
         Channel.on_lost.append(lambda reason: self.on_lost and self.on_lost(f"ClusterError: {reason}"))
 
     def new_pools(self, *args, **kwargs) -> MirroredPools:
         self.pools = MirroredPools(self.channel, self.model_id, *args, **kwargs)
         return self.pools
-
-    def run(self, pools, seqs, starts, inputs, every=False):
-        # Collectives must run in the same order on every rank, and a follower runs forwards
-        # one after the other: so does rank 0, the message and the whole forward evaluated
-        # under the channel's lock (Channel.turn) (two engines, or a forward built before the last one ran,
-        # could otherwise interleave their all_sums).
-        with Channel.turn():
-            mx.eval(inputs)  # the followers need the token ids themselves
-            self.channel.send({
-                "op": "run", "engine": pools.engine, "starts": starts, "tokens": inputs.tolist(),
-                "every": every, "tables": [s.block_table for s in seqs],
-                "windows": [s.window_table for s in seqs] if any(pools.windowed) else None,
-            })
-            logits = super().run(pools, seqs, starts, inputs, every)
-            Channel.evaluate(logits, pools.state())
-        return logits
 
     def close(self) -> None:
         """The followers drop this engine's pools; safe to call more than once."""
@@ -121,39 +105,51 @@ class LeaderRunner(NativeRunner):
                 log.warning("tensor parallel: could not release the followers: %s", Channel.broken)
 
 
-class MlxLmLeaderRunner(MlxLmRunner):
+class LeaderRunner(_Leading, NativeRunner):
+    """NativeRunner on rank 0: every forward is announced to the followers first."""
+
+    def __init__(self, loaded, shapes: list[KVShape] | None = None, windows: list[int | None] | None = None):
+        # shapes / windows: what this rank's pools hold (default: its KV heads of every layer).
+        NativeRunner.__init__(self, loaded.model, shapes or local_shapes(loaded),
+                              windows or layer_windows(loaded.model_config))
+        self._lead(loaded)
+
+    def run(self, pools, seqs, starts, inputs, every=False):
+        # Collectives must run in the same order on every rank, and a follower runs forwards
+        # one after the other: so does rank 0, the message and the whole forward evaluated
+        # under the channel's lock (Channel.turn): two engines, or a forward built before the
+        # last one ran, could otherwise interleave their all_sums.
+        with Channel.turn():
+            mx.eval(inputs)  # the followers need the token ids themselves
+            self.channel.send(step_message(pools, seqs, starts, every, tokens=inputs.tolist()))
+            logits = NativeRunner.run(self, pools, seqs, starts, inputs, every)
+            Channel.evaluate(logits, pools.state())
+        return logits
+
+
+class MlxLmLeaderRunner(_Leading, MlxLmRunner):
     """MlxLmRunner on rank 0 for an mlx-lm model split by its own shard(): its cache probe and
     every forward are announced first, as LeaderRunner does for native models. Sequences
     decode one per forward (the batched-decode probe could fail halfway through a forward's
     collectives); recurrent (hybrid) models are refused."""
 
-    new_pools, close = LeaderRunner.new_pools, LeaderRunner.close
-
     def __init__(self, loaded):
-        self.model_id = loaded.shard.model
-        self.channel: Channel | None = Channel(loaded.shard.group)
-        self.pools: MirroredPools | None = None
+        self._lead(loaded)
         layout = CacheLayout(loaded.model)  # NotPageable before any message
         with Channel.turn():  # the probe forward's all_sums, with the followers'
             self.channel.send({"op": "probe_cache", "model": self.model_id})
-            super().__init__(loaded.model, layout)
+            MlxLmRunner.__init__(self, loaded.model, layout)
         if self.recurrent:
             raise ModelLoadError(f"{loaded.info.name}: tensor parallelism does not cover recurrent (hybrid) "
                                  "layers: their states would have to be mirrored on every rank")
         self.batched_decode = False
-        self.on_lost = None
-        Channel.on_lost.append(lambda reason: self.on_lost and self.on_lost(f"ClusterError: {reason}"))
 
     def _run(self, pools, seqs, starts, n, inputs=None, every=False, snapshot=True):
         with Channel.turn():
             inputs = step_inputs(seqs, starts, n) if inputs is None else inputs
             mx.eval(inputs)
-            self.channel.send({
-                "op": "run", "mlx_lm": True, "engine": pools.engine, "starts": starts, "tokens": inputs.tolist(),
-                "every": every, "tables": [s.block_table for s in seqs],
-                "windows": [s.window_table for s in seqs] if any(pools.windowed) else None,
-            })
-            logits = super()._run(pools, seqs, starts, 0, inputs, every, False)
+            self.channel.send(step_message(pools, seqs, starts, every, tokens=inputs.tolist(), mlx_lm=True))
+            logits = MlxLmRunner._run(self, pools, seqs, starts, 0, inputs, every, False)
             Channel.evaluate(logits, pools.state())
         return logits
 
@@ -187,7 +183,7 @@ class Follower:
         if not loaded.info.native:  # its runner comes with rank 0's cache probe (_probe_cache)
             self.loaded[msg["model"]] = loaded
             return
-        self.runners[msg["model"]] = NativeRunner(loaded.model, local_shapes(loaded), _windows(loaded))
+        self.runners[msg["model"]] = NativeRunner(loaded.model, local_shapes(loaded), layer_windows(loaded.model_config))
 
     def _pools(self, msg: dict) -> None:
         runner = self.runners[msg["model"]]
@@ -216,7 +212,7 @@ class Follower:
         gather_rank_numbers(self.group, self._numbers())
 
     def _numbers(self) -> list[int]:
-        weights = sum(v.nbytes for r in self.runners.values() for _, v in tree_flatten(r.model.parameters()))
+        weights = sum(weight_bytes(r.model) for r in self.runners.values())
         return [mx.get_peak_memory(), weights]
 
     def _run(self, msg: dict) -> None:
@@ -287,14 +283,13 @@ def cluster_report(loaded, batch: int, repeats: int = 5) -> dict:
     import statistics
 
     group, mc = loaded.shard.group, loaded.model_config
-    pipeline = hasattr(loaded.shard.plan, "prune")
+    pipeline = loaded.shard.plan.kind == "pipeline"
     dtype = str(loaded.model.model.embed_tokens.weight.dtype).rsplit(".", 1)[-1]
     shape, count = [batch, 1, mc.hidden_size], 1 if pipeline else 2 * mc.num_hidden_layers
     channel = Channel(group)
     with Channel.turn():
         channel.send({"op": "report"})
-        weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
-        ranks = gather_rank_numbers(group, [mx.get_peak_memory(), weights])
+        ranks = gather_rank_numbers(group, [mx.get_peak_memory(), weight_bytes(loaded.model)])
         times, sends = [], []
         for _ in range(repeats):
             channel.send({"op": "probe", "shape": shape, "dtype": dtype, "count": count, "ring": pipeline})
@@ -321,4 +316,4 @@ def cluster_problem() -> str | None:
     return Channel.broken
 
 
-__all__ = ["Follower", "MlxLmLeaderRunner", "cluster_problem", "cluster_report", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes"]
+__all__ = ["Follower", "MlxLmLeaderRunner", "cluster_problem", "cluster_report", "LeaderRunner", "MirroredPools", "follower_main", "local_shapes", "step_message"]

@@ -19,11 +19,10 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from mlxlocal.cache import KVPools, KVShape, PagedLayerView
-from mlxlocal.engine.parallel import LeaderRunner, _Rows
-from mlxlocal.engine.runner import step_batch
+from mlxlocal.engine.parallel import LeaderRunner, _Rows, step_message
+from mlxlocal.engine.runner import layer_windows, step_batch
 from mlxlocal.models.parallel import Channel
 from mlxlocal.models.pipeline import PipelinePlan, embed, head, run_layers
 
@@ -31,7 +30,7 @@ from mlxlocal.models.pipeline import PipelinePlan, embed, head, run_layers
 def stage_layout(loaded) -> tuple[list[KVShape], list[int | None]]:
     """This rank's K/V shapes and sliding windows: one per layer it holds."""
     mc, plan = loaded.model_config, loaded.shard.plan
-    windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+    windows = layer_windows(mc)
     shapes = KVPools.uniform(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
     return shapes[plan.start:plan.stop], windows[plan.start:plan.stop]
 
@@ -40,11 +39,6 @@ def split(rows: int, parts: int) -> list[tuple[int, int]]:
     """[lo, hi) of each of min(parts, rows) micro-batches, sizes differing by at most one."""
     parts = max(1, min(parts, rows))
     return [(j * rows // parts, (j + 1) * rows // parts) for j in range(parts)]
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the parameters this process holds."""
-    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
 
 class _Stage:
@@ -83,12 +77,8 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
         # lock, so two engines' sends and receives never interleave; waits watched (a stage
         # that stops answering stops the engine), a lost link a ClusterError.
         with Channel.turn():
-            self.channel.send({
-                "op": "run", "pp": True, "engine": pools.engine, "starts": starts, "n": n, "every": every,
-                "parts": parts, "dtype": str(self.dtype).rsplit(".", 1)[-1],
-                "tables": [s.block_table for s in seqs],
-                "windows": [s.window_table for s in seqs] if any(pools.windowed) else None,
-            })
+            self.channel.send(step_message(pools, seqs, starts, every, pp=True, n=n, parts=parts,
+                                           dtype=str(self.dtype).rsplit(".", 1)[-1]))
             size, group = self.plan.size, self.group
             t0 = time.perf_counter()
             for lo, hi in parts:
@@ -121,7 +111,6 @@ class StageRunner(_Stage):
         self.model, self.plan, self.group = loaded.model, loaded.shard.plan, loaded.shard.group
         self.shapes, self.windows = stage_layout(loaded)
         self.hidden = loaded.model_config.hidden_size
-        self.weight_bytes = weight_bytes(loaded.model)
 
     def follow(self, pools: KVPools, msg: dict) -> None:
         rank, size, group = self.plan.rank, self.plan.size, self.group
@@ -135,4 +124,4 @@ class StageRunner(_Stage):
         Channel.evaluate(pools.state(), watch=False)
 
 
-__all__ = ["PipelineLeaderRunner", "StageRunner", "split", "stage_layout", "weight_bytes"]
+__all__ = ["PipelineLeaderRunner", "StageRunner", "split", "stage_layout"]

@@ -174,22 +174,27 @@ class MlxLmRunner:
         return [a for s in seqs if s.recurrent for layer in s.recurrent[1] for a in layer if a is not None]
 
 
+def layer_windows(mc) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) of a native model's config."""
+    return [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+
+
 def make_runner(loaded) -> NativeRunner | MlxLmRunner:
     """The runner for a loaded model; raises NotPageable when its cache cannot be paged."""
     mc = loaded.model_config
-    if getattr(loaded, "shard", None) is not None and hasattr(loaded.shard.plan, "prune"):
+    kind = loaded.shard.plan.kind if getattr(loaded, "shard", None) is not None else None
+    if kind == "pipeline":
         from mlxlocal.engine.pipeline import PipelineLeaderRunner  # imports this module
 
         return PipelineLeaderRunner(loaded)
-    if getattr(loaded, "shard", None) is not None:
+    if kind is not None:
         from mlxlocal.engine.parallel import LeaderRunner, MlxLmLeaderRunner  # imports this module
 
-        return LeaderRunner(loaded) if loaded.info.native else MlxLmLeaderRunner(loaded)
+        return LeaderRunner(loaded) if kind == "tensor" else MlxLmLeaderRunner(loaded)
     if loaded.info.native:
-        windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
         shapes = KVPools.uniform(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
-        return NativeRunner(loaded.model, shapes, windows)
+        return NativeRunner(loaded.model, shapes, layer_windows(mc))
     return MlxLmRunner(loaded.model, CacheLayout(loaded.model))
 
 
-__all__ = ["MlxLmRunner", "NativeRunner", "NotPageable", "make_runner", "step_batch"]
+__all__ = ["MlxLmRunner", "NativeRunner", "NotPageable", "layer_windows", "make_runner", "step_batch"]

@@ -50,6 +50,7 @@ class TensorPlan:
     """What rank `rank` of `size` holds: [start, stop) of the query heads, KV heads and
     intermediate columns (each a fraction of its total)."""
 
+    kind = "tensor"  # how a model is split over ranks: tensor, mlx_lm (its own shard()), pipeline
     rank: int
     size: int
     q: tuple[int, int, int]  # (start, stop, total) query heads
@@ -107,6 +108,7 @@ class MlxLmPlan:
     """An mlx-lm-path model split by its own `shard(group)` (mlx-lm's tensor-parallel layout):
     every rank loads the whole checkpoint, then keeps its slices."""
 
+    kind = "mlx_lm"
     rank: int
     size: int
 
@@ -329,7 +331,14 @@ def world(size: int | None = None) -> mx.distributed.Group:
     return group
 
 
-__all__ = ["Channel", "MlxLmPlan", "announce_load", "QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "launched", "release", "shard_model", "shard_report", "world"]
+__all__ = ["Channel", "MlxLmPlan", "announce_load", "QuantizedRowParallel", "RowParallelLinear", "TensorPlan", "launched", "release", "shard_model", "shard_report", "weight_bytes", "world"]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this process holds of `model` (a rank's shard or stage)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def shard_report(model: nn.Module, cfg: ModelConfig, size: int) -> list[dict]:

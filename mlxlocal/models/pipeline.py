@@ -32,6 +32,7 @@ _ENDS = re.compile(r"^(model\.embed_tokens|model\.norm|lm_head)\.")
 class PipelinePlan:
     """What rank `rank` of `size` holds: layers [start, stop) of `total`, and the ends on rank 0."""
 
+    kind = "pipeline"
     rank: int
     size: int
     start: int

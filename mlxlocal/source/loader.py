@@ -163,9 +163,10 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     """Config + weights (any source format, already MLX) -> a loaded model and its info;
     with `shard`, this rank's part of a tensor-parallel model (weights already sliced)."""
     model, model_config = build_model(config, weights, config_path)
-    if shard is not None and hasattr(shard.plan, "prune"):  # pipeline stage: its layers only
+    kind = shard.plan.kind if shard is not None else None
+    if kind == "pipeline":  # a stage: its layers only
         shard.plan.prune(model)
-    elif shard is not None and is_native(config.get("model_type")):
+    elif kind == "tensor":
         from mlxlocal.models.parallel import shard_model
 
         shard_model(model, shard.plan, shard.group)
@@ -174,7 +175,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     quantize_for_checkpoint(model, config, weights)
     model.eval()
     _load_weights_strict(model, weights, path)
-    if shard is not None and not hasattr(shard.plan, "prune") and not is_native(config.get("model_type")):
+    if kind == "mlx_lm":
         model.shard(shard.group)  # mlx-lm's own tensor-parallel split (models.parallel.MlxLmPlan)
     mx.eval(model.parameters())
     # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
