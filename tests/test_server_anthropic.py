@@ -138,18 +138,24 @@ def count(client, model, **kw) -> int:
     return client.messages.count_tokens(model=model, **kw).input_tokens
 
 
-def test_system_entries_in_messages_fold_into_the_system_prompt(client, model, tokenizer):
+def test_system_entries_in_messages(client, model, tokenizer):
+    from mlxlocal.server.anthropic_request import convert_messages
+
     inside = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Be terse."},
               {"role": "user", "content": [{"type": "text", "text": "again"}]}]
     with scripted_output(tokenizer, "fine"):
         msg = client.messages.create(model=model, max_tokens=10, system="Be brief.", messages=inside)
     assert msg.content[0].text == "fine"
-    # The rule: top-level system, then each system entry in order, joined by a blank line.
-    folded = count(client, model, system="Be brief.\n\nBe terse.",
-                   messages=[{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
-    assert count(client, model, system="Be brief.", messages=inside) == folded
-    assert count(client, model, messages=inside) == count(
-        client, model, system="Be terse.", messages=[inside[0], inside[2]])
+    # Entries before the conversation join the system prompt: top-level system, then each in
+    # order, joined by a blank line.
+    leading = [{"role": "system", "content": "Be terse."}, *HI]
+    assert count(client, model, system="Be brief.", messages=leading) == count(
+        client, model, system="Be brief.\n\nBe terse.", messages=HI)
+    assert count(client, model, messages=leading) == count(client, model, system="Be terse.", messages=HI)
+    # Later ones are system turns where the client put them (tests/test_prefix_stability.py).
+    assert convert_messages({"system": "Be brief.", "messages": inside}) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Be terse."}, {"role": "user", "content": "again"}]
 
 
 def test_thinking_modes(client, model, tokenizer):

@@ -36,6 +36,7 @@ from mlxlocal.server.anthropic_request import (
 )
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.events import Finish, StreamEvent, open_events
+from mlxlocal.server.prompting import place_system_turns
 from mlxlocal.server.tool_choice import tool_grammar
 from mlxlocal.server.tool_pruning import prune_tools
 from mlxlocal.server.validation import (
@@ -92,6 +93,7 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
     messages = convert_messages(body, thinking_turns_kept(body), origins)
     tools = await prune_tools(request, convert_tools(body, messages), messages, "/v1/messages")
     engine = await registry.engine(model)
+    messages = place_system_turns(messages, engine.tokenizer, origins)
     # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
     sure = text_bytes(*(m["content"] for m in messages if m["role"] in ("system", "user", "tool")))
     kwargs = thinking.template_kwargs(getattr(engine.tokenizer, "chat_template", None))

@@ -36,11 +36,14 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
                                             accepted, ignored
   anything else                             ignored, as clients send newer fields first
 
-Messages: a `system`-role entry inside `messages` (Claude Code sends one) is folded into
-the system prompt: top-level `system` first, then every system entry in message order,
-joined by a blank line, as the one system message templates accept at the start. (A system
-entry added late in a conversation therefore changes the prompt's beginning: the prefix
-cache then starts over, as it must, since the model sees a different prompt.)
+Messages: `system`-role entries inside `messages` before any other entry are folded into
+the system prompt: top-level `system` first, then those entries in order, joined by a blank
+line. A system entry after a user or assistant entry (Claude Code sends its environment,
+ending in "Today's date is ...", after the first user message, and a "The date has changed"
+entry at the end of a session continued on a later day) is a system turn where it stands,
+so what changes comes after the tools and instructions, as the client ordered it, and the
+prefix cache keeps them. For a template that cannot render a system turn there (Mistral's,
+Gemma's), prompting.place_system_turns folds it into the system prompt instead.
 """
 
 from __future__ import annotations
@@ -217,11 +220,15 @@ def convert_messages(body: dict, keep_thinking: int | None = None, origins=None)
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         role = m.get("role") if isinstance(m, dict) else None
-        if role == "system":
-            systems.append(text_of(m.get("content"), f"{where}.content"))
-            system_entries.append(i)
-            continue
         first = len(out)
+        if role == "system":
+            if out:  # after the conversation started: a system turn in its place
+                out.append({"role": "system", "content": text_of(m.get("content"), f"{where}.content")})
+                _owned(origins, out[first:], i)
+            else:
+                systems.append(text_of(m.get("content"), f"{where}.content"))
+                system_entries.append(i)
+            continue
         if role not in ("user", "assistant"):
             raise APIError(400, f"{where}.role: must be 'user', 'assistant' or 'system'", param=f"{where}.role")
         content = m.get("content")

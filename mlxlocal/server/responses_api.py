@@ -35,7 +35,9 @@ Notes on behaviour:
 - parallel_tool_calls=false keeps only the model's first function call (and a forced call
   is one call).
 - instructions and the system / developer messages before the first other item are one
-  system prompt (many templates take a single one); later developer messages are system turns.
+  system prompt (many templates take a single one); later developer messages are system turns
+  where they stand (folded into the system prompt for a template that cannot render them
+  there: prompting.place_system_turns).
 - tool_choice as in chat completions ("required" / a named function: the call is forced by
   a grammar over the family's tool-call syntax, see tool_choice.py), plus allowed_tools (the
   tools it names are the ones offered; mode "required" forces a call of one of them). A
@@ -64,7 +66,7 @@ from mlxlocal.grammar.parse import Event
 from mlxlocal.server import akv, formats
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import Finish, StreamEvent, open_events
-from mlxlocal.server.prompting import apply_tool_choice, encode_messages
+from mlxlocal.server.prompting import apply_tool_choice, encode_messages, place_system_turns
 from mlxlocal.server.responses_items import (
     chat_tools,
     input_messages,
@@ -394,6 +396,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     check_params(params, names)
     constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
+    messages = place_system_turns(messages, engine.tokenizer, origins)
     ids, use = await encode_messages(request, engine, req.model, messages, tools, "input", cache, origins)
     params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
                                         req.parallel_tool_calls is not False)
