@@ -129,8 +129,16 @@ def _lines(stream, into: queue.Queue) -> None:
     into.put(None)
 
 
+MCP_INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "mcp-protocol-version": "2025-06-18"}
+
+
 @pytest.mark.slow
 def test_sigterm_with_a_stream_running_exits_in_bounded_time(tiny_model, tmp_path):
+    """SIGTERM with a chat stream running, MCP sessions open (one with its GET stream): the
+    process exits within 5 s, and each stream ends with a final event, not a cut connection.
+    Before: ~5.2 s (uvicorn's whole graceful timeout) and the streams were cut."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(SLOW_ENGINE)
@@ -143,30 +151,48 @@ def test_sigterm_with_a_stream_running_exits_in_bounded_time(tiny_model, tmp_pat
     threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True).start()
     seen: list[str] = []
     received: queue.Queue = queue.Queue()
+    ends: dict[str, str] = {}
     try:
         deadline = time.monotonic() + 180
         while not (url := re.search(r"serving on (http://127\.0\.0\.1:\d+)", "".join(seen))):
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             assert line is not None, "serve exited early:\n" + "".join(seen)
             seen.append(line)
+        base = url[1]
 
         def stream():
             body = {"model": str(tiny_model), "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 400, "stream": True}
             try:
-                with httpx.stream("POST", url[1] + "/v1/chat/completions", json=body, timeout=60) as r:
+                with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
                     for line in r.iter_lines():
                         received.put(line)
-            except httpx.HTTPError:
-                pass  # the server went away mid-stream: fine, it was told to
+                ends["chat"] = "ended"
+            except httpx.HTTPError as e:
+                ends["chat"] = f"cut: {e!r}"
             received.put(None)
 
-        client = threading.Thread(target=stream, daemon=True)
-        client.start()
+        sids = [httpx.post(base + "/mcp", json=MCP_INIT, headers=MCP_HEADERS, timeout=30).headers["mcp-session-id"]
+                for _ in range(20)]
+
+        def mcp_get():
+            try:
+                with httpx.stream("GET", base + "/mcp", headers={**MCP_HEADERS, "mcp-session-id": sids[0]},
+                                  timeout=60) as r:
+                    assert r.status_code == 200
+                    for _ in r.iter_lines():
+                        pass
+                ends["mcp"] = "ended"
+            except httpx.HTTPError as e:
+                ends["mcp"] = f"cut: {e!r}"
+
+        clients = [threading.Thread(target=f, daemon=True) for f in (stream, mcp_get)]
+        for c in clients:
+            c.start()
         first = received.get(timeout=60)
         assert first and first.startswith("data: "), first
         time.sleep(0.5)
-        assert client.is_alive()  # ~40 s of stream left (400 tokens at 0.1 s a step)
+        assert all(c.is_alive() for c in clients)  # ~40 s of stream left (400 tokens at 0.1 s a step)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
@@ -175,12 +201,19 @@ def test_sigterm_with_a_stream_running_exits_in_bounded_time(tiny_model, tmp_pat
             pytest.fail("mlxlocal serve still running 30 s after SIGTERM (does banner.py give uvicorn "
                         "a timeout_graceful_shutdown? without one it waits for every stream to end)")
         elapsed = time.monotonic() - t0
-        client.join(10)
-        assert not client.is_alive()  # the client's stream ended too
+        for c in clients:
+            c.join(10)
+            assert not c.is_alive()  # the clients' streams ended too
         while (line := lines.get(timeout=10)) is not None:
             seen.append(line)
         log = "".join(seen)
-        assert elapsed < 10, f"{elapsed:.1f} s to stop after SIGTERM:\n{log}"
+        assert elapsed < 5, f"{elapsed:.1f} s to stop after SIGTERM:\n{log}"
+        assert ends == {"chat": "ended", "mcp": "ended"}, ends
+        chat = []
+        while (line := received.get(timeout=1)) is not None:
+            chat.append(line)
+        events = [json.loads(x[6:]) for x in chat if x.startswith("data: {")]
+        assert "shutting down" in json.dumps(events[-1]["error"]) and chat[-2:] == ["data: [DONE]", ""], chat[-4:]
         # uvicorn re-raises the signal it handled once it has shut down: "killed" by SIGTERM.
         assert proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in log, log
     finally:

@@ -43,6 +43,8 @@ class ServerConfig:
     keep_alive_timeout: int = 5  # idle seconds between requests on one connection
     max_connections: int | None = None  # None: half the open-file limit, at most 4096
     mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
+    mcp_max_sessions: int = 256  # MCP sessions open at once; a full table evicts the LRU idle one
+    mcp_session_idle: float = 1800.0  # seconds an MCP session lives without a request
     max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
     # AKV (server/akv.py): --kv-compact's policy for session requests without drop fields
@@ -265,7 +267,8 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
                 yield
         finally:
             task.cancel()
-            registry.shutdown()
+            # Stopping (SIGTERM): streams have ended; an engine stuck in a step must not hold the exit.
+            registry.shutdown(timeout=1.0 if registry.stopping else 5.0)
 
     app = FastAPI(title="mlxlocal", version=__version__, lifespan=lifespan)
     app.state.registry, app.state.metrics, app.state.config = registry, metrics, config
