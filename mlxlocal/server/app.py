@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import re
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -79,6 +80,32 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+# A DNS name or IPv4 address: labels of letters, digits, '-' and '_', an optional final dot.
+_HOST_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?")
+
+
+def host_header_name(value: str) -> str | None:
+    """A `Host` header's name or IP, lower case, without port or brackets ("[::1]:80" -> "::1");
+    None unless it is exactly host[:port] with a port of digits in 1-65535 (RFC 9110 7.2):
+    `localhost:x@evil.example` must not pass as localhost."""
+    host = value.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        name, rest = host[1:end], host[end + 1:]
+        if end < 0 or not (is_ip_literal(name) and ":" in name):
+            return None
+    else:
+        cut = host.find(":") if ":" in host else len(host)
+        name, rest = host[:cut], host[cut:]
+        if not _HOST_NAME.fullmatch(name):
+            return None
+    if rest:
+        port = rest[1:]
+        if rest[0] != ":" or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+            return None
+    return name
+
+
 def is_loopback_host(name: str) -> bool:
     if name in ("localhost", "localhost.") or name.endswith(".localhost"):
         return True
@@ -118,9 +145,11 @@ class Guard:
         return any(path == p or path.startswith(p.rstrip("/") + "/") for p in self.strict_paths)
 
     def host_allowed(self, host: str | None, strict: bool = False) -> bool:
+        if host is not None and host_header_name(host) is None:
+            return False  # malformed: refused whatever the bind (refusal answers 400)
         if not (self.check_host or strict) or host is None or "*" in self.allowed_hosts:
             return True  # no Host header: not a browser (browsers always send one)
-        name = _host_name(host)
+        name = host_header_name(host)
         if is_loopback_host(name) or name in self.allowed_hosts or host.lower() in self.allowed_hosts:
             return True
         # Strict on a non-loopback bind: the bound address itself, or any IP literal on a
@@ -130,9 +159,13 @@ class Guard:
         return strict and (name == self.bound or (wildcard and is_ip_literal(name)))
 
     def refusal(self, scope) -> tuple[int, str, dict | None] | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        raw = scope.get("headers") or []
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
         path, cfg = scope["path"], self.config
-        if path != "/health" and not self.host_allowed(headers.get("host"), self.strict(path)):
+        host = headers.get("host")
+        if (host is not None and host_header_name(host) is None) or sum(k.lower() == b"host" for k, _ in raw) > 1:
+            return 400, f"malformed Host header {host!r}: expected host[:port], a port of digits 1-65535", None
+        if path != "/health" and not self.host_allowed(host, self.strict(path)):
             return 421, f"host {headers.get('host')!r} is not served here (see --allow-host)", None
         origin = headers.get("origin")
         allowed = cfg.allowed_origins
