@@ -172,7 +172,11 @@ class Guard:
         if origin and not ("*" in allowed or origin in allowed or is_loopback_origin(origin)):
             # A web page from another site must not drive a local model (CSRF); preflights too.
             return 403, f"origin {origin} is not allowed (see --allow-origin)", None
-        if cfg.api_key and path != "/health" and scope["method"] != "OPTIONS":
+        # A browser's CORS preflight never carries credentials: one from an allowed origin (the
+        # check above) passes without the key, to CORSMiddleware, which answers it with CORS
+        # headers only and calls no route. Any other OPTIONS needs the key like every method.
+        preflight = scope["method"] == "OPTIONS" and origin and "access-control-request-method" in headers
+        if cfg.api_key and path != "/health" and not preflight:
             bearer = headers.get("authorization", "")
             given = bearer[7:] if bearer.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
