@@ -61,6 +61,9 @@ def serve(
                                          "when full, the least recently used idle one is closed for a new client"),
     mcp_session_idle: str = typer.Option("30m", "--mcp-session-idle", help="Close an MCP session after this "
                                          "time without a request (30s, 5m, 1h; -1 never)"),
+    expose_paths: bool = typer.Option(False, "--expose-paths", help="Show clients the models' file paths "
+                                      "(Ollama /api/show's modelfile, the MCP models resource); by default they "
+                                      "see only the names models are served under"),
     max_tools: str = typer.Option(
         "all", "--max-tools", help="A request with more tools than this gets only the top K for its latest user "
         "message (plus the tools its history called); the response header x-mlxlocal-tools-dropped says how many "
@@ -135,7 +138,8 @@ def serve(
                           allowed_hosts=list(allow_host), mcp_endpoint=mcp_endpoint,
                           embed_models=embed_model, max_tools=max_tools_k,
                           kv_compact=policy if policy.active else None, max_sessions=max_sessions,
-                          session_idle=idle, mcp_max_sessions=mcp_max_sessions, mcp_session_idle=mcp_idle)
+                          session_idle=idle, mcp_max_sessions=mcp_max_sessions, mcp_session_idle=mcp_idle,
+                          expose_paths=expose_paths)
     if not run_server(config, err):
         raise typer.Exit(1)
 

@@ -46,6 +46,7 @@ class ServerConfig:
     mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
     mcp_max_sessions: int = 256  # MCP sessions open at once; a full table evicts the LRU idle one
     mcp_session_idle: float = 1800.0  # seconds an MCP session lives without a request
+    expose_paths: bool = False  # --expose-paths: models' file paths to clients (model_cards.client_names)
     max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
     # AKV (server/akv.py): --kv-compact's policy for session requests without drop fields

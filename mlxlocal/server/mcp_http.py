@@ -104,7 +104,8 @@ def streamable_http(mcp: MCPServer, config: ServerConfig) -> tuple[Starlette, Bo
 def standalone_app(config: ServerConfig, registry: ModelRegistry) -> Guard:
     """`mlxlocal mcp serve --transport http`: only the MCP endpoint, behind the Guard with
     every path strict. Its lifespan loads the first model (a bad --model fails the start)."""
-    inner, sessions = streamable_http(build_mcp(registry, own_registry=True), config)
+    mcp = build_mcp(registry, own_registry=True, expose_paths=config.expose_paths)
+    inner, sessions = streamable_http(mcp, config)
     registry.on_stop.append(sessions.close_all)
     inner.add_middleware(CORSMiddleware, **cors_options(config))
     # The Guard counts requests into Metrics; this server has no /metrics, so nobody reads them.
@@ -114,7 +115,7 @@ def standalone_app(config: ServerConfig, registry: ModelRegistry) -> Guard:
 def mount(app, config: ServerConfig, registry: ModelRegistry) -> Callable[[], contextlib.AbstractAsyncContextManager]:
     """Add the MCP endpoint to `mlxlocal serve`'s app (create_app's Guard already covers it);
     return what its lifespan must run: the session manager. The registry stays the app's."""
-    inner, sessions = streamable_http(build_mcp(registry), config)
+    inner, sessions = streamable_http(build_mcp(registry, expose_paths=config.expose_paths), config)
     app.router.routes.extend(inner.routes)
     app.state.mcp_sessions = sessions
     registry.on_stop.append(sessions.close_all)

@@ -438,7 +438,9 @@ async def show(request: Request):
                   "general.basename": info.name, f"{arch}.context_length": info.context_length,
                   "general.file_type": info.dtype, "general.quantization": info.quantization}
     parameters = _default_parameters(Path(info.path))
-    return {"license": "", "modelfile": f"# mlxlocal model\nFROM {info.path}\n", "parameters": parameters,
+    # The model's directory only when the operator asks (--expose-paths); else the name it is served as.
+    source = info.path if request.app.state.config.expose_paths else m.name
+    return {"license": "", "modelfile": f"# mlxlocal model\nFROM {source}\n", "parameters": parameters,
             "template": template if isinstance(template, str) else json.dumps(template),
             "details": _details(m), "model_info": model_info, "capabilities": capabilities,
             "modified_at": _modified(m)}
