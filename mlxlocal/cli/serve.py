@@ -45,6 +45,10 @@ def serve(
         "loopback bind only loopback names are accepted otherwise (DNS-rebinding defence); on other addresses "
         "any host unless this is given"),
     keep_alive: str = typer.Option("-1", "--keep-alive", help="Unload a model after this idle time (5m, 1h; -1 never)"),
+    allow_client_unload: bool = typer.Option(
+        False, "--allow-client-unload", help="Let an Ollama request's keep_alive unload the model (0: at once) "
+        "or keep it for less than 5m; by default such a request is a 400, since an unload ends every client's "
+        "sessions"),
     max_body: str = typer.Option("8MB", "--max-body", help="Largest request body"),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests allowed to wait; more get 429"),
     max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Sequences decoded together"),
@@ -139,7 +143,7 @@ def serve(
                           embed_models=embed_model, max_tools=max_tools_k,
                           kv_compact=policy if policy.active else None, max_sessions=max_sessions,
                           session_idle=idle, mcp_max_sessions=mcp_max_sessions, mcp_session_idle=mcp_idle,
-                          expose_paths=expose_paths)
+                          expose_paths=expose_paths, allow_client_unload=allow_client_unload)
     if not run_server(config, err):
         raise typer.Exit(1)
 

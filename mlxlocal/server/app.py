@@ -47,6 +47,7 @@ class ServerConfig:
     mcp_max_sessions: int = 256  # MCP sessions open at once; a full table evicts the LRU idle one
     mcp_session_idle: float = 1800.0  # seconds an MCP session lives without a request
     expose_paths: bool = False  # --expose-paths: models' file paths to clients (model_cards.client_names)
+    allow_client_unload: bool = False  # --allow-client-unload: Ollama keep_alive 0 / under 5m honoured
     max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
     # AKV (server/akv.py): --kv-compact's policy for session requests without drop fields
