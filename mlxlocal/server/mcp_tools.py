@@ -152,7 +152,8 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
         try:
             yield {}
         finally:
-            await asyncio.to_thread(registry.shutdown)
+            # Stopping (SIGTERM, see banner.py): an engine stuck in a step must not hold the exit.
+            await asyncio.to_thread(registry.shutdown, 1.0 if registry.stopping else 5.0)
 
     # MCPServer's constructor calls logging.basicConfig on the root logger; an embedding
     # server (uvicorn's loggers, the CLI's console) must keep its own logging as it was.
