@@ -101,6 +101,35 @@ def test_stream_ends_when_the_engine_dies_mid_stream(served, doomed_scheduler, n
     assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
+def test_stopping_ends_streams_with_an_error_event_and_refuses_new_requests(served, no_eos, monkeypatch):
+    """What SIGTERM does first (registry.begin_shutdown, banner.BannerServer.shutdown): a
+    running stream ends at once with an error event in its dialect, a new request is a 503."""
+    from mlxlocal.engine import paged
+
+    forward = paged.PagedEngine._forward
+    monkeypatch.setattr(paged.PagedEngine, "_forward", lambda *a: time.sleep(0.02) or forward(*a))  # 400: 8 s
+    url, app = served
+    registry, model = app.state.registry, app.state.registry.models[0]
+    chat(url, model=model.name)  # loaded (an earlier test may have killed the engine)
+    body = {"model": model.name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 400,
+            "stream": True}
+    lines: list[str] = []
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 3:
+                    registry.stopping = True
+        r = chat(url, model=model.name)
+        assert r.status_code == 503 and "shutting down" in r.text and r.headers["retry-after"]
+    finally:
+        registry.stopping = False
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "shutting down" in events[-1]["error"]["message"] and lines[-2:] == ["data: [DONE]", ""], lines[-3:]
+    assert len(events) < 100  # ended there, not after its 400 tokens
+    assert model.engine.stats()["running"] == 0
+
+
 # --- SIGTERM with a stream running ----------------------------------------------------------
 
 # Loaded by the `mlxlocal serve` subprocess (sitecustomize): makes its streams long, so one
