@@ -229,3 +229,70 @@ def test_serve_without_mcp_endpoint(tiny_model):
     app = create_app(ServerConfig(models=[str(tiny_model)], mcp_endpoint=False))
     assert "/mcp" not in {getattr(r, "path", None) for r in app.routes}
     assert "/mcp" in {getattr(r, "path", None) for r in create_app(ServerConfig(models=[str(tiny_model)])).routes}
+
+
+# --- bounded sessions ------------------------------------------------------------------------
+
+PROTOCOL = {"mcp-protocol-version": "2025-06-18"}
+
+
+def open_session(url: str) -> tuple[int, str | None]:
+    """initialize + initialized, never closed: (status, session id)."""
+    r = post(url)
+    sid = r.headers.get("mcp-session-id")
+    if r.status_code == 200:
+        note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        httpx.post(url, json=note, timeout=30, headers={"Accept": "application/json, text/event-stream",
+                                                         "mcp-session-id": sid, **PROTOCOL})
+    return r.status_code, sid
+
+
+def ping(url: str, sid: str) -> int:
+    r = httpx.post(url, json={"jsonrpc": "2.0", "id": 2, "method": "ping"}, timeout=30,
+                   headers={"Accept": "application/json, text/event-stream", "mcp-session-id": sid, **PROTOCOL})
+    return r.status_code
+
+
+@contextmanager
+def get_stream(url: str, sid: str):
+    """The session's standalone GET stream, held open: a request in flight."""
+    with httpx.stream("GET", url, timeout=30, headers={"Accept": "text/event-stream", "mcp-session-id": sid,
+                                                        **PROTOCOL}) as r:
+        assert r.status_code == 200
+        yield r
+
+
+def test_a_full_session_table_evicts_the_least_recently_used_idle_session(tiny_model):
+    """Before: the SDK's table (10,000 by default) refused every new client with 503 once
+    full, for its 30-minute idle timeout. Now a full table closes its LRU idle session."""
+    config = ServerConfig(models=[str(tiny_model)], mcp_max_sessions=3)
+    with running_server(config) as (base, app):
+        url = base + "/mcp"
+        sessions = app.state.mcp_sessions
+        s1, s2, s3 = (open_session(url)[1] for _ in range(3))
+        assert ping(url, s1) == 200  # s1 used again: s2 is now the least recently used
+        status, s4 = open_session(url)
+        assert status == 200 and sessions.open_sessions == 3 and sessions.evicted == 1
+        assert ping(url, s2) == 404  # closed: the client initializes anew (MCP spec)
+        assert [ping(url, s) for s in (s1, s3, s4)] == [200, 200, 200]
+
+        # A session with a request in flight (its GET stream) is never evicted, however old.
+        with get_stream(url, s1), get_stream(url, s3):
+            status, s5 = open_session(url)  # evicts s4, the only idle one
+            assert status == 200 and ping(url, s4) == 404
+            with get_stream(url, s5):
+                assert post(url).status_code == 503  # every session busy: refused, nothing evicted
+            assert [ping(url, s) for s in (s1, s3)] == [200, 200]
+        assert sessions.open_sessions == 3
+
+
+def test_idle_mcp_sessions_expire(tiny_model):
+    config = ServerConfig(models=[str(tiny_model)], mcp_session_idle=0.5)
+    with running_server(config) as (base, app):
+        url = base + "/mcp"
+        _, sid = open_session(url)
+        assert ping(url, sid) == 200
+        deadline = time.monotonic() + 10
+        while app.state.mcp_sessions.open_sessions and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ping(url, sid) == 404 and app.state.mcp_sessions.open_sessions == 0

@@ -57,6 +57,8 @@ class Request:
     class app:  # noqa: N801 - stands in for the FastAPI app: generation.run asks its registry
         class state:  # noqa: N801
             class registry:  # noqa: N801 - no sessions held: nothing to free
+                stopping = False  # not shutting down
+
                 @staticmethod
                 def make_room(engine, need, keep=None):
                     return []

@@ -101,6 +101,35 @@ def test_stream_ends_when_the_engine_dies_mid_stream(served, doomed_scheduler, n
     assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
+def test_stopping_ends_streams_with_an_error_event_and_refuses_new_requests(served, no_eos, monkeypatch):
+    """What SIGTERM does first (registry.begin_shutdown, banner.BannerServer.shutdown): a
+    running stream ends at once with an error event in its dialect, a new request is a 503."""
+    from mlxlocal.engine import paged
+
+    forward = paged.PagedEngine._forward
+    monkeypatch.setattr(paged.PagedEngine, "_forward", lambda *a: time.sleep(0.02) or forward(*a))  # 400: 8 s
+    url, app = served
+    registry, model = app.state.registry, app.state.registry.models[0]
+    chat(url, model=model.name)  # loaded (an earlier test may have killed the engine)
+    body = {"model": model.name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 400,
+            "stream": True}
+    lines: list[str] = []
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 3:
+                    registry.stopping = True
+        r = chat(url, model=model.name)
+        assert r.status_code == 503 and "shutting down" in r.text and r.headers["retry-after"]
+    finally:
+        registry.stopping = False
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "shutting down" in events[-1]["error"]["message"] and lines[-2:] == ["data: [DONE]", ""], lines[-3:]
+    assert len(events) < 100  # ended there, not after its 400 tokens
+    assert model.engine.stats()["running"] == 0
+
+
 # --- SIGTERM with a stream running ----------------------------------------------------------
 
 # Loaded by the `mlxlocal serve` subprocess (sitecustomize): makes its streams long, so one
@@ -129,8 +158,16 @@ def _lines(stream, into: queue.Queue) -> None:
     into.put(None)
 
 
+MCP_INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "mcp-protocol-version": "2025-06-18"}
+
+
 @pytest.mark.slow
 def test_sigterm_with_a_stream_running_exits_in_bounded_time(tiny_model, tmp_path):
+    """SIGTERM with a chat stream running, MCP sessions open (one with its GET stream): the
+    process exits within 5 s, and each stream ends with a final event, not a cut connection.
+    Before: ~5.2 s (uvicorn's whole graceful timeout) and the streams were cut."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(SLOW_ENGINE)
@@ -143,30 +180,48 @@ def test_sigterm_with_a_stream_running_exits_in_bounded_time(tiny_model, tmp_pat
     threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True).start()
     seen: list[str] = []
     received: queue.Queue = queue.Queue()
+    ends: dict[str, str] = {}
     try:
         deadline = time.monotonic() + 180
         while not (url := re.search(r"serving on (http://127\.0\.0\.1:\d+)", "".join(seen))):
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             assert line is not None, "serve exited early:\n" + "".join(seen)
             seen.append(line)
+        base = url[1]
 
         def stream():
             body = {"model": str(tiny_model), "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 400, "stream": True}
             try:
-                with httpx.stream("POST", url[1] + "/v1/chat/completions", json=body, timeout=60) as r:
+                with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
                     for line in r.iter_lines():
                         received.put(line)
-            except httpx.HTTPError:
-                pass  # the server went away mid-stream: fine, it was told to
+                ends["chat"] = "ended"
+            except httpx.HTTPError as e:
+                ends["chat"] = f"cut: {e!r}"
             received.put(None)
 
-        client = threading.Thread(target=stream, daemon=True)
-        client.start()
+        sids = [httpx.post(base + "/mcp", json=MCP_INIT, headers=MCP_HEADERS, timeout=30).headers["mcp-session-id"]
+                for _ in range(20)]
+
+        def mcp_get():
+            try:
+                with httpx.stream("GET", base + "/mcp", headers={**MCP_HEADERS, "mcp-session-id": sids[0]},
+                                  timeout=60) as r:
+                    assert r.status_code == 200
+                    for _ in r.iter_lines():
+                        pass
+                ends["mcp"] = "ended"
+            except httpx.HTTPError as e:
+                ends["mcp"] = f"cut: {e!r}"
+
+        clients = [threading.Thread(target=f, daemon=True) for f in (stream, mcp_get)]
+        for c in clients:
+            c.start()
         first = received.get(timeout=60)
         assert first and first.startswith("data: "), first
         time.sleep(0.5)
-        assert client.is_alive()  # ~40 s of stream left (400 tokens at 0.1 s a step)
+        assert all(c.is_alive() for c in clients)  # ~40 s of stream left (400 tokens at 0.1 s a step)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
@@ -175,12 +230,19 @@ def test_sigterm_with_a_stream_running_exits_in_bounded_time(tiny_model, tmp_pat
             pytest.fail("mlxlocal serve still running 30 s after SIGTERM (does banner.py give uvicorn "
                         "a timeout_graceful_shutdown? without one it waits for every stream to end)")
         elapsed = time.monotonic() - t0
-        client.join(10)
-        assert not client.is_alive()  # the client's stream ended too
+        for c in clients:
+            c.join(10)
+            assert not c.is_alive()  # the clients' streams ended too
         while (line := lines.get(timeout=10)) is not None:
             seen.append(line)
         log = "".join(seen)
-        assert elapsed < 10, f"{elapsed:.1f} s to stop after SIGTERM:\n{log}"
+        assert elapsed < 5, f"{elapsed:.1f} s to stop after SIGTERM:\n{log}"
+        assert ends == {"chat": "ended", "mcp": "ended"}, ends
+        chat = []
+        while (line := received.get(timeout=1)) is not None:
+            chat.append(line)
+        events = [json.loads(x[6:]) for x in chat if x.startswith("data: {")]
+        assert "shutting down" in json.dumps(events[-1]["error"]) and chat[-2:] == ["data: [DONE]", ""], chat[-4:]
         # uvicorn re-raises the signal it handled once it has shut down: "killed" by SIGTERM.
         assert proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in log, log
     finally:

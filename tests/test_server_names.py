@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -208,3 +209,28 @@ def test_serve_prints_banner_once_and_answers_to_aliases(tiny_model, tmp_path):
     assert text.count("serving on") == 1 and "Finished server process" in text
     access_log = (tmp_path / "stdout").read_text()  # uvicorn's access log (on stdout) is kept
     assert 'GET /v1/models/tiny-alias HTTP/1.1" 200' in access_log
+
+
+def test_no_file_paths_to_clients_unless_the_operator_asks(named, tiny_model):
+    """Before: /api/show's modelfile said FROM /the/absolute/path, and the MCP models resource
+    listed the --model path among a named model's aliases."""
+    from mlxlocal.server.mcp_tools import model_card
+
+    url, app = named
+    path = str(tiny_model)
+    seen = {p: httpx.get(url + p, timeout=30).text for p in ("/v1/models", "/api/tags", "/api/ps", "/health")}
+    seen["/api/show"] = httpx.post(url + "/api/show", json={"model": "tiny"}, timeout=30).text
+    seen["404"] = httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": ask("hi")}).text
+    seen["mcp"] = json.dumps(model_card(app.state.registry.models[0]))
+    for where, text in seen.items():
+        assert path not in text, where
+    assert "FROM tiny\n" in httpx.post(url + "/api/show", json={"model": "tiny"}, timeout=30).json()["modelfile"]
+    assert httpx.post(url + "/api/show", json={"model": path}, timeout=30).status_code == 200  # still served
+
+    app.state.config.expose_paths = True  # --expose-paths
+    try:
+        show = httpx.post(url + "/api/show", json={"model": "tiny"}, timeout=30).json()
+        assert f"FROM {path}" in show["modelfile"]
+        assert path in model_card(app.state.registry.models[0], expose_paths=True)["aliases"]
+    finally:
+        app.state.config.expose_paths = False

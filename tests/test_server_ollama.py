@@ -167,7 +167,33 @@ def _wait_unloaded(client, seconds=5.0) -> bool:
     return False
 
 
-def test_keep_alive(client, model, tokenizer):
+@pytest.fixture
+def unloads_allowed(server):
+    config = server[1].state.config
+    config.allow_client_unload = True  # --allow-client-unload
+    yield
+    config.allow_client_unload = False
+
+
+def test_keep_alive_cannot_unload_a_shared_model_unless_allowed(client, model, tokenizer, server):
+    """Before: any client's keep_alive 0 unloaded the model and ended every client's sessions."""
+    chat = [{"role": "user", "content": "hi"}]
+    for keep_alive in (0, "0s", "1s", 10, "4m"):
+        for call in (lambda k: client.chat(model=model, messages=chat, keep_alive=k, options={"num_predict": 1}),
+                     lambda k: client.chat(model=model, messages=[], keep_alive=k),
+                     lambda k: client.generate(model=model, prompt="", keep_alive=k)):
+            with pytest.raises(ollama.ResponseError) as e:
+                call(keep_alive)
+            assert e.value.status_code == 400 and "keep_alive" in str(e.value)
+            assert "--allow-client-unload" in str(e.value)
+    time.sleep(1.5)  # the unloader runs every second
+    assert server[1].state.registry.models[0].engine is not None
+    assert [m.model for m in client.ps().models] == [model]
+    for keep_alive in ("5m", "1h", -1):
+        assert client.generate(model=model, prompt="hi", options={"num_predict": 1}, keep_alive=keep_alive).done
+
+
+def test_keep_alive(client, model, tokenizer, unloads_allowed):
     with scripted_output(tokenizer, "ok"):
         r = client.chat(model=model, messages=[{"role": "user", "content": "hi"}], keep_alive=0)
     assert r.message.content == "ok"

@@ -39,6 +39,26 @@ def test_health_needs_no_key_everything_else_does(server):
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
+def test_options_needs_the_key_but_preflights_from_allowed_origins_pass(server):
+    """Before: every OPTIONS skipped the key and reached the routes (/mcp's session manager
+    among them). Now only a CORS preflight from an allowed origin goes without it, answered
+    by the CORS layer alone (headers, no route called); any other OPTIONS is a 401."""
+    url, _ = server
+    for path in ("/v1/chat/completions", "/v1/messages", "/api/chat", "/v1/models", "/mcp", "/no/such/path"):
+        r = httpx.options(url + path)
+        assert r.status_code == 401, (path, r.status_code, r.text)
+        r = httpx.options(url + path, headers={"Origin": "http://localhost:3000"})  # no request method
+        assert r.status_code == 401, path
+        assert httpx.options(url + path, headers=auth()).status_code != 401, path
+        for origin in ("http://localhost:3000", "https://chat.example.org"):
+            r = httpx.options(url + path, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                                    "Access-Control-Request-Headers": "authorization"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, (path, r.text)
+            assert r.text == "OK" and "authorization" in r.headers["access-control-allow-headers"].lower()
+    evil = {"Origin": "https://evil.example.com", "Access-Control-Request-Method": "POST"}
+    assert httpx.options(url + "/v1/chat/completions", headers=evil).status_code == 403
+
+
 def test_errors_come_in_the_callers_dialect(server):
     url, _ = server
     openai = httpx.post(f"{url}/v1/chat/completions", headers=auth(), content=b"{not json")

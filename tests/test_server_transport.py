@@ -105,6 +105,35 @@ def test_loopback_and_allowed_hosts_pass(server):
     assert httpx.get(f"{url}/v1/models", headers={"Host": "api.example.test.evil.example"}).status_code == 421
 
 
+MALFORMED_HOSTS = ["localhost:x@evil.example", "localhost:80@evil.example", "127.0.0.1:1:evil.example",
+                   "localhost:", "localhost:0", "localhost:65536", "localhost:８０", "[::1]evil.example",
+                   "[::1", "::1", "localhost/evil", "local host", "[127.0.0.1]:80"]
+
+
+def test_malformed_host_is_refused(server):
+    """Before: whatever followed the last ':' was ignored, so `localhost:x@evil.example`
+    passed as localhost. Now a Host that is not host[:port] (port 1-65535) is a 400."""
+    url, _ = server
+    for host in (h for h in MALFORMED_HOSTS if h.isascii()):  # httpx sends ASCII headers only
+        for path in ("/v1/models", "/mcp", "/health"):
+            r = httpx.get(url + path, headers={"Host": host})
+            assert r.status_code == 400 and "Host" in r.text, (host, path, r.status_code)
+    with socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) as s:  # httpx sends one Host
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 400")
+
+
+def test_malformed_host_is_refused_on_public_binds_too():
+    from mlxlocal.server.app import Guard
+
+    guard = Guard(None, ServerConfig(models=["x"], host="0.0.0.0"), None)
+    scope = {"type": "http", "path": "/v1/models", "method": "GET"}
+    for host in MALFORMED_HOSTS:
+        assert guard.refusal({**scope, "headers": [(b"host", host.encode())]})[0] == 400, host
+        assert not guard.host_allowed(host)
+    assert guard.refusal({**scope, "headers": [(b"host", b"my-box.lan:8080")]}) is None
+
+
 def test_non_loopback_bind_accepts_any_host_unless_told():
     from mlxlocal.server.app import Guard
 

@@ -58,6 +58,10 @@ def serve(
                                          "names and the bound address (repeatable; * for any)"),
     force_public: bool = typer.Option(False, "--force-public", help="http: bind a non-loopback address "
                                       "without --api-key anyway"),
+    mcp_max_sessions: int = typer.Option(256, "--mcp-max-sessions", min=1, help="http: sessions open at "
+                                         "once; when full, the least recently used idle one is closed"),
+    mcp_session_idle: str = typer.Option("30m", "--mcp-session-idle", help="http: close a session after this "
+                                         "time without a request (30s, 5m, 1h; -1 never)"),
     max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Sequences decoded together"),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
@@ -88,11 +92,19 @@ def serve(
     if not is_loopback_bind(host) and not api_key:
         err.print(f"[yellow]warning:[/] MCP on {host} without --api-key (--force-public)", highlight=False)
     from mlxlocal.server.banner import run_server
+    from mlxlocal.server.errors import APIError
     from mlxlocal.server.mcp_http import standalone_app
+    from mlxlocal.server.registry import parse_duration
 
+    try:
+        idle = parse_duration(mcp_session_idle)
+    except APIError as e:
+        fail(e.message.replace("keep_alive", "--mcp-session-idle"), 2)
+    if not idle > 0:
+        fail("--mcp-session-idle: must be a positive duration (or -1: never)", 2)
     config = ServerConfig(models=[model], host=host, port=port, api_key=api_key,
                           allowed_origins=list(allow_origin), allowed_hosts=list(allow_host),
-                          engine_options=options)
+                          engine_options=options, mcp_max_sessions=mcp_max_sessions, mcp_session_idle=idle)
     if not run_server(config, err, app=standalone_app(config, registry), registry=registry, text=mcp_banner):
         raise typer.Exit(1)
 

@@ -45,6 +45,10 @@ def serve(
         "loopback bind only loopback names are accepted otherwise (DNS-rebinding defence); on other addresses "
         "any host unless this is given"),
     keep_alive: str = typer.Option("-1", "--keep-alive", help="Unload a model after this idle time (5m, 1h; -1 never)"),
+    allow_client_unload: bool = typer.Option(
+        False, "--allow-client-unload", help="Let an Ollama request's keep_alive unload the model (0: at once) "
+        "or keep it for less than 5m; by default such a request is a 400, since an unload ends every client's "
+        "sessions"),
     max_body: str = typer.Option("8MB", "--max-body", help="Largest request body"),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests allowed to wait; more get 429"),
     max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Sequences decoded together"),
@@ -57,6 +61,13 @@ def serve(
     kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
     mcp_endpoint: bool = typer.Option(True, "--mcp-endpoint/--no-mcp-endpoint", help="The models as MCP tools "
                                       "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks"),
+    mcp_max_sessions: int = typer.Option(256, "--mcp-max-sessions", min=1, help="MCP sessions open at once; "
+                                         "when full, the least recently used idle one is closed for a new client"),
+    mcp_session_idle: str = typer.Option("30m", "--mcp-session-idle", help="Close an MCP session after this "
+                                         "time without a request (30s, 5m, 1h; -1 never)"),
+    expose_paths: bool = typer.Option(False, "--expose-paths", help="Show clients the models' file paths "
+                                      "(Ollama /api/show's modelfile, the MCP models resource); by default they "
+                                      "see only the names models are served under"),
     max_tools: str = typer.Option(
         "all", "--max-tools", help="A request with more tools than this gets only the top K for its latest user "
         "message (plus the tools its history called); the response header x-mlxlocal-tools-dropped says how many "
@@ -116,6 +127,12 @@ def serve(
         idle = parse_duration(session_idle)
     except APIError as e:
         fail(e.message.replace("keep_alive", "--session-idle"), 2)
+    try:
+        mcp_idle = parse_duration(mcp_session_idle)
+    except APIError as e:
+        fail(e.message.replace("keep_alive", "--mcp-session-idle"), 2)
+    if not mcp_idle > 0:
+        fail("--mcp-session-idle: must be a positive duration (or -1: never)", 2)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the models", highlight=False)
@@ -125,7 +142,8 @@ def serve(
                           allowed_hosts=list(allow_host), mcp_endpoint=mcp_endpoint,
                           embed_models=embed_model, max_tools=max_tools_k,
                           kv_compact=policy if policy.active else None, max_sessions=max_sessions,
-                          session_idle=idle)
+                          session_idle=idle, mcp_max_sessions=mcp_max_sessions, mcp_session_idle=mcp_idle,
+                          expose_paths=expose_paths, allow_client_unload=allow_client_unload)
     if not run_server(config, err):
         raise typer.Exit(1)
 

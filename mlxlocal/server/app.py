@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import re
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -43,6 +44,10 @@ class ServerConfig:
     keep_alive_timeout: int = 5  # idle seconds between requests on one connection
     max_connections: int | None = None  # None: half the open-file limit, at most 4096
     mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
+    mcp_max_sessions: int = 256  # MCP sessions open at once; a full table evicts the LRU idle one
+    mcp_session_idle: float = 1800.0  # seconds an MCP session lives without a request
+    expose_paths: bool = False  # --expose-paths: models' file paths to clients (model_cards.client_names)
+    allow_client_unload: bool = False  # --allow-client-unload: Ollama keep_alive 0 / under 5m honoured
     max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
     # AKV (server/akv.py): --kv-compact's policy for session requests without drop fields
@@ -75,6 +80,32 @@ def _host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+# A DNS name or IPv4 address: labels of letters, digits, '-' and '_', an optional final dot.
+_HOST_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?")
+
+
+def host_header_name(value: str) -> str | None:
+    """A `Host` header's name or IP, lower case, without port or brackets ("[::1]:80" -> "::1");
+    None unless it is exactly host[:port] with a port of digits in 1-65535 (RFC 9110 7.2):
+    `localhost:x@evil.example` must not pass as localhost."""
+    host = value.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        name, rest = host[1:end], host[end + 1:]
+        if end < 0 or not (is_ip_literal(name) and ":" in name):
+            return None
+    else:
+        cut = host.find(":") if ":" in host else len(host)
+        name, rest = host[:cut], host[cut:]
+        if not _HOST_NAME.fullmatch(name):
+            return None
+    if rest:
+        port = rest[1:]
+        if rest[0] != ":" or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+            return None
+    return name
 
 
 def is_loopback_host(name: str) -> bool:
@@ -116,9 +147,11 @@ class Guard:
         return any(path == p or path.startswith(p.rstrip("/") + "/") for p in self.strict_paths)
 
     def host_allowed(self, host: str | None, strict: bool = False) -> bool:
+        if host is not None and host_header_name(host) is None:
+            return False  # malformed: refused whatever the bind (refusal answers 400)
         if not (self.check_host or strict) or host is None or "*" in self.allowed_hosts:
             return True  # no Host header: not a browser (browsers always send one)
-        name = _host_name(host)
+        name = host_header_name(host)
         if is_loopback_host(name) or name in self.allowed_hosts or host.lower() in self.allowed_hosts:
             return True
         # Strict on a non-loopback bind: the bound address itself, or any IP literal on a
@@ -128,16 +161,24 @@ class Guard:
         return strict and (name == self.bound or (wildcard and is_ip_literal(name)))
 
     def refusal(self, scope) -> tuple[int, str, dict | None] | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        raw = scope.get("headers") or []
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
         path, cfg = scope["path"], self.config
-        if path != "/health" and not self.host_allowed(headers.get("host"), self.strict(path)):
+        host = headers.get("host")
+        if (host is not None and host_header_name(host) is None) or sum(k.lower() == b"host" for k, _ in raw) > 1:
+            return 400, f"malformed Host header {host!r}: expected host[:port], a port of digits 1-65535", None
+        if path != "/health" and not self.host_allowed(host, self.strict(path)):
             return 421, f"host {headers.get('host')!r} is not served here (see --allow-host)", None
         origin = headers.get("origin")
         allowed = cfg.allowed_origins
         if origin and not ("*" in allowed or origin in allowed or is_loopback_origin(origin)):
             # A web page from another site must not drive a local model (CSRF); preflights too.
             return 403, f"origin {origin} is not allowed (see --allow-origin)", None
-        if cfg.api_key and path != "/health" and scope["method"] != "OPTIONS":
+        # A browser's CORS preflight never carries credentials: one from an allowed origin (the
+        # check above) passes without the key, to CORSMiddleware, which answers it with CORS
+        # headers only and calls no route. Any other OPTIONS needs the key like every method.
+        preflight = scope["method"] == "OPTIONS" and origin and "access-control-request-method" in headers
+        if cfg.api_key and path != "/health" and not preflight:
             bearer = headers.get("authorization", "")
             given = bearer[7:] if bearer.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
@@ -265,7 +306,8 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
                 yield
         finally:
             task.cancel()
-            registry.shutdown()
+            # Stopping (SIGTERM): streams have ended; an engine stuck in a step must not hold the exit.
+            registry.shutdown(timeout=1.0 if registry.stopping else 5.0)
 
     app = FastAPI(title="mlxlocal", version=__version__, lifespan=lifespan)
     app.state.registry, app.state.metrics, app.state.config = registry, metrics, config

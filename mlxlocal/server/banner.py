@@ -74,6 +74,7 @@ class BannerServer(uvicorn.Server):
         self.server_config, self.registry, self.console = server_config, registry, console
         self.text = text  # `mlxlocal mcp serve` has a banner of its own
         self.banner_shown = False
+        _own_sse_drain()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -84,6 +85,24 @@ class BannerServer(uvicorn.Server):
         text = Text(self.text(self.server_config, self.registry, port))
         text.stylize("bold green", 0, text.plain.index("\n"))
         self.console.print(Text("\n") + text + Text("\n"), highlight=False)
+
+    async def shutdown(self, sockets=None) -> None:
+        # First end what is in flight (streams get a final event, MCP sessions close): uvicorn
+        # then waits for connections that are already finishing, not for its deadline.
+        await self.registry.begin_shutdown()
+        await super().shutdown(sockets)
+
+
+def _own_sse_drain() -> None:
+    """The MCP SDK's SSE responses (sse-starlette) cancel themselves on SIGTERM without ending
+    their body: the client sees a cut connection. BannerServer.shutdown ends them instead
+    (the MCP sessions close, their streams finish); what still runs then is cancelled by
+    uvicorn after GRACE_S."""
+    try:
+        from sse_starlette.sse import AppStatus
+    except ImportError:  # no MCP endpoint's SSE here
+        return
+    AppStatus.disable_automatic_graceful_drain()
 
 
 class HeaderDeadline(H11Protocol):
@@ -145,6 +164,9 @@ def connection_cap(config: ServerConfig, open_files: int) -> int:
     return max(32, min(4096, open_files // 2))
 
 
+GRACE_S = 3
+
+
 def uvicorn_config(app, config: ServerConfig, open_files: int | None = None, **kwargs) -> uvicorn.Config:
     """uvicorn settings that bound what one client can hold: connections, idle and header time,
     the size of an unfinished request head."""
@@ -154,9 +176,9 @@ def uvicorn_config(app, config: ServerConfig, open_files: int | None = None, **k
                           limit_concurrency=connection_cap(config, files),
                           timeout_keep_alive=config.keep_alive_timeout,
                           h11_max_incomplete_event_size=64 * 1024,
-                          # On SIGTERM, streams get this long to finish, then are cancelled: a
-                          # 400-token stream must not hold the shutdown for minutes.
-                          timeout_graceful_shutdown=5, **kwargs)
+                          # On SIGTERM, streams end at once (BannerServer.shutdown); whatever still
+                          # runs after this is cancelled, and the engines get 1 s: exit within 5 s.
+                          timeout_graceful_shutdown=GRACE_S, **kwargs)
 
 
 class RepeatFilter(logging.Filter):

@@ -59,13 +59,18 @@ def start(engine: Engine, prompt: list[int], params: SamplingParams, loop: async
     return handle.astream(), handle.cancel
 
 
-async def _watch(request: Request, cancel) -> None:
+def _stopping() -> APIError:
+    return APIError(503, "the server is shutting down; retry the request", headers={"Retry-After": RETRY_AFTER})
+
+
+async def _watch(request: Request, cancel, registry) -> None:
     """Cancel the request once its client is gone: before the response starts (prefill, a
     non-streaming request) nothing else would notice. is_disconnected() is a non-blocking
-    check, so poll it; 0.1 s is small next to a step and costs nothing measurable."""
+    check, so poll it; 0.1 s is small next to a step and costs nothing measurable. Also
+    once the server stops (SIGTERM): `run` then ends the stream with an error event."""
     while True:
         await asyncio.sleep(0.1)
-        if await request.is_disconnected():
+        if registry.stopping or await request.is_disconnected():
             cancel()
             return
 
@@ -101,15 +106,20 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
               metrics: Metrics, cache: akv.CacheUse | None = None) -> AsyncIterator[Chunk]:
     """Stream a request's chunks; a client that goes away cancels it (blocks freed next step)."""
     loop = asyncio.get_running_loop()
+    registry = request.app.state.registry
+    if registry.stopping:
+        raise _stopping()
     session = await _session(request, engine, prompt, params, cache)
     if params.grammar is None:
         stream, cancel = start(engine, prompt, params, loop, session, cache)
     else:  # submit compiles the grammar (the first one also indexes the vocabulary): off the loop
         stream, cancel = await asyncio.to_thread(start, engine, prompt, params, loop, session, cache)
-    watcher = asyncio.create_task(_watch(request, cancel))
+    watcher = asyncio.create_task(_watch(request, cancel, registry))
     t0, last, generated, finished = time.perf_counter(), None, 0, False
     try:
         async for chunk in _dead_is_503(stream):
+            if chunk.finish_reason == "cancelled" and registry.stopping:
+                raise _stopping()  # a 503 before the response starts, an error event after
             if chunk.token is not None:
                 generated += 1
                 now = time.perf_counter()

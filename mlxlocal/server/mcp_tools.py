@@ -33,6 +33,7 @@ from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
 from mlxlocal.server import generation
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import Finish, parse_chunks
+from mlxlocal.server.model_cards import client_names
 from mlxlocal.server.registry import ModelRegistry
 from mlxlocal.server.validation import MAX_MESSAGES, check_params, text_bytes, tokenize
 
@@ -137,10 +138,10 @@ async def _run(engine, ids: list[int], params: SamplingParams, parser: OutputPar
         cancel()
 
 
-def build_mcp(registry: ModelRegistry, own_registry: bool = False) -> MCPServer:
+def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths: bool = False) -> MCPServer:
     """An MCPServer over `registry`. own_registry: the server's lifespan loads the first model
     (fail fast on a bad --model) and shuts the engines down at the end (`mlxlocal mcp serve`);
-    otherwise the host app does (`mlxlocal serve`)."""
+    otherwise the host app does (`mlxlocal serve`). expose_paths: see model_cards.client_names."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_server: MCPServer) -> AsyncIterator[dict]:
@@ -151,7 +152,8 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False) -> MCPServer:
         try:
             yield {}
         finally:
-            await asyncio.to_thread(registry.shutdown)
+            # Stopping (SIGTERM, see banner.py): an engine stuck in a step must not hold the exit.
+            await asyncio.to_thread(registry.shutdown, 1.0 if registry.stopping else 5.0)
 
     # MCPServer's constructor calls logging.basicConfig on the root logger; an embedding
     # server (uvicorn's loggers, the CLI's console) must keep its own logging as it was.
@@ -275,15 +277,16 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False) -> MCPServer:
     @mcp.resource(MODELS_URI, name="models", mime_type="application/json",
                   description="The served models: names, context window, engine, whether loaded")
     def models() -> str:
-        return json.dumps({"models": [model_card(m) for m in registry.models]}, indent=1)
+        return json.dumps({"models": [model_card(m, expose_paths) for m in registry.models]}, indent=1)
 
     return mcp
 
 
-def model_card(m) -> dict[str, Any]:
+def model_card(m, expose_paths: bool = False) -> dict[str, Any]:
     """One served model for the resource. Context and engine are known once it was loaded
     (the first model is loaded at startup)."""
-    card: dict[str, Any] = {"name": m.name, "aliases": m.names[1:], "loaded": m.engine is not None,
+    card: dict[str, Any] = {"name": m.name, "aliases": client_names(m.names[1:], expose_paths),
+                            "loaded": m.engine is not None,
                             "context_length": m.info.context_length if m.info is not None else None,
                             "capabilities": m.capabilities}
     if m.engine is not None:

@@ -12,10 +12,22 @@ another one on its first request): before that its window is not known.
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime, timezone
 
 STARTED = int(time.time())
+
+
+def is_local_path(name: str) -> bool:
+    """An absolute (or ~) file path: where the operator keeps models, not for clients."""
+    return name.startswith("~") or os.path.isabs(name)
+
+
+def client_names(names: list[str], expose_paths: bool = False) -> list[str]:
+    """The names clients may see: without --expose-paths, none that is a file path (the
+    --model value of a model served under --served-model-name stays accepted, not shown)."""
+    return list(names) if expose_paths else [n for n in names if not is_local_path(n)]
 
 
 def capabilities_of(tokenizer) -> list[str]:

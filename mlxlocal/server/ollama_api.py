@@ -102,19 +102,33 @@ async def acquire(request: Request, body: dict):
     registry = request.app.state.registry
     name = string(body, "model", required=True)
     m = registry.find(name)
-    keep_alive = request_keep_alive(registry, body)
+    keep_alive = request_keep_alive(request, body)
     t0 = time.perf_counter()
     engine = await registry.engine(name, keep_alive)
     m.expires_at = math.inf  # not unloaded mid-request; release() restarts the idle timer
     return engine, m, int((time.perf_counter() - t0) * NS)
 
 
-def request_keep_alive(registry, body: dict) -> float:
+# The shortest keep_alive a request may ask for unless the server runs with --allow-client-unload:
+# Ollama's default, what its clients send. Shorter (0: unload now) would let one client unload
+# the model between everyone else's turns, ending their sessions.
+MIN_CLIENT_KEEP_ALIVE = 300.0
+
+
+def request_keep_alive(request: Request, body: dict) -> float:
     """Like Ollama, a request without keep_alive gets the server's default, not the last one's."""
+    registry = request.app.state.registry
     keep_alive = parse_duration(body.get("keep_alive"))
     if keep_alive is not None and math.isnan(keep_alive):
         raise APIError(400, f"keep_alive: must be a duration, got {body.get('keep_alive')!r}", param="keep_alive")
-    return registry.default_keep_alive if keep_alive is None else keep_alive
+    if keep_alive is None:
+        return registry.default_keep_alive
+    floor = min(MIN_CLIENT_KEEP_ALIVE, registry.default_keep_alive)  # never less than the operator's own
+    if keep_alive < floor and not request.app.state.config.allow_client_unload:
+        raise APIError(400, f"keep_alive: {body['keep_alive']!r} would unload the model for every client of this "
+                       f"server and end their sessions; the shortest a request may ask for here is "
+                       f"{floor:g} s (the server allows unloads with --allow-client-unload)", param="keep_alive")
+    return keep_alive
 
 
 def release(m) -> None:
@@ -320,7 +334,7 @@ async def generate(request: Request):
     registry = request.app.state.registry
     if not prompt:
         m = registry.find(string(body, "model", required=True))
-        if request_keep_alive(registry, body) == 0:  # unload: no need to load it first
+        if request_keep_alive(request, body) == 0:  # unload: no need to load it first
             m.keep_alive, m.expires_at = 0.0, 0.0
             return {"model": body["model"], "created_at": now_iso(), "response": "", "done": True,
                     "done_reason": "unload"}
@@ -438,7 +452,9 @@ async def show(request: Request):
                   "general.basename": info.name, f"{arch}.context_length": info.context_length,
                   "general.file_type": info.dtype, "general.quantization": info.quantization}
     parameters = _default_parameters(Path(info.path))
-    return {"license": "", "modelfile": f"# mlxlocal model\nFROM {info.path}\n", "parameters": parameters,
+    # The model's directory only when the operator asks (--expose-paths); else the name it is served as.
+    source = info.path if request.app.state.config.expose_paths else m.name
+    return {"license": "", "modelfile": f"# mlxlocal model\nFROM {source}\n", "parameters": parameters,
             "template": template if isinstance(template, str) else json.dumps(template),
             "details": _details(m), "model_info": model_info, "capabilities": capabilities,
             "modified_at": _modified(m)}

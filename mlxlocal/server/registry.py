@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +191,16 @@ class ModelRegistry:
                         keep_alive=keep_alive, sessions=Sessions(max_sessions, session_idle))
             for spec, group in zip(specs, assign_names(specs, names or []))
         ]
+        # begin_shutdown (SIGTERM): requests in flight end now (generation.run), new ones get 503.
+        self.stopping = False
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []  # the MCP endpoint closes its sessions
+
+    async def begin_shutdown(self) -> None:
+        """The server stops: before it waits for its connections, so that streams end at once
+        with a final event rather than being cut when the wait runs out."""
+        self.stopping = True
+        for hook in self.on_stop:
+            await hook()
 
     def find(self, name: str | None) -> ServedModel:
         if not name:
@@ -332,13 +343,13 @@ class ModelRegistry:
                    for m in dead if cluster is None]
         return 503, {**body, "status": "error", "reason": "; ".join(reasons + ([cluster] if cluster else []))}
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 5.0) -> None:
         for e in self.embedders:
             if e.engine is not None:
-                e.engine.shutdown()
+                e.engine.shutdown(timeout)
             e.engine = None
         for m in self.models:
             if m.engine is not None:
-                m.engine.shutdown()
+                m.engine.shutdown(timeout)
             m.engine = None
             m.sessions.clear()
