@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import typer
@@ -61,6 +62,11 @@ def serve(
         "all", "--max-tools", help="A request with more tools than this gets only the top K for its latest user "
         "message (plus the tools its history called); the response header x-mlxlocal-tools-dropped says how many "
         "were left out. Default all: clients such as Claude Code expect every tool they send to be callable"),
+    stream_keepalive: float = typer.Option(
+        2.0, "--stream-keepalive", min=0, help="Seconds between keep-alives on a streamed reply still waiting for "
+        "its first token (a long prompt prefilling) or quiet for a while: SSE comments with the prefill progress "
+        "(Anthropic: ping events; Ollama: an empty chunk), so clients and proxies with idle timeouts keep "
+        "waiting. The response starts as soon as the request is accepted. 0: off"),
     kv_compact: str = typer.Option(
         "off", "--kv-compact", help="Cache compaction for session requests (X-Session-Id) that send no "
         "drop_message: " + POLICY_HELP + "; e.g. keep-last-tool-outputs=12,reposition. See docs/akv.md"),
@@ -116,6 +122,8 @@ def serve(
         idle = parse_duration(session_idle)
     except APIError as e:
         fail(e.message.replace("keep_alive", "--session-idle"), 2)
+    if not math.isfinite(stream_keepalive):
+        fail(f"--stream-keepalive: must be a number of seconds (0: off), got {stream_keepalive}", 2)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the models", highlight=False)
@@ -125,7 +133,7 @@ def serve(
                           allowed_hosts=list(allow_host), mcp_endpoint=mcp_endpoint,
                           embed_models=embed_model, max_tools=max_tools_k,
                           kv_compact=policy if policy.active else None, max_sessions=max_sessions,
-                          session_idle=idle)
+                          session_idle=idle, stream_keepalive=stream_keepalive)
     if not run_server(config, err):
         raise typer.Exit(1)
 

@@ -135,7 +135,9 @@ class PagedEngine(EngineBase):
             id=next(self._ids), prompt=list(prompt), params=params, sampler=None,
             out=Output(self.tokenizer.detokenizer, params, set(self.tokenizer.eos_token_ids), len(prompt),
                        min(params.max_tokens, self.context_length - kept)),
-            handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason), session=session,
+            handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason,
+                                 progress=lambda: (min(seq.num_computed, len(prompt)), len(prompt))),
+            session=session,
         )
         if edits:
             seq.edit = cache_edits.EditState.start(prompt, edits)

@@ -44,6 +44,9 @@ class ServerConfig:
     max_connections: int | None = None  # None: half the open-file limit, at most 4096
     mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
     max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
+    # --stream-keepalive: seconds between keep-alives on a stream with no output yet (a long
+    # prefill) or for a while; 0 turns them off (then no byte goes out before the first token).
+    stream_keepalive: float = 2.0
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
     # AKV (server/akv.py): --kv-compact's policy for session requests without drop fields
     # (None: off), sessions kept per model, their idle expiry.
