@@ -99,8 +99,10 @@ class RequestHandle:
                     item = self._aqueue.get_nowait()
                 else:
                     getter = getter or asyncio.ensure_future(self._aqueue.get())
-                    wait = LIVENESS_POLL_S if idle is None else min(LIVENESS_POLL_S, quiet_since + idle - clock())
-                    finished, _ = await asyncio.wait({getter}, timeout=max(wait, 0))
+                    wait = LIVENESS_POLL_S
+                    if idle is not None:
+                        wait = max(min(wait, quiet_since + idle - clock()), 0)
+                    finished, _ = await asyncio.wait({getter}, timeout=wait)
                     if not finished:
                         if (error := self._dead_error()) is None:
                             if idle is not None and clock() - quiet_since >= idle:

@@ -150,7 +150,8 @@ class SimpleEngine(EngineBase):
                 # MLX streams belong to threads: this worker runs on its own.
                 with self._busy, mx.stream(WORKER_STREAM):
                     self._check_alive()  # shut down while this one waited its turn?
-                    for chunk in self._generate(prompt, params, session, handle.cancelled, constraint, prefilled):
+                    chunks = self._generate(prompt, params, session, handle.cancelled, constraint, prefilled)
+                    for chunk in chunks:
                         handle.put(chunk)
             except Exception as e:  # raised in the consumer
                 handle.put(e)
@@ -160,8 +161,8 @@ class SimpleEngine(EngineBase):
 
         worker = threading.Thread(target=work, name="mlxlocal-simple-request", daemon=True)
         # Should the worker end without a last word, its consumer still wakes up.
-        handle = RequestHandle(cancel, loop, dead=lambda: None if worker.is_alive() else "its worker thread ended",
-                               progress=lambda: (prefilled[0], len(prompt)))
+        handle = RequestHandle(cancel, loop, progress=lambda: (prefilled[0], len(prompt)),
+                               dead=lambda: None if worker.is_alive() else "its worker thread ended")
         self._live[handle] = worker
         worker.start()
         return handle

@@ -47,6 +47,7 @@ class Finish:
 
 
 StreamEvent = Token | Event | Finish | Waiting
+Item = Chunk | Waiting  # what a request's chunk stream yields
 
 
 def stream_keepalive(request: Request) -> float | None:
@@ -62,7 +63,7 @@ def keepalive_comment(w: Waiting) -> str:
 
 async def open_chunks(request: Request, engine, ids: list[int], params: SamplingParams,
                       metrics: Metrics, cache: CacheUse | None = None,
-                      keepalive: float | None = None) -> AsyncIterator[Chunk | Waiting]:
+                      keepalive: float | None = None) -> AsyncIterator[Item]:
     """Start the request and await its first chunk (errors raise here, as HTTP errors; with
     `keepalive`, a Waiting once it is submitted); return all of its chunks, that first one
     included. `cache`: its session and edits."""
@@ -77,7 +78,7 @@ async def open_chunks(request: Request, engine, ids: list[int], params: Sampling
     return _rest(first, chunks)
 
 
-async def _rest(first: Chunk | Waiting, chunks: AsyncIterator[Chunk | Waiting]) -> AsyncIterator[Chunk | Waiting]:
+async def _rest(first: Item, chunks: AsyncIterator[Item]) -> AsyncIterator[Item]:
     try:
         yield first
         if isinstance(first, Waiting) or first.finish_reason is None:
@@ -89,20 +90,23 @@ async def _rest(first: Chunk | Waiting, chunks: AsyncIterator[Chunk | Waiting]) 
 
 async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
                       tools: list[dict] | None, metrics: Metrics, think_budget: int | None = None,
-                      cache: CacheUse | None = None, keepalive: float | None = None) -> AsyncIterator[StreamEvent]:
+                      cache: CacheUse | None = None,
+                      keepalive: float | None = None) -> AsyncIterator[StreamEvent]:
     """`open_chunks`, parsed into events (see the module docstring). With `think_budget`,
     a think block still open after that many generated tokens is closed (`_budgeted`)."""
     parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning(engine, ids))
     if think_budget is None or not parser.think_end or think_budget >= params.max_tokens:
-        return parse_chunks(await open_chunks(request, engine, ids, params, metrics, cache, keepalive), parser)
-    first = await open_chunks(request, engine, ids, replace(params, max_tokens=think_budget), metrics, cache,
-                              keepalive)
-    return parse_chunks(_budgeted(request, engine, ids, params, metrics, parser, first, cache, keepalive), parser)
+        chunks = await open_chunks(request, engine, ids, params, metrics, cache, keepalive)
+        return parse_chunks(chunks, parser)
+    budgeted = replace(params, max_tokens=think_budget)
+    first = await open_chunks(request, engine, ids, budgeted, metrics, cache, keepalive)
+    rest = _budgeted(request, engine, ids, params, metrics, parser, first, cache, keepalive)
+    return parse_chunks(rest, parser)
 
 
 async def _budgeted(request: Request, engine, ids: list[int], params: SamplingParams, metrics: Metrics,
-                    parser: OutputParser, first: AsyncIterator[Chunk | Waiting],
-                    cache: CacheUse | None = None, keepalive: float | None = None) -> AsyncIterator[Chunk | Waiting]:
+                    parser: OutputParser, first: AsyncIterator[Item], cache: CacheUse | None = None,
+                    keepalive: float | None = None) -> AsyncIterator[Item]:
     """A thinking budget: the request runs with max_tokens = budget first. If that cut it
     (not a stop, not the context) the request goes on as a second one over prompt +
     generated ids (a prefix-cache hit), with the think-end marker written in between when
@@ -176,7 +180,7 @@ class _Trim:
             yield e
 
 
-async def parse_chunks(chunks: AsyncIterator[Chunk | Waiting], parser: OutputParser) -> AsyncIterator[StreamEvent]:
+async def parse_chunks(chunks: AsyncIterator[Item], parser: OutputParser) -> AsyncIterator[StreamEvent]:
     trim, tokens, last = _Trim(), [], None
     try:
         async for chunk in chunks:

@@ -245,8 +245,9 @@ async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tool
                     last = {**base(), **final(*value)}
                     last.update({"message": message()} if chat else {"response": ""})
                     yield line(last)
-                elif kind == "waiting":  # a keep-alive: an empty chunk, which Ollama's clients take as one
-                    yield line({**base(), **({"message": message()} if chat else {"response": ""}), "done": False})
+                elif kind == "waiting":  # a keep-alive: an empty chunk, which Ollama's clients accept
+                    empty = {"message": message()} if chat else {"response": ""}
+                    yield line({**base(), **empty, "done": False})
                 elif chat:
                     msg = (message(content=value) if kind == "content" else
                            message(thinking=value) if kind == "thinking" else message(tool_calls=[value]))
