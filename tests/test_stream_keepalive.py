@@ -34,10 +34,14 @@ KEEPALIVE = 0.25
 _tags = itertools.count()
 
 
+FORWARD = {PagedEngine: PagedEngine._forward, SimpleEngine: SimpleEngine._forward}
+
+
 @contextmanager
 def slow_prefill(cls=PagedEngine, delay: float = DELAY):
-    """Every prefill chunk's forward sleeps `delay` first (decode steps are not slowed)."""
-    original = cls._forward
+    """Every prefill chunk's forward sleeps `delay` first (decode steps are not slowed); an
+    inner one replaces an outer one's delay, never adds to it."""
+    original, previous = FORWARD[cls], cls._forward
 
     def forward(self, *args):
         tokens = args[1] if cls is PagedEngine else args[0].size  # (seqs, n) / (token array, cache)
@@ -49,7 +53,7 @@ def slow_prefill(cls=PagedEngine, delay: float = DELAY):
     try:
         yield
     finally:
-        cls._forward = original
+        cls._forward = previous
 
 
 def long_prompt() -> str:
