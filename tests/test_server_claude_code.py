@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -68,6 +69,9 @@ def sse_events(text: str) -> list[tuple[str, dict]]:
     """(event name, data) per SSE event; each must have both, and agree on the type."""
     events = []
     for raw in text.strip().split("\n\n"):
+        if raw.startswith(":"):  # a keep-alive comment (the prefill's progress)
+            assert re.fullmatch(r": keepalive \d+/\d+", raw), raw
+            continue
         lines = dict(line.split(": ", 1) for line in raw.splitlines())
         assert set(lines) == {"event", "data"}, raw
         data = json.loads(lines["data"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -260,7 +261,10 @@ def test_sse_framing(server, model):
     with httpx.stream("POST", server[0] + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
-    events = [e for e in raw.split("\n\n") if e]
+    frames = [e for e in raw.split("\n\n") if e]
+    # The keep-alive sent once the request is accepted: a comment with the prefill's progress.
+    assert re.fullmatch(r": keepalive \d+/\d+", frames[0])
+    events = [e for e in frames if not e.startswith(":")]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     assert json.loads(events[0][6:])["choices"][0]["delta"]["role"] == "assistant"
 

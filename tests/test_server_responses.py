@@ -281,8 +281,9 @@ def test_harmless_fields_are_accepted(client, model):
 def _sse_events(text: str) -> list[tuple[str, dict]]:
     out = []
     for block in text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        out.append((lines["event"], json.loads(lines["data"])))
+        lines = dict(line.split(": ", 1) for line in block.split("\n") if not line.startswith(":"))
+        if lines:  # else a keep-alive (a comment)
+            out.append((lines["event"], json.loads(lines["data"])))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import typer
@@ -72,6 +73,11 @@ def serve(
         "all", "--max-tools", help="A request with more tools than this gets only the top K for its latest user "
         "message (plus the tools its history called); the response header x-mlxlocal-tools-dropped says how many "
         "were left out. Default all: clients such as Claude Code expect every tool they send to be callable"),
+    stream_keepalive: float = typer.Option(
+        2.0, "--stream-keepalive", min=0, help="Seconds between keep-alives on a streamed reply still waiting for "
+        "its first token (a long prompt prefilling) or quiet for a while: SSE comments with the prefill progress "
+        "(Anthropic: ping events; Ollama: an empty chunk), so clients and proxies with idle timeouts keep "
+        "waiting. The response starts as soon as the request is accepted. 0: off"),
     kv_compact: str = typer.Option(
         "off", "--kv-compact", help="Cache compaction for session requests (X-Session-Id) that send no "
         "drop_message: " + POLICY_HELP + "; e.g. keep-last-tool-outputs=12,reposition. See docs/akv.md"),
@@ -133,6 +139,8 @@ def serve(
         fail(e.message.replace("keep_alive", "--mcp-session-idle"), 2)
     if not mcp_idle > 0:
         fail("--mcp-session-idle: must be a positive duration (or -1: never)", 2)
+    if not math.isfinite(stream_keepalive):
+        fail(f"--stream-keepalive: must be a number of seconds (0: off), got {stream_keepalive}", 2)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
                   "this address can use the models", highlight=False)
@@ -143,7 +151,8 @@ def serve(
                           embed_models=embed_model, max_tools=max_tools_k,
                           kv_compact=policy if policy.active else None, max_sessions=max_sessions,
                           session_idle=idle, mcp_max_sessions=mcp_max_sessions, mcp_session_idle=mcp_idle,
-                          expose_paths=expose_paths, allow_client_unload=allow_client_unload)
+                          expose_paths=expose_paths, allow_client_unload=allow_client_unload,
+                          stream_keepalive=stream_keepalive)
     if not run_server(config, err):
         raise typer.Exit(1)
 

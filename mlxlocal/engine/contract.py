@@ -81,7 +81,8 @@ class Engine(Protocol):
                loop: asyncio.AbstractEventLoop | None = None,
                edits: list[CacheEdit] | None = None) -> RequestHandle:
         """Queue a request. `edits` drop / reposition spans of the prompt's cache (AKV);
-        an engine or model that cannot edits raises ValueError naming why."""
+        an engine or model that cannot edits raises ValueError naming why. The handle's
+        progress() says how far the prompt's prefill is; astream(idle=) ticks while quiet."""
         ...
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, session: Any = None,

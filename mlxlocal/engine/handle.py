@@ -30,10 +30,12 @@ def _done(item: Chunk | BaseException) -> bool:
 class RequestHandle:
     def __init__(self, cancelled: threading.Event | None = None,
                  loop: asyncio.AbstractEventLoop | None = None, seq: Any = None,
-                 dead: Callable[[], str | None] | None = None):
+                 dead: Callable[[], str | None] | None = None,
+                 progress: Callable[[], tuple[int, int]] | None = None):
         self.cancelled = cancelled or threading.Event()
         self.seq = seq  # the engine's view of the request (paged engine), for inspection
         self._dead = dead  # why the engine serving this request stopped, or None while it runs
+        self._progress = progress
         self._out: queue.Queue = queue.Queue()
         self._loop = loop
         self._aqueue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
@@ -53,6 +55,11 @@ class RequestHandle:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def progress(self) -> tuple[int, int]:
+        """(prompt tokens in the cache, prompt tokens): how far the prefill is, from any thread
+        (read, never waited for; a prefix-cache hit counts as done). (0, 0): not known."""
+        return self._progress() if self._progress is not None else (0, 0)
 
     def _dead_error(self) -> EngineDeadError | None:
         reason = self._dead() if self._dead is not None else None
@@ -77,20 +84,30 @@ class RequestHandle:
             if not done:  # the consumer walked away: free the request's resources
                 self.cancel()
 
-    async def astream(self) -> AsyncIterator[Chunk]:
+    async def astream(self, idle: float | None = None) -> AsyncIterator[Chunk | None]:
+        """The chunks; with `idle`, also None each time no chunk came for `idle` seconds (a
+        front end's cue for a keep-alive while the prompt prefills)."""
         if self._aqueue is None:
             raise ValueError("astream() needs the request submitted with loop=<the running event loop>")
         done = False
         getter: asyncio.Future | None = None  # kept across polls, so no chunk is lost to a timeout
+        clock = asyncio.get_running_loop().time
+        quiet_since = clock()
         try:
             while not done:
                 if not self._aqueue.empty():
                     item = self._aqueue.get_nowait()
                 else:
                     getter = getter or asyncio.ensure_future(self._aqueue.get())
-                    finished, _ = await asyncio.wait({getter}, timeout=LIVENESS_POLL_S)
+                    wait = LIVENESS_POLL_S
+                    if idle is not None:
+                        wait = max(min(wait, quiet_since + idle - clock()), 0)
+                    finished, _ = await asyncio.wait({getter}, timeout=wait)
                     if not finished:
                         if (error := self._dead_error()) is None:
+                            if idle is not None and clock() - quiet_since >= idle:
+                                quiet_since = clock()
+                                yield None
                             continue
                         # What the engine posted to this loop just before it stopped comes first.
                         finished, _ = await asyncio.wait({getter}, timeout=0.05)
@@ -98,6 +115,7 @@ class RequestHandle:
                         raise error
                     item, getter = getter.result(), None
                 done = _done(item)
+                quiet_since = clock()
                 yield item
         finally:
             if getter is not None:

@@ -131,11 +131,14 @@ class PagedEngine(EngineBase):
             raise self._dead_error()
         if session is not None:
             session.claim()
+        n = len(prompt)  # progress(): a read of the engine thread's counter, nothing on its hot path
         seq = Sequence(
             id=next(self._ids), prompt=list(prompt), params=params, sampler=None,
             out=Output(self.tokenizer.detokenizer, params, set(self.tokenizer.eos_token_ids), len(prompt),
                        min(params.max_tokens, self.context_length - kept)),
-            handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason), session=session,
+            handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason,
+                                 progress=lambda: (min(seq.num_computed, n), n)),
+            session=session,
         )
         if edits:
             seq.edit = cache_edits.EditState.start(prompt, edits)

@@ -143,13 +143,15 @@ class SimpleEngine(EngineBase):
         constraint = self.constraint(params)
         self._check_alive()
         session = session or self.new_session()
+        prefilled = [0]  # prompt tokens in the cache: written by the worker, read by progress()
 
         def work():
             try:
                 # MLX streams belong to threads: this worker runs on its own.
                 with self._busy, mx.stream(WORKER_STREAM):
                     self._check_alive()  # shut down while this one waited its turn?
-                    for chunk in self._generate(prompt, params, session, handle.cancelled, constraint):
+                    chunks = self._generate(prompt, params, session, handle.cancelled, constraint, prefilled)
+                    for chunk in chunks:
                         handle.put(chunk)
             except Exception as e:  # raised in the consumer
                 handle.put(e)
@@ -159,7 +161,8 @@ class SimpleEngine(EngineBase):
 
         worker = threading.Thread(target=work, name="mlxlocal-simple-request", daemon=True)
         # Should the worker end without a last word, its consumer still wakes up.
-        handle = RequestHandle(cancel, loop, dead=lambda: None if worker.is_alive() else "its worker thread ended")
+        handle = RequestHandle(cancel, loop, progress=lambda: (prefilled[0], len(prompt)),
+                               dead=lambda: None if worker.is_alive() else "its worker thread ended")
         self._live[handle] = worker
         worker.start()
         return handle
@@ -211,12 +214,12 @@ class SimpleEngine(EngineBase):
 
     def _generate(
         self, prompt: list[int], params: SamplingParams, session: DenseSession, cancel: threading.Event | None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | None = None, prefilled: list[int] | None = None,
     ) -> Iterator[Chunk]:
         session.claim()  # at the first chunk: a generator never started holds nothing
         self._running += 1
         try:
-            yield from self._stream(prompt, params, session, cancel, constraint)
+            yield from self._stream(prompt, params, session, cancel, constraint, prefilled)
         except Exception:
             # A step that failed halfway leaves the cache out of step with session.tokens:
             # the session's next turn starts over on a fresh cache.
@@ -228,7 +231,7 @@ class SimpleEngine(EngineBase):
 
     def _stream(
         self, prompt: list[int], params: SamplingParams, session: DenseSession, cancel: threading.Event | None,
-        constraint: Constraint | None,
+        constraint: Constraint | None, prefilled: list[int] | None = None,
     ) -> Iterator[Chunk]:
         mx.reset_peak_memory()
         if params.seed is not None:
@@ -248,6 +251,8 @@ class SimpleEngine(EngineBase):
         # Prefill what the cache does not hold, in chunks; only the last chunk's logits matter.
         # A cancel is honoured between chunks (before the first one too).
         todo = prompt[stats.cached_tokens :]
+        prefilled = prefilled if prefilled is not None else [0]
+        prefilled[0] = stats.cached_tokens
         while True:
             if cancel is not None and cancel.is_set():
                 yield out.finish("cancelled")
@@ -258,6 +263,7 @@ class SimpleEngine(EngineBase):
             mx.eval(_cache_arrays(cache))
             session.tokens.extend(todo[: self.prefill_step])
             todo = todo[self.prefill_step :]
+            prefilled[0] = len(prompt) - len(todo)
         session.tokens.extend(todo)
 
         def sample(logits: mx.array, history: list[int]) -> mx.array:
@@ -272,6 +278,7 @@ class SimpleEngine(EngineBase):
         mx.async_eval(y)
         while True:
             token = int(y.item())
+            prefilled[0] = len(prompt)
             out.first_token()
             if constraint is not None:
                 constraint.advance(token)

@@ -35,7 +35,14 @@ from mlxlocal.server.anthropic_request import (
     thinking_turns_kept,
 )
 from mlxlocal.server.errors import APIError, read_json_object
-from mlxlocal.server.events import Finish, StreamEvent, open_events
+from mlxlocal.server.events import (
+    Finish,
+    StreamEvent,
+    keepalive_comment,
+    open_events,
+    stream_keepalive,
+)
+from mlxlocal.server.generation import Waiting
 from mlxlocal.server.prompting import place_system_turns
 from mlxlocal.server.tool_choice import tool_grammar
 from mlxlocal.server.tool_pruning import prune_tools
@@ -204,11 +211,14 @@ def usage(stats, prompt_len: int, out_tokens: int) -> dict:
 
 
 async def _events(engine, ids, params, thinking: Thinking,
-                  events: AsyncIterator[StreamEvent]) -> AsyncIterator[dict]:
-    """All of a message's stream events after message_start."""
+                  events: AsyncIterator[StreamEvent]) -> AsyncIterator[dict | Waiting]:
+    """All of a message's stream events after message_start (and the keep-alive cues)."""
     blocks = Blocks(thinking)
     async for ev in events:
         if ev.kind == "token":
+            continue
+        if ev.kind == "waiting":  # no output yet (or for a while): sent as a ping (stream only)
+            yield ev
             continue
         if ev.kind != "finish":
             for out in blocks.feed(ev):
@@ -241,12 +251,15 @@ async def messages(request: Request):
     engine, ids, tools, thinking, use = await prepare(request, body, params)
     await formats.constrain(params, constraint, engine, ids, think_budget=thinking.budget)
     model = body["model"]
-    # Errors before any output (context, queue, dead engine) raise here, as HTTP errors.
+    # Errors before any output (context, queue, dead engine) raise here, as HTTP errors; when
+    # streaming, from submit on they are error events (the response starts at once: keep-alives).
+    stream = bool(body.get("stream", False))
     parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
-                               think_budget=None if constraint is not None else thinking.budget, cache=use)
+                               think_budget=None if constraint is not None else thinking.budget, cache=use,
+                               keepalive=stream_keepalive(request) if stream else None)
     events = _events(engine, ids, params, thinking, parsed)
 
-    if not body.get("stream", False):
+    if not stream:
         message = _message(model, [], len(ids))
         partial: dict[int, str] = {}
         async for ev in events:
@@ -272,11 +285,14 @@ async def messages(request: Request):
                 message["content"][index]["input"] = {"_raw": text}
         return JSONResponse(message)
 
-    async def stream():
+    async def sse():
         yield _sse({"type": "message_start", "message": _message(model, [], len(ids))})
         yield _sse({"type": "ping"})
         try:
             async for ev in events:
+                if isinstance(ev, Waiting):  # Anthropic's keep-alive, the prefill progress as a comment
+                    yield keepalive_comment(ev) + _sse({"type": "ping"})
+                    continue
                 yield _sse(ev)
         except APIError as e:
             yield _sse({"type": "error", "error": {"type": "api_error", "message": e.message}})
@@ -286,7 +302,7 @@ async def messages(request: Request):
             return
         yield _sse({"type": "message_stop"})
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
+    return StreamingResponse(sse(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

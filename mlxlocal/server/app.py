@@ -49,6 +49,9 @@ class ServerConfig:
     expose_paths: bool = False  # --expose-paths: models' file paths to clients (model_cards.client_names)
     allow_client_unload: bool = False  # --allow-client-unload: Ollama keep_alive 0 / under 5m honoured
     max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
+    # --stream-keepalive: seconds between keep-alives on a stream with no output yet (a long
+    # prefill) or for a while; 0 turns them off (then no byte goes out before the first token).
+    stream_keepalive: float = 2.0
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
     # AKV (server/akv.py): --kv-compact's policy for session requests without drop fields
     # (None: off), sessions kept per model, their idle expiry.

@@ -1,13 +1,17 @@
 """Engine chunks -> parsed events, once for every API dialect; the routers only translate.
 
 `open_events` starts a request and awaits its first chunk, so a refused request (context,
-queue, pool, dead engine) raises as a real HTTP error before any response byte. The
-stream it returns yields, in order:
+queue, pool, dead engine) raises as a real HTTP error before any response byte. With
+`keepalive` (streaming responses) it returns once the request is submitted: what fails
+after that (the engine dying mid-prefill) comes in the stream, as the routers' error event.
+The stream it returns yields, in order:
   Token(chunk)                  each generated token, before the text events it produced
   Event("reasoning"|"content")  text (parse.Event), whitespace that only pads a think block
                                 already dropped
   Event("tool_call")            a parsed call (name, arguments as JSON text, id)
   Finish(...)                   last: the engine's finish reason, stats, generated ids
+and, with `keepalive`, Waiting(done, total) first and whenever no chunk came for that many
+seconds: the router sends its dialect's keep-alive (prefill progress where it has room).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
 from mlxlocal.server import generation
 from mlxlocal.server.akv import CacheUse
 from mlxlocal.server.errors import APIError
+from mlxlocal.server.generation import Waiting
 from mlxlocal.server.metrics import Metrics
 
 
@@ -41,14 +46,28 @@ class Finish:
     kind: str = "finish"
 
 
-StreamEvent = Token | Event | Finish
+StreamEvent = Token | Event | Finish | Waiting
+Item = Chunk | Waiting  # what a request's chunk stream yields
+
+
+def stream_keepalive(request: Request) -> float | None:
+    """Seconds between keep-alives on this server's streams (--stream-keepalive), None: off."""
+    return request.app.state.config.stream_keepalive or None
+
+
+def keepalive_comment(w: Waiting) -> str:
+    """An SSE keep-alive: a comment (every SSE parser skips it) with the prefill's progress,
+    as mlx_lm.server writes it."""
+    return f": keepalive {w.done}/{w.total}\n\n"
 
 
 async def open_chunks(request: Request, engine, ids: list[int], params: SamplingParams,
-                      metrics: Metrics, cache: CacheUse | None = None) -> AsyncIterator[Chunk]:
-    """Start the request and await its first chunk (errors raise here, as HTTP errors);
-    return all of its chunks, that first one included. `cache`: its session and edits."""
-    chunks = generation.run(request, engine, ids, params, metrics, cache)
+                      metrics: Metrics, cache: CacheUse | None = None,
+                      keepalive: float | None = None) -> AsyncIterator[Item]:
+    """Start the request and await its first chunk (errors raise here, as HTTP errors; with
+    `keepalive`, a Waiting once it is submitted); return all of its chunks, that first one
+    included. `cache`: its session and edits."""
+    chunks = generation.run(request, engine, ids, params, metrics, cache, keepalive)
     try:
         first = await chunks.__anext__()
     except StopAsyncIteration:  # the engine always ends with a final chunk
@@ -59,10 +78,10 @@ async def open_chunks(request: Request, engine, ids: list[int], params: Sampling
     return _rest(first, chunks)
 
 
-async def _rest(first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+async def _rest(first: Item, chunks: AsyncIterator[Item]) -> AsyncIterator[Item]:
     try:
         yield first
-        if first.finish_reason is None:
+        if isinstance(first, Waiting) or first.finish_reason is None:
             async for chunk in chunks:
                 yield chunk
     finally:
@@ -70,20 +89,24 @@ async def _rest(first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chu
 
 
 async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
-                      tools: list[dict] | None, metrics: Metrics,
-                      think_budget: int | None = None, cache: CacheUse | None = None) -> AsyncIterator[StreamEvent]:
+                      tools: list[dict] | None, metrics: Metrics, think_budget: int | None = None,
+                      cache: CacheUse | None = None,
+                      keepalive: float | None = None) -> AsyncIterator[StreamEvent]:
     """`open_chunks`, parsed into events (see the module docstring). With `think_budget`,
     a think block still open after that many generated tokens is closed (`_budgeted`)."""
     parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning(engine, ids))
     if think_budget is None or not parser.think_end or think_budget >= params.max_tokens:
-        return parse_chunks(await open_chunks(request, engine, ids, params, metrics, cache), parser)
-    first = await open_chunks(request, engine, ids, replace(params, max_tokens=think_budget), metrics, cache)
-    return parse_chunks(_budgeted(request, engine, ids, params, metrics, parser, first, cache), parser)
+        chunks = await open_chunks(request, engine, ids, params, metrics, cache, keepalive)
+        return parse_chunks(chunks, parser)
+    budgeted = replace(params, max_tokens=think_budget)
+    first = await open_chunks(request, engine, ids, budgeted, metrics, cache, keepalive)
+    rest = _budgeted(request, engine, ids, params, metrics, parser, first, cache, keepalive)
+    return parse_chunks(rest, parser)
 
 
 async def _budgeted(request: Request, engine, ids: list[int], params: SamplingParams, metrics: Metrics,
-                    parser: OutputParser, first: AsyncIterator[Chunk],
-                    cache: CacheUse | None = None) -> AsyncIterator[Chunk]:
+                    parser: OutputParser, first: AsyncIterator[Item], cache: CacheUse | None = None,
+                    keepalive: float | None = None) -> AsyncIterator[Item]:
     """A thinking budget: the request runs with max_tokens = budget first. If that cut it
     (not a stop, not the context) the request goes on as a second one over prompt +
     generated ids (a prefix-cache hit), with the think-end marker written in between when
@@ -96,6 +119,9 @@ async def _budgeted(request: Request, engine, ids: list[int], params: SamplingPa
     generated, last = [], None
     try:
         async for chunk in first:
+            if isinstance(chunk, Waiting):
+                yield chunk
+                continue
             if chunk.token is not None:
                 generated.append(chunk.token)
             if chunk.finish_reason is not None:
@@ -117,10 +143,11 @@ async def _budgeted(request: Request, engine, ids: list[int], params: SamplingPa
         yield Chunk(close)  # no token: the marker is prompt for the second part, not output
     # The same session and edits (all inside `ids`): the second part continues the first.
     rest = await open_chunks(request, engine, ids + generated + extra,
-                             replace(params, max_tokens=params.max_tokens - len(generated)), metrics, cache)
+                             replace(params, max_tokens=params.max_tokens - len(generated)), metrics, cache,
+                             keepalive)
     try:
         async for chunk in rest:
-            if chunk.stats is not None:
+            if not isinstance(chunk, Waiting) and chunk.stats is not None:
                 chunk = replace(chunk, stats=replace(
                     chunk.stats, prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
                     dropped_tokens=stats.dropped_tokens, repositioned_tokens=stats.repositioned_tokens,
@@ -153,10 +180,13 @@ class _Trim:
             yield e
 
 
-async def parse_chunks(chunks: AsyncIterator[Chunk], parser: OutputParser) -> AsyncIterator[StreamEvent]:
+async def parse_chunks(chunks: AsyncIterator[Item], parser: OutputParser) -> AsyncIterator[StreamEvent]:
     trim, tokens, last = _Trim(), [], None
     try:
         async for chunk in chunks:
+            if isinstance(chunk, Waiting):
+                yield chunk
+                continue
             last = chunk
             if chunk.token is not None:
                 tokens.append(chunk.token)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -27,9 +28,26 @@ def _busy(session_id: str) -> APIError:
                     code="session_busy")
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """No output yet (or for a while): time for a keep-alive. `done` of the `total` prompt
+    tokens are in the cache (the prefill's progress)."""
+
+    done: int
+    total: int
+    kind: str = "waiting"
+
+
 def start(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
           session=None, cache: akv.CacheUse | None = None):
     """Submit; return (async chunk stream, cancel function). Raises APIError on a bad request."""
+    handle = submit(engine, prompt, params, loop, session, cache)
+    return handle.astream(), handle.cancel
+
+
+def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+           session=None, cache: akv.CacheUse | None = None):
+    """engine.submit, its refusals as APIErrors; returns the RequestHandle."""
     edits = cache.edits if cache is not None else []
     # Only what the request uses: a plain request is the plain submit call.
     extra = {**({"session": session} if session is not None else {}), **({"edits": edits} if edits else {})}
@@ -56,7 +74,7 @@ def start(engine: Engine, prompt: list[int], params: SamplingParams, loop: async
         raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
     except EngineDeadError as e:  # the registry restarts it on the next request
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER}) from None
-    return handle.astream(), handle.cancel
+    return handle
 
 
 def _stopping() -> APIError:
@@ -75,7 +93,7 @@ async def _watch(request: Request, cancel, registry) -> None:
             return
 
 
-async def _dead_is_503(stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+async def _dead_is_503(stream: AsyncIterator[Chunk | None]) -> AsyncIterator[Chunk | None]:
     """An engine that dies after accepting the request: a 503 before the response starts,
     an error event after (the routers already turn errors into one mid-stream)."""
     try:
@@ -103,21 +121,31 @@ async def _session(request: Request, engine: Engine, prompt: list[int], params: 
 
 
 async def run(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
-              metrics: Metrics, cache: akv.CacheUse | None = None) -> AsyncIterator[Chunk]:
-    """Stream a request's chunks; a client that goes away cancels it (blocks freed next step)."""
+              metrics: Metrics, cache: akv.CacheUse | None = None,
+              keepalive: float | None = None) -> AsyncIterator[Chunk | Waiting]:
+    """Stream a request's chunks; a client that goes away cancels it (blocks freed next step).
+    With `keepalive` (seconds), a Waiting right after submit (the response can start) and
+    one each time no chunk came for that long."""
     loop = asyncio.get_running_loop()
     registry = request.app.state.registry
     if registry.stopping:
         raise _stopping()
     session = await _session(request, engine, prompt, params, cache)
     if params.grammar is None:
-        stream, cancel = start(engine, prompt, params, loop, session, cache)
+        handle = submit(engine, prompt, params, loop, session, cache)
     else:  # submit compiles the grammar (the first one also indexes the vocabulary): off the loop
-        stream, cancel = await asyncio.to_thread(start, engine, prompt, params, loop, session, cache)
+        handle = await asyncio.to_thread(submit, engine, prompt, params, loop, session, cache)
+    cancel = handle.cancel
     watcher = asyncio.create_task(_watch(request, cancel, registry))
     t0, last, generated, finished = time.perf_counter(), None, 0, False
     try:
-        async for chunk in _dead_is_503(stream):
+        if keepalive is not None:
+            yield Waiting(*handle.progress())
+        chunks = handle.astream() if keepalive is None else handle.astream(idle=keepalive)
+        async for chunk in _dead_is_503(chunks):
+            if chunk is None:
+                yield Waiting(*handle.progress())
+                continue
             if chunk.finish_reason == "cancelled" and registry.stopping:
                 raise _stopping()  # a 503 before the response starts, an error event after
             if chunk.token is not None:

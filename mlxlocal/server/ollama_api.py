@@ -18,7 +18,7 @@ from mlxlocal import __version__
 from mlxlocal.engine import SamplingParams
 from mlxlocal.server import formats
 from mlxlocal.server.errors import APIError, read_json_object
-from mlxlocal.server.events import StreamEvent, open_events
+from mlxlocal.server.events import StreamEvent, open_events, stream_keepalive
 from mlxlocal.server.registry import parse_duration
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
@@ -199,11 +199,15 @@ async def _pieces(events: AsyncIterator[StreamEvent], think) -> AsyncIterator[tu
             yield "tool_call", {"function": {"name": ev.name, "arguments": args}}
         elif ev.kind == "finish":
             yield "done", ("length" if ev.reason == "length" else "stop", ev.stats, len(ev.tokens))
+        elif ev.kind == "waiting":
+            yield "waiting", None
 
 
 async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tools, think, chat: bool):
     try:  # bad requests fail here, as HTTP errors
-        events = await open_events(request, engine, ids, params, tools, request.app.state.metrics)
+        keepalive = stream_keepalive(request) if body.get("stream", True) else None
+        events = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
+                                   keepalive=keepalive)
     except BaseException:
         release(m)
         raise
@@ -255,6 +259,9 @@ async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tool
                     last = {**base(), **final(*value)}
                     last.update({"message": message()} if chat else {"response": ""})
                     yield line(last)
+                elif kind == "waiting":  # a keep-alive: an empty chunk, which Ollama's clients accept
+                    empty = {"message": message()} if chat else {"response": ""}
+                    yield line({**base(), **empty, "done": False})
                 elif chat:
                     msg = (message(content=value) if kind == "content" else
                            message(thinking=value) if kind == "thinking" else message(tool_calls=[value]))

@@ -44,7 +44,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from mlxlocal.engine import Chunk, SamplingParams
 from mlxlocal.server import akv, formats, model_cards
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import StreamEvent, open_chunks, open_events
+from mlxlocal.server.events import (
+    StreamEvent,
+    keepalive_comment,
+    open_chunks,
+    open_events,
+    stream_keepalive,
+)
+from mlxlocal.server.generation import Waiting
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
 from mlxlocal.server.tool_choice import tool_grammar
 from mlxlocal.server.tool_pruning import prune_tools
@@ -243,8 +250,8 @@ def _stream_response(body: AsyncIterator[str]) -> StreamingResponse:
 
 def _error_event(e: BaseException) -> str:
     if isinstance(e, APIError):
-        return _sse({"error": {"message": e.message, "type": "invalid_request_error", "param": e.param,
-                               "code": e.code}})
+        kind = "invalid_request_error" if e.status < 500 else "server_error"  # a 503: the engine stopped
+        return _sse({"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}})
     return _sse({"error": {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error",
                            "param": None, "code": None}})
 
@@ -377,7 +384,8 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     engine, ids, params, tools, use = await _prepare_chat(req, request)
-    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use)
+    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
+                               keepalive=stream_keepalive(request) if req.stream else None)
     meta = {"id": _new_id("chatcmpl"), "created": int(time.time()), "model": req.model}
     text_of = _TokenText(engine.tokenizer)
     if req.stream:
@@ -429,10 +437,16 @@ async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: S
             pending_logprobs.clear()
         return _sse({**base, "choices": [choice]})
 
+    started = False
     try:
-        yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
         async for e in events:
+            if e.kind == "waiting":  # no output yet (or for a while): a keep-alive, not a chunk
+                yield keepalive_comment(e)
+                continue
+            if not started:  # with the first output, as before keep-alives: clients time the first chunk
+                started = True
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
             if e.kind == "token":
                 if params.logprobs is not None:
                     pending_logprobs.append(_chat_logprob(e.chunk, text_of))
@@ -501,7 +515,8 @@ async def completions(req: CompletionRequest, request: Request):
     await formats.constrain(params, constraint, engine, ids, parsed=False)
     check_params(params, names, engine, ids)
     echo = engine.decode(ids) if req.echo else ""
-    chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics)
+    chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics,
+                               keepalive=stream_keepalive(request) if req.stream else None)
     meta = {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": req.model}
     text_of = _TokenText(engine.tokenizer)
     want_logprobs = params.logprobs is not None
@@ -515,6 +530,9 @@ async def completions(req: CompletionRequest, request: Request):
                     yield _sse({**meta, "choices": [{"index": 0, "text": echo, "logprobs": None,
                                                      "finish_reason": None}]})
                 async for chunk in chunks:
+                    if isinstance(chunk, Waiting):
+                        yield keepalive_comment(chunk)
+                        continue
                     last = chunk
                     lp = None
                     if want_logprobs and chunk.token is not None:

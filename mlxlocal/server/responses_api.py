@@ -65,7 +65,13 @@ from mlxlocal.engine import SamplingParams
 from mlxlocal.grammar.parse import Event
 from mlxlocal.server import akv, formats
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import Finish, StreamEvent, open_events
+from mlxlocal.server.events import (
+    Finish,
+    StreamEvent,
+    keepalive_comment,
+    open_events,
+    stream_keepalive,
+)
 from mlxlocal.server.prompting import apply_tool_choice, encode_messages, place_system_turns
 from mlxlocal.server.responses_items import (
     chat_tools,
@@ -402,7 +408,8 @@ async def create_response(req: ResponsesRequest, request: Request):
                                         req.parallel_tool_calls is not False)
     await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
-    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use)
+    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
+                               keepalive=stream_keepalive(request) if req.stream else None)
 
     builder = _Builder(_response_object(req, req.tools), req.parallel_tool_calls is not False,
                        "reasoning.encrypted_content" in (req.include or []), namespaces)
@@ -427,6 +434,9 @@ async def create_response(req: ResponsesRequest, request: Request):
             yield _sse(event)
         try:
             async for e in events:
+                if e.kind == "waiting":  # no output yet (or for a while)
+                    yield keepalive_comment(e)
+                    continue
                 if isinstance(e, Finish):
                     keep(e)  # before the last event: a client may send its follow-up right after it
                 for event in builder.finish(e) if isinstance(e, Finish) else builder.feed(e):
