@@ -133,6 +133,21 @@ def test_embedding_shutdown_stops_between_batches(tmp_path):
     assert engine.stats()["batches"] < 40
 
 
+def test_embedding_batches_are_token_bounded_and_give_way_to_chat(tmp_path):
+    from mlxlocal.engine import embedding
+
+    batches = embedding._batches([[1] * 300] * 3 + [[1] * 10] * 200, 32)
+    assert [len(b) for b in batches] == [3, 32, 32, 32, 32, 32, 32, 8]  # 3 x 300 <= 1024 < 4 x 300
+    engine = embedding.open_embedder(build_tiny_bert(tmp_path / "bert"))
+    busy_until = time.monotonic() + 0.5
+    engine.yield_to = lambda: time.monotonic() < busy_until  # a chat request runs for 0.5 s
+    model, starts = engine.model, []
+    engine.model = lambda *a, **k: (starts.append(time.monotonic()), model(*a, **k))[1]
+    engine.embed(["hello world"])
+    engine.shutdown()
+    assert starts and starts[0] >= busy_until
+
+
 # --- count_tokens and large tokenizations --------------------------------------------------------
 def _count(url: str, model: str, text: str) -> httpx.Response:
     return httpx.post(url + COUNT, timeout=300,
