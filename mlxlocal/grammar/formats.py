@@ -17,9 +17,18 @@ from mlxlocal.grammar.schema import compile_checked
 _GAP = r"/[ \t\r\n]{0,8}/"
 
 
+# Sizes a request's constraint may have (a 400 naming the field beyond them): compiling is
+# work per option / per byte, and llguidance's own limits only bite at generation time.
+MAX_GRAMMAR_BYTES = 1 << 20
+MAX_CHOICES = 10_000
+
+
 def _text(value, param: str, what: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise GrammarError(f"{param}: {what} must be a non-empty string", param)
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{param}: {what} of {size} bytes; at most {MAX_GRAMMAR_BYTES}", param)
     return value
 
 
@@ -48,11 +57,19 @@ def gbnf(text: str, param: str) -> Grammar:
 
 
 def choice(options, param: str) -> Grammar:
-    """Exactly one of the given strings."""
+    """Exactly one of the given strings.
+
+    The options are one lexeme (a terminal), matched by the lexer's automaton: as parser
+    alternatives, a list of ~2,000 overflows llguidance's items-per-row limit mid-generation."""
     if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
         raise GrammarError(f"{param}: must be a non-empty list of non-empty strings", param)
-    return compile_checked(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options)),
-                           param, "invalid choice")
+    if len(options) > MAX_CHOICES:
+        raise GrammarError(f"{param}: {len(options)} options; at most {MAX_CHOICES}", param)
+    size = sum(len(o.encode("utf-8", "surrogatepass")) for o in options)
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{param}: the options are {size} bytes; at most {MAX_GRAMMAR_BYTES}", param)
+    lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(o) for o in options)
+    return compile_checked(LLMatcher.grammar_from_lark(lark), param, "invalid choice")
 
 
 def _grammars(spec: str) -> dict:

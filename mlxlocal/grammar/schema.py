@@ -40,6 +40,11 @@ from llguidance import LLMatcher
 from mlxlocal.engine.types import Grammar
 from mlxlocal.grammar.errors import GrammarError
 
+# A request's schema at most (a 400 naming the field beyond): OpenAI's structured outputs
+# take 5,000 object properties in all.
+MAX_SCHEMA_BYTES = 1 << 20
+MAX_PROPERTIES = 5000
+
 # llguidance JSON compile options applied before the schema's own "x-guidance".
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -133,12 +138,32 @@ def _clean(message: str) -> str:
     return re.sub(r"^at \d+\(\d+\): ", "", re.sub(r"\s+", " ", head))
 
 
+def check_size(schema: Any, param: str, size: int) -> None:
+    """GrammarError past MAX_SCHEMA_BYTES of JSON text or MAX_PROPERTIES object properties in
+    all (OpenAI's limit): checking and compiling cost time per property (~1 ms each)."""
+    if size > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"{param}: the schema is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES}", param)
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("properties"), dict):
+                count += len(node["properties"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    if count > MAX_PROPERTIES:
+        raise GrammarError(f"{param}: the schema has {count} object properties; at most {MAX_PROPERTIES} "
+                           f"in all", param)
+
+
 def json_schema(schema: Any, param: str, strict: bool = False) -> Grammar:
     """A grammar producing JSON that validates against `schema` (see the module docstring)."""
     try:
         key = json.dumps(schema, allow_nan=False)  # not sorted: property order is the output order
     except (TypeError, ValueError):  # not JSON (a caller's Python object): no caching
         return _json_schema(schema, param, strict)
+    check_size(schema, param, len(key.encode()))
     return _cached(key, param, strict)
 
 

@@ -11,19 +11,28 @@ inputs in `truncated_inputs` (an extra field clients ignore).
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import threading
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from mlxlocal.errors import InputTooLongError
-from mlxlocal.server.errors import APIError, read_json_object
+from mlxlocal.errors import (
+    EmbeddingBusyError,
+    EmbeddingCancelled,
+    InputTooLongError,
+    TokenBudgetError,
+)
+from mlxlocal.server.errors import RETRY_AFTER, APIError, read_json_object
 
 router = APIRouter()
 
-# OpenAI's own limit on inputs per request; also what keeps one request's work bounded.
+# OpenAI's own limits per request: inputs, and tokens in all (here counted after truncation,
+# what the model reads); together they bound one request's work.
 MAX_INPUTS = 2048
+MAX_TOKENS = 300_000
 
 
 def _openai_inputs(value: Any) -> list[str] | list[list[int]]:
@@ -45,13 +54,32 @@ def _openai_inputs(value: Any) -> list[str] | list[list[int]]:
                    "non-empty lists of token ids (not a mix)", param="input")
 
 
-async def _embed(engine, inputs, truncate: bool, where: str):
+async def _watch(request: Request, cancel: threading.Event) -> None:
+    """A client that hangs up stops its request at the next batch (see generation._watch)."""
+    while not cancel.is_set():
+        await asyncio.sleep(0.1)
+        if await request.is_disconnected():
+            cancel.set()
+
+
+async def _embed(request: Request, engine, inputs, truncate: bool, where: str):
+    cancel = threading.Event()
+    watcher = asyncio.create_task(_watch(request, cancel))
     try:
-        return await engine.aembed_detailed(inputs, normalize=True, truncate=truncate)
+        return await engine.aembed_detailed(inputs, normalize=True, truncate=truncate, max_tokens=MAX_TOKENS,
+                                            cancel=cancel)
     except InputTooLongError as e:
         raise APIError(400, str(e), param=where) from None
+    except TokenBudgetError as e:
+        raise APIError(400, f"{where}: {e}", param=where, code="request_too_large") from None
     except ValueError as e:  # a token id outside the vocabulary
         raise APIError(400, str(e), param=where) from None
+    except EmbeddingBusyError as e:
+        raise APIError(429, f"server busy: {e}; retry later", headers={"Retry-After": RETRY_AFTER}) from None
+    except EmbeddingCancelled as e:  # the client is gone (nobody reads this) or the server stops
+        raise APIError(503, f"embedding stopped: {e}", headers={"Retry-After": RETRY_AFTER}) from None
+    finally:
+        watcher.cancel()
 
 
 @router.post("/v1/embeddings")
@@ -73,7 +101,7 @@ async def openai_embeddings(request: Request):
             # Shortening (Matryoshka) is only meaningful for models trained for it; ours are not.
             raise APIError(400, f"model '{model}' produces {engine.info.dim}-dimensional embeddings and "
                            f"cannot shorten them to {dims}", param="dimensions")
-    result = await _embed(engine, inputs, True, "input")
+    result = await _embed(request, engine, inputs, True, "input")
     data = []
     for i, row in enumerate(result.embeddings):
         vector: Any = (base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") if fmt == "base64"
@@ -114,7 +142,7 @@ async def ollama_embed(request: Request):
     if dims is not None and dims != engine.info.dim:
         raise APIError(400, f"model '{model}' produces {engine.info.dim}-dimensional embeddings and cannot "
                        f"shorten them to {dims}", param="dimensions")
-    result = await _embed(engine, inputs, truncate, "input")
+    result = await _embed(request, engine, inputs, truncate, "input")
     return {"model": model, "embeddings": result.embeddings.tolist(),
             "total_duration": time.perf_counter_ns() - t0, "load_duration": load_ns,
             "prompt_eval_count": result.total_tokens}
@@ -128,5 +156,5 @@ async def ollama_embeddings_legacy(request: Request):
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise APIError(400, "prompt must be a string", param="prompt")
-    result = await _embed(engine, [prompt], True, "prompt")
+    result = await _embed(request, engine, [prompt], True, "prompt")
     return {"embedding": [float(x) for x in result.embeddings[0]]}

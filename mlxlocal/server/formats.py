@@ -20,7 +20,6 @@ its think block (mlxlocal.grammar.with_reasoning), which may use at most half of
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -28,6 +27,7 @@ from mlxlocal import grammar
 from mlxlocal.engine import SamplingParams
 from mlxlocal.engine.types import Grammar
 from mlxlocal.grammar.parse import starts_in_reasoning
+from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
 
 # Extension fields: top-level name -> structured_outputs key it means.
@@ -118,6 +118,12 @@ def _extension(body: dict, base: Grammar | None = None, base_param: str | None =
     return _build(kind, value, param)
 
 
+def _lane(fmt: Any, body: dict | None = None) -> lanes.Lane:
+    """The compile lane for a request's constraint fields, by their size."""
+    fields = [fmt] + ([body.get("structured_outputs")] + [body.get(k) for k in _TOP_LEVEL] if body else [])
+    return lanes.grammar_lane(lanes.weight(fields))
+
+
 def _asks(body: dict) -> bool:
     return body.get("structured_outputs") is not None or any(body.get(k) is not None for k in _TOP_LEVEL)
 
@@ -131,7 +137,7 @@ async def openai_chat(response_format: Any, body: dict) -> Grammar | None:
     """Chat and completions: response_format, then the extension fields."""
     if response_format is None and not _asks(body):
         return None
-    return await asyncio.to_thread(_openai_chat, response_format, body)
+    return await _lane(response_format, body).run(_openai_chat, response_format, body)
 
 
 def _responses(fmt: Any, body: dict) -> Grammar | None:
@@ -143,7 +149,7 @@ async def responses(text: Any, body: dict) -> Grammar | None:
     fmt = text.get("format") if isinstance(text, dict) else None
     if fmt is None and not _asks(body):
         return None
-    return await asyncio.to_thread(_responses, fmt, body)
+    return await _lane(fmt, body).run(_responses, fmt, body)
 
 
 async def ollama(fmt: Any) -> Grammar | None:
@@ -152,7 +158,7 @@ async def ollama(fmt: Any) -> Grammar | None:
     if fmt == "json":
         return _build("json_object", None, "format")
     if isinstance(fmt, dict):
-        return await asyncio.to_thread(_build, "json", fmt, "format")
+        return await _lane(fmt).run(_build, "json", fmt, "format")
     raise APIError(400, f"format: must be \"json\" or a JSON schema object, got {fmt!r}", param="format")
 
 
@@ -166,7 +172,7 @@ async def anthropic(output_config: Any) -> Grammar | None:
                        param="output_config.format.type")
     if fmt.get("schema") is None:
         raise APIError(400, "output_config.format.schema: required", param="output_config.format.schema")
-    return await asyncio.to_thread(_build, "json", fmt["schema"], "output_config.format.schema")
+    return await _lane(fmt).run(_build, "json", fmt["schema"], "output_config.format.schema")
 
 
 async def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: list[int],
@@ -187,7 +193,7 @@ async def constrain(params: SamplingParams, constraint: Grammar | None, engine, 
         return
     try:
         budget = think_budget if think_budget is not None else params.max_tokens // 2
-        params.grammar = await asyncio.to_thread(grammar.with_reasoning, constraint, engine.tokenizer, opened,
+        params.grammar = await lanes.grammar_lane(len(constraint.spec)).run(grammar.with_reasoning, constraint, engine.tokenizer, opened,
                                                  max(1, budget))
     except grammar.GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None

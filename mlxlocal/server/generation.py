@@ -14,7 +14,7 @@ from fastapi import Request
 from mlxlocal.engine import CapacityError, Chunk, Engine, EngineDeadError, SamplingParams
 from mlxlocal.engine.paged import QueueFullError
 from mlxlocal.errors import ContextLengthError
-from mlxlocal.server import akv
+from mlxlocal.server import akv, lanes
 from mlxlocal.server.errors import RETRY_AFTER, APIError
 from mlxlocal.server.metrics import Metrics
 
@@ -134,10 +134,12 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
     if params.grammar is None:
         handle = submit(engine, prompt, params, loop, session, cache)
     else:  # submit compiles the grammar (the first one also indexes the vocabulary): off the loop
-        handle = await asyncio.to_thread(submit, engine, prompt, params, loop, session, cache)
+        lane = lanes.grammar_lane(len(params.grammar.spec))
+        handle = await lane.run(submit, engine, prompt, params, loop, session, cache)
     cancel = handle.cancel
     watcher = asyncio.create_task(_watch(request, cancel, registry))
     t0, last, generated, finished = time.perf_counter(), None, 0, False
+    lanes.chat_started()
     try:
         if keepalive is not None:
             yield Waiting(*handle.progress())
@@ -162,6 +164,7 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
             finished = finished or chunk.finish_reason not in (None, "cancelled")
             yield chunk
     finally:
+        lanes.chat_ended()
         watcher.cancel()
         cancel()  # no-op once finished; frees the request if the consumer stopped early
         if not finished:  # the client went away (or the response stopped reading): cut short

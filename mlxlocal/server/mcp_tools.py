@@ -30,7 +30,7 @@ from mlxlocal import __version__
 from mlxlocal.engine import EngineDeadError, SamplingParams
 from mlxlocal.engine.types import MAX_STOP_STRINGS
 from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
-from mlxlocal.server import generation
+from mlxlocal.server import embeddings_api, generation
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import Finish, parse_chunks
 from mlxlocal.server.model_cards import client_names
@@ -270,7 +270,7 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
                 engine = await registry.embedder(name)
             except APIError as e:
                 raise _tool_error(APIError(e.status, e.message, param="model")) from None
-            result = await engine.aembed_detailed(list(texts))
+            result = await engine.aembed_detailed(list(texts), max_tokens=embeddings_api.MAX_TOKENS)
             return EmbedResult(model=name, embeddings=result.embeddings.tolist(), tokens=result.tokens,
                                truncated=result.truncated)
 

@@ -18,6 +18,7 @@ from mlxlocal.engine import Engine, cluster_problem
 from mlxlocal.engine.base import in_own_thread
 from mlxlocal.engine.spec_options import open_engine_with, speculation_of
 from mlxlocal.errors import MlxLocalError
+from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.model_cards import capabilities_of
 
@@ -274,6 +275,7 @@ class ModelRegistry:
                     e.engine = await asyncio.to_thread(in_own_thread, open_embedder, e.spec)
                 except MlxLocalError as err:
                     raise APIError(500, f"cannot load embedding model '{e.name}': {err}") from None
+                e.engine.yield_to = lanes.chat_busy  # embeddings give way to chat between batches
                 e.found_names |= {e.engine.info.name, e.engine.info.path.name}
             return e.engine
 

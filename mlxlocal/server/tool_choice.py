@@ -18,12 +18,11 @@ grammar's optional form); without strict tools auto is left unconstrained.
 
 from __future__ import annotations
 
-import asyncio
-
 from mlxlocal.engine.types import Grammar
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.parse import starts_in_reasoning
 from mlxlocal.grammar.tools import tool_calls
+from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
 
 
@@ -65,7 +64,8 @@ async def forced_call_grammar(engine, tools: list[dict], name: str | None, ids: 
     many tools' schemas takes a while. GrammarError -> a 400 on `param`."""
     budget = think_budget if think_budget is not None else max(1, max_tokens // 2)
     try:
-        return await asyncio.to_thread(tool_calls, engine.tokenizer, tools, name, param,
-                                       starts_in_reasoning(engine, ids), parallel, budget, optional)
+        lane = lanes.grammar_lane(lanes.weight(tools))
+        return await lane.run(tool_calls, engine.tokenizer, tools, name, param, starts_in_reasoning(engine, ids),
+                              parallel, budget, optional)
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None

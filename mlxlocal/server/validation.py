@@ -22,6 +22,7 @@ from fastapi.routing import APIRoute
 
 from mlxlocal.engine import SamplingParams
 from mlxlocal.errors import ContextLengthError
+from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
 
 # Deeper JSON than any real request; json.loads, pydantic and Jinja recurse per level.
@@ -29,6 +30,9 @@ MAX_DEPTH = 64
 MAX_MESSAGES = 10_000
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_STOP_CHARS = 1000  # the stop checker holds back this much streamed text
+# Text one tokenization takes at most (max_text_bytes): 2 MiB is ~500k tokens, more than
+# any context it is checked against; a 1.3 MB prompt briefly takes ~150 MB to tokenize.
+MAX_TEXT_BYTES = 2 << 20
 # Over this, a body is parsed on a worker thread rather than on the event loop.
 _THREAD_BODY_BYTES = 1 << 20
 
@@ -297,13 +301,22 @@ def text_bytes(*texts: Any) -> int:
     return sum(len(t.encode("utf-8")) for t in texts if isinstance(t, str))
 
 
+def max_text_bytes(engine) -> int:
+    """Most text one tokenization takes (count_tokens, or a tokenizer with no byte bound):
+    MAX_TEXT_BYTES, or more for a context so long that it holds more (8 bytes a token)."""
+    return max(MAX_TEXT_BYTES, 8 * engine.context_length)
+
+
 async def tokenize(engine, n_bytes: int, where: str, encode: Callable[..., list[int]], *args,
                    template: bool = True, check_length: bool = True, **kwargs) -> list[int]:
     """`encode(*args)` on a worker thread; first refuse text that cannot fit the context.
 
     `n_bytes` counts text the prompt is sure to contain (a template adds, never removes,
-    the user's messages). A chat template that raises is a 400 on `where`.
+    the user's messages). A chat template that raises is a 400 on `where`. Any prompt's
+    text is capped at max_text_bytes (a 400 naming it); large ones tokenize one at a time on
+    their own lane (lanes.LARGE_TEXT), so small requests never queue behind them.
     """
+    weight = max(n_bytes, lanes.weight(args) + lanes.weight(kwargs))
     if check_length:
         limit = await asyncio.to_thread(prompt_byte_limit, engine)
         if limit is not None and n_bytes > limit[0]:
@@ -312,8 +325,16 @@ async def tokenize(engine, n_bytes: int, where: str, encode: Callable[..., list[
                                 f"the model's context length of {ctx} tokens can hold (its longest token "
                                 f"is {limit[1]} bytes)",
                            param=where, code="context_length_exceeded")
+    cap = max_text_bytes(engine)
+    if weight > cap:
+        raise APIError(400, f"{where}: {weight} bytes of text to tokenize; at most {cap} bytes per request",
+                       param=where, code="request_too_large")
     try:
+        if weight > lanes.LARGE_TEXT_BYTES:
+            return await lanes.LARGE_TEXT.run(encode, *args, **kwargs)
         return await asyncio.to_thread(encode, *args, **kwargs)
+    except APIError:
+        raise
     except Exception as e:
         if not template:
             raise APIError(400, f"{where}: cannot tokenize the prompt: {e}", param=where) from None
