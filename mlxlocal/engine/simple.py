@@ -22,6 +22,7 @@ from mlxlocal.engine.output import Output
 from mlxlocal.engine.sampling import Sampler, mask_logprobs
 from mlxlocal.engine.session import Session, common_prefix
 from mlxlocal.engine.types import Chunk, SamplingParams
+from mlxlocal.errors import NonFiniteLogitsError
 from mlxlocal.source.loader import LoadedModel
 
 
@@ -260,18 +261,25 @@ class SimpleEngine(EngineBase):
             todo = todo[self.prefill_step :]
         session.tokens.extend(todo)
 
-        def sample(logits: mx.array, history: list[int]) -> mx.array:
+        def sample(logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array]:
+            """(token [1], finite [1]: whether the logits were), both lazy."""
             logits = shaper.adjust(logits, history)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = logits - lse
             if constraint is not None:  # its matcher has seen every token before this one
                 logprobs = mask_logprobs(logprobs, allowed_tokens(self.grammars, [constraint]))
-            return sampler(logprobs)
+            # mlx-lm's sampler in float32 (1/T overflows float16); on NaN its draw can land
+            # past the vocabulary, and the next forward reads that row: kept in range.
+            token = mx.minimum(sampler(logprobs.astype(mx.float32)), logprobs.shape[-1] - 1)
+            return token, mx.isfinite(lse).reshape(-1)
 
         history = list(prompt)  # prompt + generated, grown in place: the sampler's penalties read it
-        y = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
-        mx.async_eval(y)
+        y, finite = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
+        mx.async_eval(y, finite)
         while True:
             token = int(y.item())
+            if not finite.item():
+                raise NonFiniteLogitsError(out.generated)
             out.first_token()
             if constraint is not None:
                 constraint.advance(token)
@@ -283,14 +291,14 @@ class SimpleEngine(EngineBase):
             cancelled = cancel is not None and cancel.is_set()
             if finish is None and not cancelled:
                 # Queue the next step before handing this token out, so the device keeps working.
-                next_y = sample(self._forward(y.reshape(1), cache), history)
-                mx.async_eval(next_y)
+                next_y, next_finite = sample(self._forward(y.reshape(1), cache), history)
+                mx.async_eval(next_y, next_finite)
                 session.tokens.append(token)
             yield chunk
             if finish is not None or cancelled:
                 finish = "cancelled" if cancelled and finish != "stop" else finish
                 break
-            y = next_y
+            y, finite = next_y, next_finite
         if constraint is not None:
             stats.grammar_complete = constraint.complete
         yield out.finish(finish)
