@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -422,7 +423,7 @@ class PagedEngine(EngineBase):
 
     def _take(self, previous: list[tuple]) -> None:
         """Hand out the tokens a step sampled: one host read per sampled batch (and one of
-        its finite-logits flags)."""
+        its log-sum-exps: not finite, the logits were not)."""
         values: dict[int, list] = {}
 
         def read(array: mx.array, row: int):
@@ -436,7 +437,7 @@ class PagedEngine(EngineBase):
                 token = read(*src)
             if seq.status is Status.FINISHED:
                 continue
-            if check is not None and not read(*check):
+            if check is not None and not math.isfinite(read(*check)[0]):
                 self._non_finite(seq)
             else:
                 self._guarded(seq, self._accept, seq, token, lp)
@@ -500,16 +501,16 @@ class PagedEngine(EngineBase):
         return self.runner.forward(self.pools, seqs, n)
 
     def _sample(self, seqs: list[Sequence], logits: mx.array, allowed: tuple | None = None) -> list[tuple]:
-        """(seq, token [1], logprob arrays, (the batch's token array, row), (finite flags,
-        row)) for each sequence: one batched call for all (the source is None when sampled one
+        """(seq, token [1], logprob arrays, (the batch's token array, row), (its logits'
+        log-sum-exps, row)) for each sequence: one batched call for all (the source is None when sampled one
         by one). `allowed`: (rows, masks) of the sequences with a grammar."""
         for seq in seqs:
-            seq.sampler.finite = None  # set by the call: a stale flag must not be read
+            seq.sampler.lse = None  # set by the call: a stale one must not be read
         try:
             tokens, logprobs = sampling.sample_batch([s.sampler for s in seqs], logits,
                                                      [s.tokens for s in seqs], [s.pending for s in seqs], allowed)
             # The next decode feeds the batch's token array as a whole (runner.step_inputs).
-            return [(seq, token, lp, (tokens, i), seq.sampler.finite)
+            return [(seq, token, lp, (tokens, i), seq.sampler.lse)
                     for i, (seq, token, lp) in enumerate(zip(seqs, mx.split(tokens, len(seqs)), logprobs))]
         except Exception:
             # Keys are untouched when it raises: one by one, a faulty request fails alone.
@@ -520,7 +521,7 @@ class PagedEngine(EngineBase):
             try:
                 token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending, mask_of.get(i))
                 sampled.append((seq, token, sampling.logprob_arrays(seq.params.logprobs, token, logprobs), None,
-                                seq.sampler.finite))
+                                seq.sampler.lse))
             except Exception as e:
                 log.exception("sampling failed for request %d", seq.id)
                 self._fail(seq, e)

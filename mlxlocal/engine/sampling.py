@@ -16,9 +16,9 @@ then log-softmax (the logprobs reported to the caller, so they show the effect o
 then greedy argmax (temperature 0), or top-p, min-p, top-k and temperature as mlx-lm does.
 
 Numerics: the ids drawn are always in [0, V), and a row whose adjusted logits are not finite
-(NaN or +inf anywhere, or all -inf: its log-sum-exp is not finite) is flagged in
-`Sampler.finite`; the engine ends that request with NonFiniteLogitsError instead of feeding
-a meaningless token on. 1/T scales the logprobs in float32: in float16 it overflows.
+(NaN or +inf anywhere, or all -inf: its log-sum-exp is not finite, which the engine reads
+back from `Sampler.lse` with the token) ends with NonFiniteLogitsError instead of feeding a
+meaningless token on. 1/T scales the logprobs in float32: in float16 it overflows.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ class Sampler:
         self.counts: dict[int, int] = {}
         self.counted = 0
         self._bias: tuple[int, mx.array, mx.array] | None = None  # (vocab, ids, values)
-        # The last call's check, lazy: (flags [n] bool, this request's row); flags[row] is
-        # False when the logits it sampled from were not finite (its token means nothing).
-        self.finite: tuple[mx.array, int] | None = None
+        # The last call's log-sum-exp of the adjusted logits, lazy: (lse [n, 1], this request's
+        # row). Not finite: the logits it sampled from were not, and its token means nothing.
+        # (Read back as is: an isfinite op would cost more on the device than the read.)
+        self.lse: tuple[mx.array, int] | None = None
 
     @property
     def key(self) -> mx.array:
@@ -86,7 +87,7 @@ class Sampler:
         p = self.params
         logprobs = self.adjust(logits, history, pending)
         lse = mx.logsumexp(logprobs, axis=-1, keepdims=True)
-        self.finite = (mx.isfinite(lse).reshape(-1), 0)
+        self.lse = (lse, 0)
         full = logprobs = logprobs - lse
         if allowed is not None:
             logprobs = mask_logprobs(logprobs, allowed)
@@ -196,7 +197,6 @@ def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list
     if adjusted:
         logits = _replace_rows(logits, list(adjusted), mx.concatenate(list(adjusted.values())))
     lse = mx.logsumexp(logits, axis=-1, keepdims=True)
-    finite = mx.isfinite(lse).reshape(-1)  # [B]: read with the tokens, no pass over [B, V]
     logprobs = chosen = logits - lse
     if allowed is not None:
         rows, mask = allowed
@@ -210,14 +210,14 @@ def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list
         # In float32 as Sampler's product: 1/T overflows float16 (T < 1.5e-5).
         inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32)
         keys, uniforms = _advance_keys(_stack_keys([samplers[i] for i in drawn]))
-        sampled = _draw(x.astype(mx.float32) * inv_t[:, None], uniforms)
+        sampled = _draw(_f32(x) * inv_t[:, None], uniforms)
         tokens = sampled if len(drawn) == b else _replace_rows(tokens, drawn, sampled)
     rows = _logprob_rows(samplers, logprobs, tokens)
     if drawn:
         for j, i in enumerate(drawn):
             samplers[i]._keys, samplers[i]._row = keys, j
     for i, s in enumerate(samplers):
-        s.finite = (finite, i)
+        s.lse = (lse, i)
     return tokens, rows
 
 
@@ -282,16 +282,20 @@ def _filter(x: mx.array, params: list[SamplingParams], vocab: int) -> mx.array:
 
 def _draw(x: mx.array, u: mx.array) -> mx.array:
     """mx.random.categorical's inverse-CDF draw per row: x [n, V] logits, u [n, 1] uniforms."""
-    x = x.astype(mx.float32)  # as MLX promotes it (float64 aside, which MLX does not run)
+    x = _f32(x)  # as MLX promotes it (float64 aside, which MLX does not run)
     m = mx.max(x, axis=-1, keepdims=True)
     # exp(x - m) is NaN when m is infinite; MLX then draws uniformly among the maxima.
     w = mx.where(mx.isinf(m), (x == m).astype(x.dtype), mx.exp(x - m))
     cdf = mx.cumsum(w, axis=-1, inclusive=False)
     target = u * mx.sum(w, axis=-1, keepdims=True)
-    # searchsorted(cdf, target, "right") - 1 on a sorted cdf is a count. NaN weights count
-    # 0 and would wrap to 2**32 - 1, an id past the vocabulary: clipped to the last one.
-    count = (cdf <= target).sum(axis=-1).astype(mx.uint32)
-    return mx.minimum(count - 1, x.shape[-1] - 1)
+    # searchsorted(cdf, target, "right") - 1 on a sorted cdf is a count; cdf[0] = 0 <= target
+    # always, so it is the count past cdf[0], which is 0 (not 0 - 1 wrapped to 2**32 - 1, an
+    # id past the vocabulary) on NaN weights.
+    return (cdf[:, 1:] <= target).sum(axis=-1).astype(mx.uint32)
+
+
+def _f32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
 def _stack_keys(samplers: list[Sampler]) -> mx.array:

@@ -24,6 +24,7 @@ tokens again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -154,7 +155,7 @@ class ModelDrafter:
 def distribution(logits: mx.array, seqs: list[Sequence]) -> tuple[mx.array, mx.array, mx.array]:
     """Rows of logits [R, V], row r sampled for seqs[r] -> (logprobs after logit_bias: what
     is reported, probs: the distribution the request samples from, one-hot when greedy,
-    finite [R]: whether the row's logits were finite)."""
+    lse [R]: the log-sum-exp of the row's logits, not finite when they were not)."""
     R, V = logits.shape
     biased = [r for r, s in enumerate(seqs) if s.params.logit_bias]
     if biased:
@@ -171,7 +172,7 @@ def distribution(logits: mx.array, seqs: list[Sequence]) -> tuple[mx.array, mx.a
         inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32)  # 1/T overflows float16
         p = mx.softmax(x.astype(mx.float32) * inv_t[:, None], axis=-1)
         probs = p if len(drawn) == R else _replace_rows(probs, drawn, p)
-    return logprobs, probs, mx.isfinite(lse).reshape(-1)
+    return logprobs, probs, lse.reshape(-1)
 
 
 def accept_drafts(p: mx.array, q: mx.array | None, drafts: mx.array, ks: list[int],
@@ -284,14 +285,14 @@ class Speculator:
         logits = self.runner.run(self.pools, seqs, starts, inputs, every=True)  # [B, K+1, V]
         B, n, V = logits.shape
         row_seqs = [s for s in seqs for _ in range(n)]
-        logprobs, p, finite = distribution(logits.reshape(B * n, V), row_seqs)
+        logprobs, p, lse = distribution(logits.reshape(B * n, V), row_seqs)
         if q is not None and q.shape[-1] != V:  # a draft with a padded vocabulary of another width
             q = q[..., :V] if q.shape[-1] > V else mx.pad(q, [(0, 0), (0, 0), (0, V - q.shape[-1])])
         u_accept, u_draw = self._uniforms(seqs, n)
         accepted, token = accept_drafts(p.reshape(B, n, V), q, draft_tokens, ks, u_accept, u_draw)
-        mx.eval(accepted, token, draft_tokens, finite)
+        mx.eval(accepted, token, draft_tokens, lse)
         accepted, token, draft_tokens = accepted.tolist(), token.tolist(), draft_tokens.tolist()
-        finite = finite.reshape(B, n).tolist()
+        finite = [[math.isfinite(v) for v in row] for row in lse.reshape(B, n).tolist()]
         logprobs = logprobs.reshape(B, n, V)
         self.steps += 1
         for i, seq in enumerate(seqs):
