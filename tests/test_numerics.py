@@ -179,6 +179,19 @@ def test_dense_engine_non_finite_logits_end_the_request_and_it_serves_on(gemma_m
         eng.shutdown(timeout=5)
 
 
+def test_a_top_p_below_float32_is_refused_and_the_smallest_allowed_keeps_the_top_token():
+    """top_p 5e-324 is 0 in float32: nucleus sampling kept no token, and the draw among all
+    -inf logits was a uniformly random token."""
+    with pytest.raises(ValueError, match=r"top_p must be a finite number in \[1e-08, 1\]"):
+        SamplingParams(top_p=5e-324).validate()
+    for seed in range(4):
+        logits = mx.random.normal((1, V), key=mx.random.key(seed)) * 3
+        params = SamplingParams(seed=seed, temperature=1.0, top_p=1e-8)
+        params.validate()
+        assert Sampler(params)(logits, [1])[0].item() == mx.argmax(logits).item()
+        assert sample_batch([Sampler(params)], logits, [[1]], [None])[0].item() == mx.argmax(logits).item()
+
+
 def test_validation_keeps_repetition_penalty_finite_in_float32():
     for bad in (1e-39, 5e-324, 1e-4, 0.0009, 100.5, 1e39):
         with pytest.raises(ValueError, match=r"repetition_penalty must be a finite number in \[0.001, 100\]"):

@@ -105,6 +105,10 @@ CASES = [
      "options.repeat_penalty"),
     ("/api/chat", '{"model": "MODEL", "stream": false, "messages": %s, "options": {"num_predict": 4, '
                   '"temperature": 1, "top_k": 0, "repeat_penalty": 1e-39}}' % HI, "options.repeat_penalty"),
+    # top_p that is 0 in float32 kept no token: a uniformly random one was drawn
+    (CHAT, '{"model": "MODEL", "messages": %s, "top_p": 5e-324}' % HI, "top_p"),
+    (MESSAGES, '{"model": "MODEL", "max_tokens": 2, "top_p": 5e-324, "messages": %s}' % HI, "top_p"),
+    ("/api/generate", OLLAMA_GEN % '"top_p": 5e-324', "options.top_p"),
     # top_k over the vocabulary (384) or past any integer the sampler takes, in every dialect
     (CHAT, '{"model": "MODEL", "messages": %s, "top_k": 100000}' % HI, "top_k"),
     (COMPLETE, '{"model": "MODEL", "prompt": "a", "top_k": 385}', "top_k"),

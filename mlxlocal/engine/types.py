@@ -17,6 +17,9 @@ MAX_TOP_LOGPROBS = 20
 # logit a model gives; 0 < p < 1e-38 is 0 in float32 and made the logits inf, then NaN.
 # mlx-lm, vLLM and llama.cpp only ask for > 0; the values people use lie in [0.5, 2].
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 100.0
+# Any top_p below the most likely token's probability (>= 1/vocab) keeps that token alone;
+# one that is 0 in float32 (< 1.4e-45) kept none, and a uniformly random token was drawn.
+MIN_TOP_P = 1e-8
 
 
 def _is_int(x) -> bool:
@@ -136,7 +139,7 @@ class SamplingParams:
 
         integer("max_tokens", 1, 2**31, "2**31")
         number("temperature", 0.0, MAX_TEMPERATURE)
-        number("top_p", 0.0, 1.0, lo_open=True)
+        number("top_p", MIN_TOP_P, 1.0)
         integer("top_k", 0, 2**31, "2**31")
         number("min_p", 0.0, 1.0)
         number("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
