@@ -15,6 +15,7 @@ import time
 from collections import Counter
 
 import httpx
+import mlx.core as mx
 import pytest
 from conftest import BASE, build_tiny
 from hypothesis import HealthCheck, given, settings
@@ -151,3 +152,29 @@ def test_numeric_fields_never_get_a_5xx(fuzz_server, route):
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_numeric_fields_never_get_a_5xx_at_length(fuzz_server, route):
     _fuzz(fuzz_server, route, 1700)  # 6 routes: 10,200 bodies
+
+
+def test_non_finite_logits_are_an_error_that_says_so_and_the_server_serves_on(fuzz_server, monkeypatch):
+    client, app, model = fuzz_server
+    body = {**ROUTES["/v1/chat/completions"], "model": model, "max_tokens": 4}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    engine = app.state.registry.models[0].engine
+    forward = engine.runner.forward
+
+    def spoiled(pools, seqs, n, after: int):
+        logits = forward(pools, seqs, n)
+        rows = mx.array([s.num_generated >= after for s in seqs])[:, None]
+        return mx.where(rows, mx.array(float("nan"), logits.dtype), logits)
+    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n: spoiled(p, s, n, 0))
+    r = client.post("/v1/chat/completions", json=body)  # before any byte: a 500 naming it
+    assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_logits", r.text
+    assert "non-finite" in r.json()["error"]["message"]
+    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n: spoiled(p, s, n, 1))
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        text = s.read().decode()  # mid-stream: an error event, then the end of the stream
+    assert s.status_code == 200 and '"code": "non_finite_logits"' in text.replace('":"', '": "'), text
+    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n: spoiled(p, s, n, 0))
+    r = client.post("/api/generate", json={**ROUTES["/api/generate"], "model": model})
+    assert r.status_code == 500 and "non-finite" in r.json()["error"], r.text
+    monkeypatch.undo()
+    assert engine.dead_reason is None and client.post("/v1/chat/completions", json=body).status_code == 200
