@@ -69,6 +69,6 @@ class NonFiniteLogitsError(MlxLocalError):
 
     def __init__(self, generated: int):
         self.generated = generated
-        super().__init__(f"the model's logits became non-finite (NaN or infinity) after {generated} generated "
-                         f"tokens, so no token could be sampled; the request was stopped (a numerical "
-                         f"overflow in the model or in this request's sampling parameters)")
+        super().__init__(f"the model's logits became non-finite (NaN or infinity) after {generated} "
+                         f"generated tokens, so no token could be sampled; the request was stopped "
+                         f"(a numerical overflow in the model or in this request's sampling parameters)")

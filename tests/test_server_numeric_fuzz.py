@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 M = "MODEL"
 HI = [{"role": "user", "content": "hi"}]
-# A valid body per route, two reply tokens (the second is fed the first), sampled (temperature 1, no top-k): the case in
-# which a bad penalty went from NaN logits to an id past the vocabulary.
+# A valid body per route, two reply tokens (the second is fed the first), sampled
+# (temperature 1, no top-k): the case in which a bad penalty went from NaN logits to an id
+# past the vocabulary, read by the next forward.
 ROUTES: dict[str, dict] = {
     "/v1/chat/completions": {"model": M, "messages": HI, "max_tokens": 2, "temperature": 1},
     "/v1/completions": {"model": M, "prompt": "hi", "max_tokens": 2, "temperature": 1},

@@ -411,14 +411,16 @@ class PagedEngine(EngineBase):
             sampled += self._sample(seqs, logits, allowed)
         if sampled or groups:
             checks = list({id(c[0]): c[0] for *_, c in sampled if c is not None}.values())
-            mx.async_eval([t for _, t, *_ in sampled] + [a for _, _, lp, *_ in sampled for a in lp] + checks + state)
+            logprobs = [a for _, _, lp, *_ in sampled for a in lp]
+            mx.async_eval([t for _, t, *_ in sampled] + logprobs + checks + state)
         self._inflight = sampled
         self._take(previous)
         for seq, token, _, src, _ in sampled:
             if seq.status is not Status.FINISHED:
                 seq.pending, seq.pending_from = token, src
         if verify:  # drafts checked in one forward; the accepted tokens handed out now
-            self.spec.verify(verify, drafts, lambda seq, token, lp: self._guarded(seq, self._accept, seq, token, lp),
+            self.spec.verify(verify, drafts,
+                             lambda seq, token, lp: self._guarded(seq, self._accept, seq, token, lp),
                              self._non_finite)
 
     def _take(self, previous: list[tuple]) -> None:
@@ -502,8 +504,8 @@ class PagedEngine(EngineBase):
 
     def _sample(self, seqs: list[Sequence], logits: mx.array, allowed: tuple | None = None) -> list[tuple]:
         """(seq, token [1], logprob arrays, (the batch's token array, row), (its logits'
-        log-sum-exps, row)) for each sequence: one batched call for all (the source is None when sampled one
-        by one). `allowed`: (rows, masks) of the sequences with a grammar."""
+        log-sum-exps, row)) for each sequence: one batched call for all (the source is None
+        when sampled one by one). `allowed`: (rows, masks) of the sequences with a grammar."""
         for seq in seqs:
             seq.sampler.lse = None  # set by the call: a stale one must not be read
         try:
@@ -520,8 +522,8 @@ class PagedEngine(EngineBase):
         for i, seq in enumerate(seqs):
             try:
                 token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending, mask_of.get(i))
-                sampled.append((seq, token, sampling.logprob_arrays(seq.params.logprobs, token, logprobs), None,
-                                seq.sampler.lse))
+                arrays = sampling.logprob_arrays(seq.params.logprobs, token, logprobs)
+                sampled.append((seq, token, arrays, None, seq.sampler.lse))
             except Exception as e:
                 log.exception("sampling failed for request %d", seq.id)
                 self._fail(seq, e)
