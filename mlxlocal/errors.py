@@ -80,3 +80,14 @@ class FatalEngineError(MlxLocalError):
 
 class ClusterError(FatalEngineError):
     """A rank of a multi-rank (tensor-parallel) run is gone or unreachable."""
+
+
+class NonFiniteLogitsError(MlxLocalError):
+    """A request's logits went NaN or infinite (a numerical overflow in the model or in its
+    penalties): that request ends with this error, the engine and the others go on."""
+
+    def __init__(self, generated: int):
+        self.generated = generated
+        super().__init__(f"the model's logits became non-finite (NaN or infinity) after {generated} "
+                         f"generated tokens, so no token could be sampled; the request was stopped "
+                         f"(a numerical overflow in the model or in this request's sampling parameters)")

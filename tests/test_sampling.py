@@ -113,7 +113,7 @@ def test_sampler_never_raises_for_extreme_valid_params():
     logits = mx.array(np.random.default_rng(4).normal(0, 3, (1, V)).astype(np.float32))
     extremes = [
         SamplingParams(seed=2**63 - 1, temperature=1.0, top_k=2**31 - 1),
-        SamplingParams(seed=0, temperature=1e-30, top_p=1e-9, min_p=1.0),
+        SamplingParams(seed=0, temperature=1e-30, top_p=1e-8, min_p=1.0),
         SamplingParams(temperature=100.0, frequency_penalty=2.0, presence_penalty=-2.0,
                        logit_bias={V - 1: 100.0, 10**9: -100.0}),
     ]

@@ -94,6 +94,21 @@ CASES = [
     ("/api/generate", OLLAMA_GEN % '"frequency_penalty": NaN', "options.frequency_penalty"),
     ("/api/generate", OLLAMA_GEN % '"stop": [""]', "options.stop"),
     ("/api/generate", '{"model": "MODEL", "prompt": "a", "stream": false, "keep_alive": NaN}', "keep_alive"),
+    # repetition_penalty 0 in float32 (at or below ~1e-38) with temperature > 0: inf logits, NaN,
+    # an id past the vocabulary read by the next forward: a segfault (the curl first)
+    (CHAT, '{"model": "MODEL", "messages": %s, "max_tokens": 4, "repetition_penalty": 1e-39}' % HI,
+     "repetition_penalty"),
+    (COMPLETE, '{"model": "MODEL", "prompt": "a", "max_tokens": 4, "repetition_penalty": 5e-324}',
+     "repetition_penalty"),
+    (CHAT, '{"model": "MODEL", "messages": %s, "repetition_penalty": 1e39}' % HI, "repetition_penalty"),
+    ("/api/generate", OLLAMA_GEN % '"num_predict": 4, "temperature": 1, "top_k": 0, "repeat_penalty": 1e-39',
+     "options.repeat_penalty"),
+    ("/api/chat", '{"model": "MODEL", "stream": false, "messages": %s, "options": {"num_predict": 4, '
+                  '"temperature": 1, "top_k": 0, "repeat_penalty": 1e-39}}' % HI, "options.repeat_penalty"),
+    # top_p that is 0 in float32 kept no token: a uniformly random one was drawn
+    (CHAT, '{"model": "MODEL", "messages": %s, "top_p": 5e-324}' % HI, "top_p"),
+    (MESSAGES, '{"model": "MODEL", "max_tokens": 2, "top_p": 5e-324, "messages": %s}' % HI, "top_p"),
+    ("/api/generate", OLLAMA_GEN % '"top_p": 5e-324', "options.top_p"),
     # top_k over the vocabulary (384) or past any integer the sampler takes, in every dialect
     (CHAT, '{"model": "MODEL", "messages": %s, "top_k": 100000}' % HI, "top_k"),
     (COMPLETE, '{"model": "MODEL", "prompt": "a", "top_k": 385}', "top_k"),
@@ -162,6 +177,8 @@ def test_bad_request_is_a_400_naming_the_field(server, model, path, body, field)
         assert field in message, message
         if param is not None or not path.startswith(("/api/", "/v1/messages")):
             assert param == field, (param, message)
+        if "repe" in field:  # the range, in the dialect's name for the field
+            assert message.startswith(f"{field} must be a finite number in [0.001, 100]"), message
     elif "deep" in path or "[[[[" in str(body):
         assert f"deeper than {MAX_DEPTH}" in message, message
     still_serves(url, model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -36,7 +37,7 @@ from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
 from mlxlocal.engine.speculative import ModelDrafter, Speculator
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
-from mlxlocal.errors import FatalEngineError, MlxLocalError
+from mlxlocal.errors import FatalEngineError, MlxLocalError, NonFiniteLogitsError
 from mlxlocal.source.loader import LoadedModel
 
 log = logging.getLogger("mlxlocal.engine")
@@ -412,27 +413,44 @@ class PagedEngine(EngineBase):
         for (seqs, logits), allowed in zip(ready, masks):
             sampled += self._sample(seqs, logits, allowed)
         if sampled or groups:
-            mx.async_eval([t for _, t, _, _ in sampled] + [a for _, _, lp, _ in sampled for a in lp] + state)
+            checks = list({id(c[0]): c[0] for *_, c in sampled if c is not None}.values())
+            logprobs = [a for _, _, lp, *_ in sampled for a in lp]
+            mx.async_eval([t for _, t, *_ in sampled] + logprobs + checks + state)
         self._inflight = sampled
         self._take(previous)
-        for seq, token, _, src in sampled:
+        for seq, token, _, src, _ in sampled:
             if seq.status is not Status.FINISHED:
                 seq.pending, seq.pending_from = token, src
         if verify:  # drafts checked in one forward; the accepted tokens handed out now
-            self.spec.verify(verify, drafts, lambda seq, token, lp: self._guarded(seq, self._accept, seq, token, lp))
+            self.spec.verify(verify, drafts,
+                             lambda seq, token, lp: self._guarded(seq, self._accept, seq, token, lp),
+                             self._non_finite)
 
     def _take(self, previous: list[tuple]) -> None:
-        """Hand out the tokens a step sampled: one host read per sampled batch."""
-        values: dict[int, list[int]] = {}
-        for seq, token, lp, src in previous:
+        """Hand out the tokens a step sampled: one host read per sampled batch (and one of
+        its log-sum-exps: not finite, the logits were not)."""
+        values: dict[int, list] = {}
+
+        def read(array: mx.array, row: int):
+            if id(array) not in values:
+                values[id(array)] = array.tolist()
+            return values[id(array)][row]
+        for seq, token, lp, src, check in previous:
             if seq.pending is token:
                 seq.pending = seq.pending_from = None
             if src is not None:
-                if id(src[0]) not in values:
-                    values[id(src[0])] = src[0].tolist()
-                token = values[id(src[0])][src[1]]
-            if seq.status is not Status.FINISHED:
+                token = read(*src)
+            if seq.status is Status.FINISHED:
+                continue
+            if check is not None and not math.isfinite(read(*check)[0]):
+                self._non_finite(seq)
+            else:
                 self._guarded(seq, self._accept, seq, token, lp)
+
+    def _non_finite(self, seq: Sequence) -> None:
+        """Its logits went NaN or infinite: its token means nothing, so it ends here."""
+        log.warning("request %d: non-finite logits after %d tokens; ending it", seq.id, seq.num_generated)
+        self._fail(seq, NonFiniteLogitsError(seq.num_generated))
 
     def _constrain(self, ready: list[tuple[list[Sequence], mx.array]]) -> tuple[list, list]:
         """Drop what no longer needs sampling (finished, or given the grammar's forced
@@ -488,14 +506,16 @@ class PagedEngine(EngineBase):
         return self.runner.forward(self.pools, seqs, n)
 
     def _sample(self, seqs: list[Sequence], logits: mx.array, allowed: tuple | None = None) -> list[tuple]:
-        """(seq, token [1], logprob arrays, (the batch's token array, row)) for each
-        sequence: one batched call for all (the source is None when sampled one by one).
-        `allowed`: (rows, masks) of the sequences with a grammar."""
+        """(seq, token [1], logprob arrays, (the batch's token array, row), (its logits'
+        log-sum-exps, row)) for each sequence: one batched call for all (the source is None
+        when sampled one by one). `allowed`: (rows, masks) of the sequences with a grammar."""
+        for seq in seqs:
+            seq.sampler.lse = None  # set by the call: a stale one must not be read
         try:
             tokens, logprobs = sampling.sample_batch([s.sampler for s in seqs], logits,
                                                      [s.tokens for s in seqs], [s.pending for s in seqs], allowed)
             # The next decode feeds the batch's token array as a whole (runner.step_inputs).
-            return [(seq, token, lp, (tokens, i))
+            return [(seq, token, lp, (tokens, i), seq.sampler.lse)
                     for i, (seq, token, lp) in enumerate(zip(seqs, mx.split(tokens, len(seqs)), logprobs))]
         except Exception:
             # Keys are untouched when it raises: one by one, a faulty request fails alone.
@@ -505,7 +525,8 @@ class PagedEngine(EngineBase):
         for i, seq in enumerate(seqs):
             try:
                 token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending, mask_of.get(i))
-                sampled.append((seq, token, sampling.logprob_arrays(seq.params.logprobs, token, logprobs), None))
+                arrays = sampling.logprob_arrays(seq.params.logprobs, token, logprobs)
+                sampled.append((seq, token, arrays, None, seq.sampler.lse))
             except Exception as e:
                 log.exception("sampling failed for request %d", seq.id)
                 self._fail(seq, e)

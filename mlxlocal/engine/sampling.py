@@ -14,6 +14,11 @@ then log-softmax (the logprobs reported to the caller, so they show the effect o
 4. a grammar's mask, for requests that have one: disallowed tokens to -inf and the rest
    renormalised (the reported logprobs stay the model's own, before the mask),
 then greedy argmax (temperature 0), or top-p, min-p, top-k and temperature as mlx-lm does.
+
+Numerics: the ids drawn are always in [0, V), and a row whose adjusted logits are not finite
+(NaN or +inf anywhere, or all -inf: its log-sum-exp is not finite, which the engine reads
+back from `Sampler.lse` with the token) ends with NonFiniteLogitsError instead of feeding a
+meaningless token on. 1/T scales the logprobs in float32: in float16 it overflows.
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ class Sampler:
         self.counts: dict[int, int] = {}
         self.counted = 0
         self._bias: tuple[int, mx.array, mx.array] | None = None  # (vocab, ids, values)
+        # The last call's log-sum-exp of the adjusted logits, lazy: (lse [n, 1], this request's
+        # row). Not finite: the logits it sampled from were not, and its token means nothing.
+        # (Read back as is: an isfinite op would cost more on the device than the read.)
+        self.lse: tuple[mx.array, int] | None = None
 
     @property
     def key(self) -> mx.array:
@@ -77,7 +86,9 @@ class Sampler:
         """
         p = self.params
         logprobs = self.adjust(logits, history, pending)
-        full = logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        lse = mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        self.lse = (lse, 0)
+        full = logprobs = logprobs - lse
         if allowed is not None:
             logprobs = mask_logprobs(logprobs, allowed)
         if p.temperature < MIN_TEMPERATURE:
@@ -90,7 +101,9 @@ class Sampler:
         if 0 < p.top_k < logprobs.shape[-1]:  # k >= vocab keeps everything
             logprobs = apply_top_k(logprobs, p.top_k)
         self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub), full
+        scaled = logprobs.astype(mx.float32) * (1.0 / p.temperature)
+        # categorical's draw lands past the last id on NaN weights: kept in the vocabulary.
+        return mx.minimum(mx.random.categorical(scaled, key=sub), logprobs.shape[-1] - 1), full
 
     def adjust(self, logits: mx.array, history: list[int], pending: mx.array | None = None) -> mx.array:
         """The logits after repetition penalty, frequency/presence penalties and logit_bias:
@@ -183,7 +196,8 @@ def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list
             adjusted[i] = s.adjust(logits[i : i + 1], histories[i], pendings[i])
     if adjusted:
         logits = _replace_rows(logits, list(adjusted), mx.concatenate(list(adjusted.values())))
-    logprobs = chosen = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = chosen = logits - lse
     if allowed is not None:
         rows, mask = allowed
         chosen = _on_rows(logprobs, rows, lambda r: mask_logprobs(r, mask))
@@ -193,15 +207,17 @@ def sample_batch(samplers: list[Sampler], logits: mx.array, histories: list[list
     if drawn:
         params = [samplers[i].params for i in drawn]
         x = _filter(chosen if len(drawn) == b else chosen[mx.array(drawn)], params, vocab)
-        # 1/T is rounded to x's dtype as Sampler's Python-float product rounds it.
-        inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32).astype(x.dtype)
+        # In float32 as Sampler's product: 1/T overflows float16 (T < 1.5e-5).
+        inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32)
         keys, uniforms = _advance_keys(_stack_keys([samplers[i] for i in drawn]))
-        sampled = _draw(x * inv_t[:, None], uniforms)
+        sampled = _draw(_f32(x) * inv_t[:, None], uniforms)
         tokens = sampled if len(drawn) == b else _replace_rows(tokens, drawn, sampled)
     rows = _logprob_rows(samplers, logprobs, tokens)
     if drawn:
         for j, i in enumerate(drawn):
             samplers[i]._keys, samplers[i]._row = keys, j
+    for i, s in enumerate(samplers):
+        s.lse = (lse, i)
     return tokens, rows
 
 
@@ -266,14 +282,20 @@ def _filter(x: mx.array, params: list[SamplingParams], vocab: int) -> mx.array:
 
 def _draw(x: mx.array, u: mx.array) -> mx.array:
     """mx.random.categorical's inverse-CDF draw per row: x [n, V] logits, u [n, 1] uniforms."""
-    x = x.astype(mx.float32)  # as MLX promotes it (float64 aside, which MLX does not run)
+    x = _f32(x)  # as MLX promotes it (float64 aside, which MLX does not run)
     m = mx.max(x, axis=-1, keepdims=True)
     # exp(x - m) is NaN when m is infinite; MLX then draws uniformly among the maxima.
     w = mx.where(mx.isinf(m), (x == m).astype(x.dtype), mx.exp(x - m))
     cdf = mx.cumsum(w, axis=-1, inclusive=False)
     target = u * mx.sum(w, axis=-1, keepdims=True)
-    # searchsorted(cdf, target, "right") - 1 on a sorted cdf is a count.
-    return (cdf <= target).sum(axis=-1).astype(mx.uint32) - 1
+    # searchsorted(cdf, target, "right") - 1 on a sorted cdf is a count; cdf[0] = 0 <= target
+    # always, so it is the count past cdf[0], which is 0 (not 0 - 1 wrapped to 2**32 - 1, an
+    # id past the vocabulary) on NaN weights.
+    return (cdf[:, 1:] <= target).sum(axis=-1).astype(mx.uint32)
+
+
+def _f32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
 def _stack_keys(samplers: list[Sampler]) -> mx.array:

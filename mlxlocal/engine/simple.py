@@ -6,6 +6,7 @@ Used for models that run on mlx-lm's model code (no paged attention there).
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from mlxlocal.engine.output import Output
 from mlxlocal.engine.sampling import Sampler, mask_logprobs
 from mlxlocal.engine.session import Session, common_prefix
 from mlxlocal.engine.types import Chunk, SamplingParams
+from mlxlocal.errors import NonFiniteLogitsError
 from mlxlocal.source.loader import LoadedModel
 
 
@@ -266,18 +268,25 @@ class SimpleEngine(EngineBase):
             prefilled[0] = len(prompt) - len(todo)
         session.tokens.extend(todo)
 
-        def sample(logits: mx.array, history: list[int]) -> mx.array:
+        def sample(logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array]:
+            """(token [1], the logits' log-sum-exp [1, 1]: not finite when they were not), lazy."""
             logits = shaper.adjust(logits, history)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = logits - lse
             if constraint is not None:  # its matcher has seen every token before this one
                 logprobs = mask_logprobs(logprobs, allowed_tokens(self.grammars, [constraint]))
-            return sampler(logprobs)
+            # mlx-lm's sampler in float32 (1/T overflows float16); on NaN its draw can land
+            # past the vocabulary, and the next forward reads that row: kept in range.
+            token = mx.minimum(sampler(logprobs.astype(mx.float32)), logprobs.shape[-1] - 1)
+            return token, lse
 
         history = list(prompt)  # prompt + generated, grown in place: the sampler's penalties read it
-        y = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
-        mx.async_eval(y)
+        y, lse = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
+        mx.async_eval(y, lse)
         while True:
             token = int(y.item())
+            if not math.isfinite(lse.item()):
+                raise NonFiniteLogitsError(out.generated)
             prefilled[0] = len(prompt)
             out.first_token()
             if constraint is not None:
@@ -290,14 +299,14 @@ class SimpleEngine(EngineBase):
             cancelled = cancel is not None and cancel.is_set()
             if finish is None and not cancelled:
                 # Queue the next step before handing this token out, so the device keeps working.
-                next_y = sample(self._forward(y.reshape(1), cache), history)
-                mx.async_eval(next_y)
+                next_y, next_lse = sample(self._forward(y.reshape(1), cache), history)
+                mx.async_eval(next_y, next_lse)
                 session.tokens.append(token)
             yield chunk
             if finish is not None or cancelled:
                 finish = "cancelled" if cancelled and finish != "stop" else finish
                 break
-            y = next_y
+            y, lse = next_y, next_lse
         if constraint is not None:
             stats.grammar_complete = constraint.complete
         yield out.finish(finish)

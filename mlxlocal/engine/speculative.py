@@ -24,6 +24,7 @@ tokens again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,7 +129,7 @@ class ModelDrafter:
             logits = self.runner.run(self.pools, seqs, [p + j for p in starts], x)
             if j == K:
                 break
-            _, probs = distribution(logits, seqs)
+            _, probs, _ = distribution(logits, seqs)
             token = mx.argmax(probs, axis=-1).astype(mx.uint32)
             if sampled:
                 keys = []
@@ -151,25 +152,27 @@ class ModelDrafter:
         self.pools.copy_block(src, dst)
 
 
-def distribution(logits: mx.array, seqs: list[Sequence]) -> tuple[mx.array, mx.array]:
+def distribution(logits: mx.array, seqs: list[Sequence]) -> tuple[mx.array, mx.array, mx.array]:
     """Rows of logits [R, V], row r sampled for seqs[r] -> (logprobs after logit_bias: what
-    is reported, probs: the distribution the request samples from, one-hot when greedy)."""
+    is reported, probs: the distribution the request samples from, one-hot when greedy,
+    lse [R]: the log-sum-exp of the row's logits, not finite when they were not)."""
     R, V = logits.shape
     biased = [r for r, s in enumerate(seqs) if s.params.logit_bias]
     if biased:
         rows = [seqs[r].sampler._apply_bias(logits[r : r + 1]) for r in biased]
         logits = _replace_rows(logits, biased, mx.concatenate(rows))
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = logits - lse
     drawn = [r for r, s in enumerate(seqs) if s.params.temperature >= MIN_TEMPERATURE]
     if len(drawn) < R:  # greedy rows: one-hot at the argmax
         probs = (mx.arange(V)[None] == mx.argmax(logprobs, axis=-1)[:, None]).astype(mx.float32)
     if drawn:
         params = [seqs[r].params for r in drawn]
         x = _filter(logprobs if len(drawn) == R else logprobs[mx.array(drawn)], params, V)
-        inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32).astype(x.dtype)
-        p = mx.softmax((x * inv_t[:, None]).astype(mx.float32), axis=-1)
+        inv_t = mx.array([1.0 / p.temperature for p in params], mx.float32)  # 1/T overflows float16
+        p = mx.softmax(x.astype(mx.float32) * inv_t[:, None], axis=-1)
         probs = p if len(drawn) == R else _replace_rows(probs, drawn, p)
-    return logprobs, probs
+    return logprobs, probs, lse.reshape(-1)
 
 
 def accept_drafts(p: mx.array, q: mx.array | None, drafts: mx.array, ks: list[int],
@@ -261,9 +264,11 @@ class Speculator:
     def state(self) -> list[mx.array]:
         return self.drafter.state() if self.drafter is not None else []
 
-    def verify(self, seqs: list[Sequence], drafts: list, accept: Callable[[Sequence, int, list], None]) -> None:
+    def verify(self, seqs: list[Sequence], drafts: list, accept: Callable[[Sequence, int, list], None],
+               non_finite: Callable[[Sequence], None]) -> None:
         """Draft (a draft model), verify every sequence's drafts in one forward, hand out the
-        accepted tokens and the one after, roll back the rest."""
+        accepted tokens and the one after, roll back the rest; `non_finite` ends a sequence
+        whose target logits went NaN or infinite where its tokens were picked."""
         ks = [d if isinstance(d, int) else len(d) for d in drafts]
         K = max(ks)
         starts = [s.num_computed for s in seqs]
@@ -280,18 +285,22 @@ class Speculator:
         logits = self.runner.run(self.pools, seqs, starts, inputs, every=True)  # [B, K+1, V]
         B, n, V = logits.shape
         row_seqs = [s for s in seqs for _ in range(n)]
-        logprobs, p = distribution(logits.reshape(B * n, V), row_seqs)
+        logprobs, p, lse = distribution(logits.reshape(B * n, V), row_seqs)
         if q is not None and q.shape[-1] != V:  # a draft with a padded vocabulary of another width
             q = q[..., :V] if q.shape[-1] > V else mx.pad(q, [(0, 0), (0, 0), (0, V - q.shape[-1])])
         u_accept, u_draw = self._uniforms(seqs, n)
         accepted, token = accept_drafts(p.reshape(B, n, V), q, draft_tokens, ks, u_accept, u_draw)
-        mx.eval(accepted, token, draft_tokens)
+        mx.eval(accepted, token, draft_tokens, lse)
         accepted, token, draft_tokens = accepted.tolist(), token.tolist(), draft_tokens.tolist()
+        finite = [[math.isfinite(v) for v in row] for row in lse.reshape(B, n).tolist()]
         logprobs = logprobs.reshape(B, n, V)
         self.steps += 1
         for i, seq in enumerate(seqs):
             k, start = ks[i], starts[i]
             m = next((j for j in range(k) if not accepted[i][j]), k)
+            if not all(finite[i][: m + 1]):
+                non_finite(seq)
+                continue
             emit = draft_tokens[i][:m] + [token[i][m]]
             seq.spec.adapt(k, m, self.config.num_draft_tokens)
             seq.stats.draft_tokens += k

@@ -12,6 +12,14 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries; each value in [-100, 100] as in OpenAI
 MAX_TOP_LOGPROBS = 20
+# repetition_penalty divides positive logits by it and multiplies negative ones: within
+# [1e-3, 100] a logit grows at most 1000-fold, finite in float32 (and bfloat16) for any
+# logit a model gives; 0 < p < 1e-38 is 0 in float32 and made the logits inf, then NaN.
+# mlx-lm, vLLM and llama.cpp only ask for > 0; the values people use lie in [0.5, 2].
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 100.0
+# Any top_p below the most likely token's probability (>= 1/vocab) keeps that token alone;
+# one that is 0 in float32 (< 1.4e-45) kept none, and a uniformly random token was drawn.
+MIN_TOP_P = 1e-8
 
 
 def _is_int(x) -> bool:
@@ -131,10 +139,10 @@ class SamplingParams:
 
         integer("max_tokens", 1, 2**31, "2**31")
         number("temperature", 0.0, MAX_TEMPERATURE)
-        number("top_p", 0.0, 1.0, lo_open=True)
+        number("top_p", MIN_TOP_P, 1.0)
         integer("top_k", 0, 2**31, "2**31")
         number("min_p", 0.0, 1.0)
-        number("repetition_penalty", 0.0, math.inf, lo_open=True)
+        number("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         number("frequency_penalty", -2.0, 2.0)
         number("presence_penalty", -2.0, 2.0)
         # mx.random.key takes the seed as a uint64; kept below 2**63 so it is also a valid int64.

@@ -13,7 +13,7 @@ from fastapi import Request
 
 from mlxlocal.engine import CapacityError, Chunk, Engine, EngineDeadError, SamplingParams
 from mlxlocal.engine.paged import QueueFullError
-from mlxlocal.errors import ContextLengthError
+from mlxlocal.errors import ContextLengthError, NonFiniteLogitsError
 from mlxlocal.server import akv, lanes
 from mlxlocal.server.errors import RETRY_AFTER, APIError
 from mlxlocal.server.metrics import Metrics
@@ -95,12 +95,15 @@ async def _watch(request: Request, cancel, registry) -> None:
 
 async def _dead_is_503(stream: AsyncIterator[Chunk | None]) -> AsyncIterator[Chunk | None]:
     """An engine that dies after accepting the request: a 503 before the response starts,
-    an error event after (the routers already turn errors into one mid-stream)."""
+    an error event after (the routers already turn errors into one mid-stream). Non-finite
+    logits end this request alone: a 500 that says so."""
     try:
         async for chunk in stream:
             yield chunk
     except EngineDeadError as e:
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER}) from None
+    except NonFiniteLogitsError as e:  # this request alone: the engine serves on
+        raise APIError(500, str(e), code="non_finite_logits") from None
 
 
 async def _session(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,

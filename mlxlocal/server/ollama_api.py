@@ -58,7 +58,7 @@ def sampling_params(options: Any, context_length: int) -> SamplingParams:
     """Ollama options -> SamplingParams (Ollama's defaults where a client sends nothing).
 
     Ranges are the engine's (SamplingParams.validate): temperature in [0, 100], top_p in
-    (0, 1] (Ollama lets 0 through; here it is refused rather than guessed at), top_k at most
+    [1e-8, 1] (Ollama lets 0 through; here it is refused rather than guessed at), top_k at most
     the vocabulary (checked with the prompt), seed in [0, 2**63) or negative for a random one.
     num_ctx is the model's context here (the KV pool is shared): other values are ignored.
     options.speculative (extension): false opts out of the server's speculative decoding.

@@ -218,8 +218,9 @@ def check_params(params: SamplingParams, names: dict[str, str], engine=None,
         m = _FIELD.match(message)
         field = "prompt" if m and m.group() == "prompt token ids" else m.group() if m else ""
         where = names.get(field, field) or None
-        if where != field:
-            message = f"{where}: {message}"
+        if where != field:  # the field as the dialect calls it, in place of the engine's name
+            message = f"{where}{message[len(field):]}" if field and message.startswith(field + " ") \
+                else f"{where}: {message}"
         raise APIError(400, message, param=where) from None
 
 
