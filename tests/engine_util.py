@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import mlx_lm
 from conftest import wait_for
@@ -50,3 +52,26 @@ def assert_no_leak(eng) -> None:
         assert eng.call(lambda: len(eng.runner.snapshots)) == 0
     if eng.windows is not None:  # and every window block
         assert eng.call(lambda: (eng.windows.num_referenced, len(eng.windows.kept))) == (0, 0)
+
+
+def drain(handle, timeout: float = 30.0):
+    """Consume a handle (or its started iterator) on another thread: (chunks, error).
+    Fails the test if it hangs."""
+    out: dict = {"chunks": [], "error": None}
+
+    def run():
+        try:
+            for chunk in handle:
+                out["chunks"].append(chunk)
+        except BaseException as e:  # noqa: BLE001 - the error is what the test looks at
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"request still waiting after {timeout} s"
+    return out["chunks"], out["error"]
+
+
+def tokens(chunks) -> list[int]:
+    return [c.token for c in chunks if c.token is not None]

@@ -13,6 +13,7 @@ import time
 
 import pytest
 from conftest import wait_for
+from engine_util import drain, tokens
 
 from mlxlocal.engine import EngineDeadError, PagedEngine, SamplingParams, SimpleEngine, open_engine
 from mlxlocal.engine.handle import RequestHandle
@@ -28,29 +29,6 @@ def prompt_of(n: int, shift: int = 0) -> list[int]:
 
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
-
-
-def drain(handle, timeout: float = 30.0):
-    """Consume a handle (or its started iterator) on another thread: (chunks, error).
-    Fails the test if it hangs."""
-    out: dict = {"chunks": [], "error": None}
-
-    def run():
-        try:
-            for chunk in handle:
-                out["chunks"].append(chunk)
-        except BaseException as e:  # noqa: BLE001 - the error is what the test looks at
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"request still waiting after {timeout} s"
-    return out["chunks"], out["error"]
-
-
-def tokens(chunks) -> list[int]:
-    return [c.token for c in chunks if c.token is not None]
 
 
 def idle_blocks(eng: PagedEngine) -> dict:

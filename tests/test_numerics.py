@@ -8,11 +8,12 @@ Non-finite logits are injected with a hook on the model's forward for one reques
 from __future__ import annotations
 
 import math
-import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from engine_util import drain as drain_chunks
+from engine_util import tokens
 
 from mlxlocal.engine import (
     PagedEngine,
@@ -35,21 +36,8 @@ def prompt_of(n: int, shift: int = 0) -> list[int]:
 
 def drain(handle, timeout: float = 30.0):
     """(token ids, error) of a handle, consumed on another thread (a hang fails the test)."""
-    out: dict = {"tokens": [], "error": None}
-
-    def run():
-        try:
-            for chunk in handle:
-                if chunk.token is not None:
-                    out["tokens"].append(chunk.token)
-        except Exception as e:  # noqa: BLE001 - the error is what the test looks at
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"request still waiting after {timeout} s"
-    return out["tokens"], out["error"]
+    chunks, error = drain_chunks(handle, timeout)
+    return tokens(chunks), error
 
 
 def spoil(logits: mx.array, rows: list[bool], value: float) -> mx.array:

@@ -116,6 +116,20 @@ def compaction_policy(text: Optional[str]):
         fail(str(e), 2)
 
 
+def duration_option(text: str, option: str, positive: bool = False) -> float:
+    """A duration option (90, 30m, 1h; -1: never) in seconds; exits 2 naming the option."""
+    from mlxlocal.server.errors import APIError
+    from mlxlocal.server.registry import parse_duration
+
+    try:
+        seconds = parse_duration(text)
+    except APIError as e:
+        fail(e.message.replace("keep_alive", option), 2)
+    if positive and not seconds > 0:
+        fail(f"{option}: must be a positive duration (or -1: never)", 2)
+    return seconds
+
+
 def agent_limits(max_steps: int, max_tools: str) -> int | None:
     """chat --mcp / run: --max-steps checked, --max-tools parsed (None: no pruning); exits 2
     naming the option otherwise."""

@@ -9,7 +9,14 @@ from typing import Optional
 
 import typer
 
-from mlxlocal.cli.common import KV_MEMORY_HELP, MODEL_HELP, engine_options, err, fail
+from mlxlocal.cli.common import (
+    KV_MEMORY_HELP,
+    MODEL_HELP,
+    duration_option,
+    engine_options,
+    err,
+    fail,
+)
 
 mcp_app = typer.Typer(name="mcp", help="The Model Context Protocol: serve the local model to MCP clients.",
                       no_args_is_help=True)
@@ -92,16 +99,9 @@ def serve(
     if not is_loopback_bind(host) and not api_key:
         err.print(f"[yellow]warning:[/] MCP on {host} without --api-key (--force-public)", highlight=False)
     from mlxlocal.server.banner import run_server
-    from mlxlocal.server.errors import APIError
     from mlxlocal.server.mcp_http import standalone_app
-    from mlxlocal.server.registry import parse_duration
 
-    try:
-        idle = parse_duration(mcp_session_idle)
-    except APIError as e:
-        fail(e.message.replace("keep_alive", "--mcp-session-idle"), 2)
-    if not idle > 0:
-        fail("--mcp-session-idle: must be a positive duration (or -1: never)", 2)
+    idle = duration_option(mcp_session_idle, "--mcp-session-idle", positive=True)
     config = ServerConfig(models=[model], host=host, port=port, api_key=api_key,
                           allowed_origins=list(allow_origin), allowed_hosts=list(allow_host),
                           engine_options=options, mcp_max_sessions=mcp_max_sessions, mcp_session_idle=idle)

@@ -16,6 +16,7 @@ from mlxlocal.cli.common import (
     MODEL_HELP,
     NUM_DRAFT_HELP,
     PROMPT_LOOKUP_HELP,
+    duration_option,
     engine_options,
     err,
     fail,
@@ -97,8 +98,7 @@ def serve(
     from mlxlocal.engine.embedding import is_embedding_spec
     from mlxlocal.server import ServerConfig
     from mlxlocal.server.banner import run_server
-    from mlxlocal.server.errors import APIError
-    from mlxlocal.server.registry import assign_names, parse_duration
+    from mlxlocal.server.registry import assign_names
 
     if not model and not embed_model:
         fail("give at least one --model or --embed-model", 2)
@@ -113,10 +113,7 @@ def serve(
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
     if speculation(draft_model, prompt_lookup, num_draft_tokens, options) is not None and not model:
         fail("--draft-model / --prompt-lookup speed up --model models; embedding models do not generate", 2)
-    try:
-        keep = parse_duration(keep_alive)
-    except APIError as e:
-        fail(e.message.replace("keep_alive", "--keep-alive"), 2)
+    keep = duration_option(keep_alive, "--keep-alive")
     try:
         assign_names(list(model), list(served_model_name))
     except ValueError as e:
@@ -129,16 +126,8 @@ def serve(
                              "or drop-thinking")
     except ValueError as e:
         fail(str(e), 2)
-    try:
-        idle = parse_duration(session_idle)
-    except APIError as e:
-        fail(e.message.replace("keep_alive", "--session-idle"), 2)
-    try:
-        mcp_idle = parse_duration(mcp_session_idle)
-    except APIError as e:
-        fail(e.message.replace("keep_alive", "--mcp-session-idle"), 2)
-    if not mcp_idle > 0:
-        fail("--mcp-session-idle: must be a positive duration (or -1: never)", 2)
+    idle = duration_option(session_idle, "--session-idle")
+    mcp_idle = duration_option(mcp_session_idle, "--mcp-session-idle", positive=True)
     if not math.isfinite(stream_keepalive):
         fail(f"--stream-keepalive: must be a number of seconds (0: off), got {stream_keepalive}", 2)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
