@@ -38,13 +38,6 @@ class Waiting:
     kind: str = "waiting"
 
 
-def start(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-          session=None, cache: akv.CacheUse | None = None):
-    """Submit; return (async chunk stream, cancel function). Raises APIError on a bad request."""
-    handle = submit(engine, prompt, params, loop, session, cache)
-    return handle.astream(), handle.cancel
-
-
 def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
            session=None, cache: akv.CacheUse | None = None):
     """engine.submit, its refusals as APIErrors; returns the RequestHandle."""

@@ -126,16 +126,16 @@ async def _run(engine, ids: list[int], params: SamplingParams, parser: OutputPar
     """The request's parsed events (content / reasoning, then Finish). Leaving early (the
     client cancelled the call) cancels the request, so its KV blocks are freed next step."""
     try:
-        stream, cancel = generation.start(engine, ids, params, asyncio.get_running_loop())
+        handle = generation.submit(engine, ids, params, asyncio.get_running_loop())
     except APIError as e:
         raise _tool_error(e) from None
     try:
-        async for event in parse_chunks(stream, parser):
+        async for event in parse_chunks(handle.astream(), parser):
             yield event
     except EngineDeadError as e:  # the registry restarts the engine on the next call
         raise ToolError(f"the engine stopped: {e}; retry the call") from None
     finally:
-        cancel()
+        handle.cancel()
 
 
 def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths: bool = False) -> MCPServer:
