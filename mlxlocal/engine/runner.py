@@ -29,6 +29,12 @@ def run_start(table: list[int]) -> int | None:
     return table[0] if table == list(range(table[0], table[-1] + 1)) else None
 
 
+def run_tables(runs: list[int], lengths: list[int]) -> mx.array:
+    """[B, max length] block tables of sequences on runs (padding reads block 0: masked)."""
+    width = mx.arange(max(lengths), dtype=mx.int32)[None, :]
+    return mx.where(width < mx.array(lengths)[:, None], mx.array(runs)[:, None] + width, 0)
+
+
 def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
                windowed: bool = False) -> StepBatch:
     """Where n new tokens of each sequence go (from position starts[i]) and what it sees;
@@ -44,9 +50,14 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
         return (mx.array([of[j][i] for j, i in index]),
                 mx.array([t + [0] * (width - len(t)) for t in rows]))
 
-    slot_blocks, block_tables = tables([s.block_table for s in seqs])
+    full = [s.block_table for s in seqs]
+    runs = [run_start(t) for t in full]
+    if None in runs:
+        slot_blocks, block_tables = tables(full)
+    else:  # every table a run: built on the device from B numbers, not from every block id
+        slot_blocks = mx.array([runs[j] + i for j, i in index])
+        block_tables = run_tables(runs, [len(t) for t in full])
     window_slots, window_tables = tables([s.window_table for s in seqs], holes=True) if windowed else (None, None)
-    runs = [run_start(s.block_table) for s in seqs]
     host_slot = None
     if len(seqs) == 1 and n == 1:
         table = seqs[0].block_table
