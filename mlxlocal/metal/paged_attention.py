@@ -496,20 +496,18 @@ def paged_attention_reference(
     are not read (the caller's mask starts there too).
     """
     B, _, L, _ = q.shape
-    _, bs, H, D = k_pool.shape
+    H, NB, bs, D = k_pool.shape
     if window_start:
         block_tables = block_tables[:, window_start:]
         n_keys = None if n_keys is None else n_keys - window_start * bs
+    W = block_tables.shape[1]
+    n = W * bs if n_keys is None else n_keys
     if first_block is not None:
-        end = first_block + block_tables.shape[1]
-        keys = k_pool[first_block:end].reshape(B, -1, H, D)
-        values = v_pool[first_block:end].reshape(B, -1, H, D)
+        rows = lambda p: p[:, first_block : first_block + W].reshape(1, H, W * bs, D)  # noqa: E731
     else:
-        keys = k_pool[block_tables].reshape(B, -1, H, D)
-        values = v_pool[block_tables].reshape(B, -1, H, D)
-    if n_keys is not None:
-        keys, values = keys[:, :n_keys], values[:, :n_keys]
-    keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+        index = mx.arange(H)[None, :, None] * NB + block_tables[:, None, :]
+        rows = lambda p: p.reshape(H * NB, bs, D)[index].reshape(B, H, W * bs, D)  # noqa: E731
+    keys, values = rows(k_pool)[:, :, :n], rows(v_pool)[:, :, :n]
     if mask is False:
         mask = step_mask(context_lens, L, keys.shape[2], window)
     return sdpa(q, keys, values, scale, mask)
@@ -575,3 +573,10 @@ def paged_attention(
                          scale, window, span=n_keys)
     tensors = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
     return run_launches(specs, tensors)
+
+
+def kernel_taken(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
+                 window: int | None) -> bool:
+    """Whether paged_attention takes the Metal kernel for these arguments."""
+    return metal_available() and use_kernel("paged_attention", kernel_supports, q, k_pool, v_pool,
+                                            block_tables, window)

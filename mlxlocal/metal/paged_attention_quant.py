@@ -236,7 +236,7 @@ def paged_attention_quantized_reference(
     B, _, L, D = q.shape
     _check_pool("k", k, D, group_size, bits)
     _check_pool("v", v, D, group_size, bits)
-    bs = k[0].shape[1]
+    bs = k[0].shape[2]
     if window_start:
         block_tables = block_tables[:, window_start:]
         n_keys = None if n_keys is None else n_keys - window_start * bs
@@ -244,14 +244,16 @@ def paged_attention_quantized_reference(
     def gather(pool: QuantPool) -> mx.array:
         parts = []
         for a in pool:
-            H, last = a.shape[2], a.shape[3]
+            H, NB, _, last = a.shape
+            W = block_tables.shape[1]
             if first_block is not None:  # B = 1, contiguous run of blocks: a slice
-                a = a[first_block:first_block + block_tables.shape[1]].reshape(B, -1, H, last)
+                a = a[:, first_block:first_block + W].reshape(1, H, W * bs, last)
             else:
-                a = a[block_tables].reshape(B, -1, H, last)
-            parts.append(a if n_keys is None else a[:, :n_keys])
+                index = mx.arange(H)[None, :, None] * NB + block_tables[:, None, :]
+                a = a.reshape(H * NB, bs, last)[index].reshape(B, H, W * bs, last)
+            parts.append(a if n_keys is None else a[:, :, :n_keys])
         x = mx.dequantize(*parts, group_size=group_size, bits=bits)
-        return x.astype(q.dtype).transpose(0, 2, 1, 3)
+        return x.astype(q.dtype)
 
     keys, values = gather(k), gather(v)
     if mask is False:
@@ -320,3 +322,10 @@ def paged_attention_quantized(
                          window, group_size, bits, span=n_keys)
     tensors = [q, *k, *v, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
     return run_launches(specs, tensors)
+
+
+def quantized_kernel_taken(q: mx.array, k: QuantPool, v: QuantPool, block_tables: mx.array,
+                           group_size: int, bits: int, window: int | None) -> bool:
+    """Whether paged_attention_quantized takes the Metal kernel for these arguments."""
+    return metal_available() and use_kernel("paged_attention_quantized", kernel_supports_quantized,
+                                            q, k, v, block_tables, group_size, bits, window)
