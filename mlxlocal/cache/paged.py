@@ -125,11 +125,10 @@ class KVPools:
             for p, x in zip(kp + vp, self._encode(k[0, :, 0, :]) + self._encode(v[0, :, 0, :])):
                 p[:, block, offset] = x
             return
-        # [H, B * L, D] in slot order (B = 1, a prefill chunk: already so, no copy).
-        rows = lambda x: x[0] if x.shape[0] == 1 else x.swapaxes(0, 1).reshape(x.shape[1], -1, x.shape[3])  # noqa: E731
-        slot_blocks, _ = self.tables(layer, batch)
-        for p, x in zip(kp + vp, self._encode(rows(k)) + self._encode(rows(v))):
-            p[:, slot_blocks, batch.slot_offsets] = x
+        for pool, x in ((kp, k), (vp, v)):
+            index = batch.write_index(x.shape[0], x.shape[1], x.shape[2], self.windowed[layer])
+            for p, rows in zip(pool, self._encode(x)):
+                p[index] = rows
 
     def gather(self, layer: int, batch: StepBatch, window: int | None = None) -> tuple[mx.array, mx.array]:
         """Every sequence's keys and values [B, H, n_keys, D] from position 0 (a `window`
@@ -203,6 +202,19 @@ class StepBatch:
     # batch at long context reads each sequence by a slice (reads_in_place).
     host_runs: list[int | None] | None = None
     _masks: dict = field(default_factory=dict)  # per-step values every layer shares: masks, window starts
+
+    def write_index(self, B: int, heads: int, L: int, windowed: bool) -> tuple[mx.array, ...]:
+        """(head, block, offset) of every new row, each [B, heads, L]: the new K or V
+        [B, heads, L, dim] scatters into a pool as it is, no transpose. Built once per step
+        for every layer (fewer graph nodes per layer than a slice-and-arrays update)."""
+        key = ("write", heads, windowed)
+        if key not in self._masks:
+            blocks = self.window_slot_blocks if windowed else self.slot_blocks
+            shape = (B, heads, L)
+            self._masks[key] = (mx.broadcast_to(mx.arange(heads)[None, :, None], shape),
+                                mx.broadcast_to(blocks.reshape(B, 1, L), shape),
+                                mx.broadcast_to(self.slot_offsets.reshape(B, 1, L), shape))
+        return self._masks[key]
 
     def reads_in_place(self, L: int) -> bool:
         """A decode batch of several sequences, each on a run of blocks, long enough that
