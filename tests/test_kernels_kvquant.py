@@ -27,7 +27,7 @@ MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float
 
 def quant_pools(rng, num_blocks, bs, Hkv, D, gs, bits, dtype="float32"):
     """(quantized triple, the same pool dequantized up front) for K or V."""
-    x = mx.array(rng.normal(size=(num_blocks, bs, Hkv, D)).astype(np.float32)).astype(MX_DTYPES[dtype])
+    x = mx.array(rng.normal(size=(Hkv, num_blocks, bs, D)).astype(np.float32)).astype(MX_DTYPES[dtype])
     triple = mx.quantize(x, group_size=gs, bits=bits)
     return triple, mx.dequantize(*triple, group_size=gs, bits=bits)
 
@@ -116,8 +116,8 @@ def test_quantization_is_honoured():
     tables = mx.array(np.arange(12, dtype=np.int32).reshape(2, 6))
     lens = mx.array(np.array(ctx, np.int32))
     q = mx.array(rng.normal(size=(2, 4, 1, D)).astype(np.float32))
-    k = mx.array(rng.normal(size=(12, bs, 2, D)).astype(np.float32))
-    v = mx.array(rng.normal(size=(12, bs, 2, D)).astype(np.float32))
+    k = mx.array(rng.normal(size=(2, 12, bs, D)).astype(np.float32))
+    v = mx.array(rng.normal(size=(2, 12, bs, D)).astype(np.float32))
     exact = np.array(paged_attention.paged_attention_reference(q, k, v, tables, lens, D ** -0.5))
     err = {}
     for bits in (8, 4):
@@ -130,7 +130,7 @@ def test_quantization_is_honoured():
 
 def test_reference_rejects_mismatched_pools():
     q = mx.zeros((1, 2, 1, 64))
-    k = mx.quantize(mx.zeros((4, 16, 1, 64)), group_size=32, bits=4)
+    k = mx.quantize(mx.zeros((1, 4, 16, 64)), group_size=32, bits=4)
     tables, lens = mx.zeros((1, 2), mx.int32), mx.array([5])
     with pytest.raises(ValueError, match="bits=8"):
         pq.paged_attention_quantized_reference(q, k, k, tables, lens, 1.0, 32, 8)
@@ -152,7 +152,7 @@ def test_cpu_dispatch_is_the_reference():
 
 def test_kernel_support_rules():
     q = mx.zeros((2, 8, 1, 128), mx.bfloat16)
-    pool = mx.quantize(mx.zeros((10, 16, 2, 128), mx.bfloat16), group_size=64, bits=4)
+    pool = mx.quantize(mx.zeros((2, 10, 16, 128), mx.bfloat16), group_size=64, bits=4)
     tables = mx.zeros((2, 4), mx.int32)
     assert pq.kernel_supports_quantized(q, pool, pool, tables, 64, 4, None)
     assert pq.kernel_supports_quantized(q, pool, pool, tables, 64, 4, 100)
@@ -162,10 +162,10 @@ def test_kernel_support_rules():
                                             tables, 64, 4, None)  # prefill (L > 1)
     assert not pq.kernel_supports_quantized(q.astype(mx.float16), pool, pool, tables, 64, 4,
                                             None)  # scales in another dtype than q
-    small = tuple(a[:, :8] for a in pool)
+    small = tuple(a[:, :, :8] for a in pool)
     assert not pq.kernel_supports_quantized(q, small, small, tables, 64, 4, None)  # bs 8
     q6 = mx.zeros((2, 6, 1, 128), mx.bfloat16)
-    pool4 = mx.quantize(mx.zeros((10, 16, 4, 128), mx.bfloat16), group_size=64, bits=4)
+    pool4 = mx.quantize(mx.zeros((4, 10, 16, 128), mx.bfloat16), group_size=64, bits=4)
     assert not pq.kernel_supports_quantized(q6, pool4, pool4, tables, 64, 4, None)  # Hq % Hkv
 
 
@@ -184,7 +184,7 @@ def quant_kernel_case(ctx_lens, Hq, Hkv, D, bs, dtype, gs, bits, window, seed=0)
     q, qf = to_dtype(rng.normal(size=(B, Hq, 1, D)), dtype)
     tensors, pools = [q], []
     for _ in "kv":
-        x = mx.array(rng.normal(size=(num_blocks, bs, Hkv, D)).astype(np.float32))
+        x = mx.array(rng.normal(size=(Hkv, num_blocks, bs, D)).astype(np.float32))
         packed, scales, biases = mx.quantize(x.astype(MX_DTYPES[dtype]), group_size=gs, bits=bits)
         s, sf = to_dtype(np.array(scales.astype(mx.float32)), dtype)  # exact: already in dtype
         z, zf = to_dtype(np.array(biases.astype(mx.float32)), dtype)
@@ -198,7 +198,7 @@ def quant_kernel_case(ctx_lens, Hq, Hkv, D, bs, dtype, gs, bits, window, seed=0)
 
 
 def quant_specs(tensors, ctx, Hq, Hkv, D, bs, dtype, gs, bits, window, max_blocks, scale, parts=None):
-    return pq.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[0], dtype, scale,
+    return pq.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[1], dtype, scale,
                            window, gs, bits, span=max(ctx), parts=parts)
 
 
@@ -239,7 +239,7 @@ def test_quant_stale_block_id_gives_nan(what, parts):
     if what == "short row":
         lens[1] = max_blocks * 16 + 1
     else:
-        tables[1, 1] = tensors[1].shape[0] if STALE[what] is None else STALE[what]
+        tables[1, 1] = tensors[1].shape[1] if STALE[what] is None else STALE[what]
     specs = quant_specs(tensors, ctx, 4, 2, 64, 16, "float16", 32, 4, None, max_blocks, scale, parts)
     got = emulate_launches(specs, [*tensors[:7], tables, lens])
     assert np.isnan(got[1]).all()

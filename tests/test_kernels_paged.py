@@ -38,8 +38,33 @@ except ImportError:  # pragma: no cover - needs_emu skips these tests then
 pa = importlib.import_module("mlxlocal.metal.paged_attention")
 
 
+def dense_oracle(q, k, v, tables, lens, scale, window=None) -> np.ndarray:
+    """Plain float64 attention per sequence and query (numpy, no MLX): the sequence's keys
+    concatenated block by block from head-major pools [Hkv, NB, BS, D], query i of L at
+    position lens[b] - L + i sees keys <= it (and > it - window)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, Hq, L, _ = q.shape
+    Hkv, _, bs, _ = k.shape
+    out = np.zeros((B, Hq, L, v.shape[-1]))
+    for b in range(B):
+        n = int(lens[b])
+        blocks = np.asarray(tables[b][: math.ceil(n / bs)])
+        keys = np.repeat(k[:, blocks].reshape(Hkv, -1, k.shape[-1])[:, :n], Hq // Hkv, axis=0)
+        vals = np.repeat(v[:, blocks].reshape(Hkv, -1, v.shape[-1])[:, :n], Hq // Hkv, axis=0)
+        for i in range(L):
+            pos = n - L + i
+            seen = np.arange(n) <= pos
+            if window is not None:
+                seen &= np.arange(n) > pos - window
+            s = np.einsum("hd,hnd->hn", q[b, :, i], keys[:, seen]) * scale
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[b, :, i] = np.einsum("hn,hnd->hd", p / p.sum(-1, keepdims=True), vals[:, seen])
+    return out
+
+
 def paged_case(ctx_lens, Hq, Hkv, D, bs, dtype, window, seed=0):
-    """Pools with shuffled, padded block tables (context lens may end mid-block)."""
+    """Head-major pools [Hkv, NB, BS, D] with shuffled, padded block tables (context lens may
+    end mid-block); the reference's output, checked against dense_oracle."""
     rng = np.random.default_rng(seed)
     B = len(ctx_lens)
     max_blocks = max(math.ceil(c / bs) for c in ctx_lens) + 1  # one spare padding column
@@ -47,12 +72,14 @@ def paged_case(ctx_lens, Hq, Hkv, D, bs, dtype, window, seed=0):
     perm = rng.permutation(num_blocks)[: B * max_blocks].reshape(B, max_blocks)
     tables = perm.astype(np.int32)
     q, qf = to_dtype(rng.normal(size=(B, Hq, 1, D)), dtype)
-    k, kf = to_dtype(rng.normal(size=(num_blocks, bs, Hkv, D)), dtype)
-    v, vf = to_dtype(rng.normal(size=(num_blocks, bs, Hkv, D)), dtype)
+    k, kf = to_dtype(rng.normal(size=(Hkv, num_blocks, bs, D)), dtype)
+    v, vf = to_dtype(rng.normal(size=(Hkv, num_blocks, bs, D)), dtype)
     lens = np.array(ctx_lens, dtype=np.int32)
     scale = D ** -0.5
     want = pa.paged_attention_reference(
         f32(qf), f32(kf), f32(vf), mx.array(tables), mx.array(lens), scale, window)
+    np.testing.assert_allclose(np.array(want), dense_oracle(qf, kf, vf, tables, lens, scale, window),
+                               rtol=1e-4, atol=1e-4)
     return [q, k, v, tables, lens], np.array(want), max_blocks, scale
 
 
@@ -64,7 +91,7 @@ def emulate_launches(specs, tensors) -> np.ndarray:
 
 
 def specs_for(tensors, ctx, Hq, Hkv, D, bs, dtype, window, max_blocks, scale, parts=None):
-    return pa.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[0], dtype,
+    return pa.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[1], dtype,
                            scale, window, span=max(ctx), parts=parts)
 
 
@@ -163,7 +190,7 @@ def stale_case(what, window=None, ctx=(45, 40, 20), Hq=4, Hkv=2, D=64, bs=16, dt
     if what == "short row":
         lens[1] = max_blocks * bs + 1
     else:
-        tables[1, 1] = tensors[1].shape[0] if STALE[what] is None else STALE[what]
+        tables[1, 1] = tensors[1].shape[1] if STALE[what] is None else STALE[what]
     return [*tensors[:3], tables, lens], want, max_blocks, scale
 
 

@@ -5,7 +5,8 @@ A key is derived from the gate arguments of a dispatch function (the arguments i
 kernel_supports takes), so warm-up, the chooser and the real calls agree on it. Timing runs
 the dispatch function itself under `forced` (dispatch.py): "ours" is exactly the production
 kernel launch, "mlx built-in" exactly the reference path (mx.matmul / mx.addmm,
-mx.quantized_matmul, gather + mx.fast.scaled_dot_product_attention).
+mx.quantized_matmul, a slice or gather of the head-major pools, then
+mx.fast.scaled_dot_product_attention or quantized_sdpa).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxlocal.metal.attention import sequence_rows
 from mlxlocal.metal.kernel import dtype_name
 
 OURS, MLX, REFERENCE = "ours", "mlx built-in", "reference (no Metal)"
@@ -46,12 +48,12 @@ def quantized_linear_key(x, w, scales, biases, group_size, bits, mode, bias) -> 
 
 
 def paged_attention_key(q, k_pool, v_pool, block_tables, window) -> Key:
-    return (("Hq", q.shape[1]), ("Hkv", k_pool.shape[2]), ("D", q.shape[-1]), ("block", k_pool.shape[1]),
+    return (("Hq", q.shape[1]), ("Hkv", k_pool.shape[0]), ("D", q.shape[-1]), ("block", k_pool.shape[2]),
             ("dtype", dtype_name(q.dtype)))
 
 
 def paged_attention_quantized_key(q, k, v, block_tables, group_size, bits, window) -> Key:
-    return (("Hq", q.shape[1]), ("Hkv", k[0].shape[2]), ("D", q.shape[-1]), ("block", k[0].shape[1]),
+    return (("Hq", q.shape[1]), ("Hkv", k[0].shape[0]), ("D", q.shape[-1]), ("block", k[0].shape[2]),
             ("dtype", dtype_name(q.dtype)), ("bits", bits), ("group", group_size))
 
 
@@ -65,11 +67,11 @@ def _quantized_linear_fast(x, w, scales, biases, group_size, bits, mode, bias):
 
 
 def _paged_attention_fast(q, k_pool, v_pool, block_tables, window):
-    return q.shape[1:], k_pool.shape[1:3], q.dtype
+    return q.shape[1:], k_pool.shape[0], k_pool.shape[2], q.dtype
 
 
 def _paged_attention_quantized_fast(q, k, v, block_tables, group_size, bits, window):
-    return q.shape[1:], k[0].shape[1:3], q.dtype, group_size, bits
+    return q.shape[1:], k[0].shape[0], k[0].shape[2], q.dtype, group_size, bits
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ OPS = {
                           paged_attention_key, "gather + sdpa", _paged_attention_fast),
     "paged_attention_quantized": Op("mlxlocal.metal.paged_attention_quant", "paged_attention_quantized",
                                     "kernel_supports_quantized", paged_attention_quantized_key,
-                                    "gather + dequantize + sdpa", _paged_attention_quantized_fast),
+                                    "gather + quantized_matmul sdpa", _paged_attention_quantized_fast),
 }
 
 
@@ -164,7 +166,7 @@ def inputs(op: str, key: Key, copies: int = 1, context: int = ATTENTION_CONTEXT,
     # The hints the engine gives the reference path for such a step (a batch of one: no mask).
     hints = dict(n_keys=context, mask=None if batch == 1 else False)
     for _ in range(copies):
-        pools = [_normal((batch * blocks, bs, Hkv, D), dt) for _ in range(2)]
+        pools = [_normal((Hkv, batch * blocks, bs, D), dt) for _ in range(2)]
         if op == "paged_attention":
             calls.append(((q, *pools, tables, lens, D ** -0.5), hints))
         else:
@@ -176,9 +178,9 @@ def inputs(op: str, key: Key, copies: int = 1, context: int = ATTENTION_CONTEXT,
 
 def _gathered(pool, tables: mx.array, n: int, q: mx.array, group_size: int | None, bits: int | None):
     parts = pool if isinstance(pool, tuple) else (pool,)
-    got = [a[tables].reshape(q.shape[0], -1, *a.shape[2:])[:, :n] for a in parts]
+    got = [sequence_rows(a, tables, n) for a in parts]
     x = got[0] if len(got) == 1 else mx.dequantize(*got, group_size=group_size, bits=bits)
-    return x.astype(q.dtype).transpose(0, 2, 1, 3)
+    return x.astype(q.dtype)
 
 
 def _contiguous(calls: list[tuple[tuple, dict]]) -> tuple[Callable, list]:
