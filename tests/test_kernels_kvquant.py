@@ -124,6 +124,8 @@ SDPA_CASES = [
     (2, 4, 1, 3, 33, 96, 32, 4, "window", "float32"),  # GQA 4, sliding window
     (2, 16, 8, 1, 300, 128, 128, 8, "step", "float16"),
     (1, 4, 2, 4, 20, 64, 32, 4, "additive", "float32"),
+    # a verify step (L = 4) over 3k keys, GQA 4: where broadcast weights went wrong (mlx#3497)
+    (2, 16, 4, 4, 3000, 128, 64, 4, "step", "float16"),
 ]
 
 

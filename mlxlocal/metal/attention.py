@@ -79,26 +79,27 @@ def quantized_sdpa(
     """q [B, Hq, L, D]; k / v mx.quantize triples of [B, Hkv, S, D] -> [B, Hq, L, D].
 
     Scores and the weighted sum by mx.quantized_matmul straight on the packed keys and values
-    (as mlx-lm's quantized_scaled_dot_product_attention): nothing is dequantized. The query
-    heads of a KV head ride one matmul ([B, Hkv, G, L, D] against [B, Hkv, 1, S, ..])."""
+    (as mlx-lm's quantized_scaled_dot_product_attention): nothing is dequantized. A KV head's
+    G query heads are folded into the rows ([B, Hkv, G * L, D]), so the matmuls' batches match
+    the pools' exactly: no stride-0 broadcast of the weights (the vector kernel misread those:
+    mlx#3497)."""
     B, Hq, L, D = q.shape
     Hkv = k[0].shape[1]
     G = Hq // Hkv
-    qs = (q * scale).reshape(B, Hkv, G, L, D)
-    k = tuple(a[:, :, None] for a in k)
-    v = tuple(a[:, :, None] for a in v)
+    qs = (q * scale).reshape(B, Hkv, G * L, D)
     scores = mx.quantized_matmul(qs, *k, transpose=True, group_size=group_size, bits=bits)
+    S = scores.shape[-1]
+    scores = scores.reshape(B, Hkv, G, L, S)
     if isinstance(mask, str):  # "causal": the L queries are the last L of the S keys
-        S = scores.shape[-1]
         mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
     if mask is not None:
         if mask.ndim == 4:  # [B | 1, 1 | Hq, L, S]: per sequence, shared by the heads
-            B_, H_ = mask.shape[:2]
-            mask = mask[:, :, None] if H_ == 1 else mask.reshape(B_, Hkv, G, *mask.shape[2:])
+            mb, mh = mask.shape[:2]
+            mask = mask[:, :, None] if mh == 1 else mask.reshape(mb, Hkv, G, *mask.shape[2:])
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, G * L, S)
     out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, Hq, L, -1).astype(q.dtype)
