@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxlocal.metal.attention import sequence_rows
+from mlxlocal.metal.attention import rows_index, sequence_rows
 from mlxlocal.metal.kernel import dtype_name
 
 OURS, MLX, REFERENCE = "ours", "mlx built-in", "reference (no Metal)"
@@ -161,10 +161,18 @@ def inputs(op: str, key: Key, copies: int = 1, context: int = ATTENTION_CONTEXT,
     Hq, Hkv, D, bs = k["Hq"], k["Hkv"], k["D"], k["block"]
     blocks = -(-context // bs)
     q = _normal((batch, Hq, 1, D), dt)
-    tables = mx.random.permutation(batch * blocks).reshape(batch, blocks).astype(mx.int32)
     lens = mx.full((batch,), context, mx.int32)
-    # The hints the engine gives the reference path for such a step (a batch of one: no mask).
-    hints = dict(n_keys=context, mask=None if batch == 1 else False)
+    # The hints the engine gives the reference path for such a step: a lone sequence's blocks
+    # are a run (read by a slice, no mask); a batch's are scattered (one gather through the
+    # step's row index, built once for all layers: outside the timing).
+    if batch == 1:
+        tables = mx.arange(blocks, dtype=mx.int32)[None]
+        hints = dict(n_keys=context, mask=None, first_block=0)
+    else:
+        tables = mx.random.permutation(batch * blocks).reshape(batch, blocks).astype(mx.int32)
+        index = rows_index(tables, Hkv, batch * blocks)
+        mx.eval(index)
+        hints = dict(n_keys=context, mask=False, index=index)
     for _ in range(copies):
         pools = [_normal((Hkv, batch * blocks, bs, D), dt) for _ in range(2)]
         if op == "paged_attention":
