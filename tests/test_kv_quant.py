@@ -93,8 +93,8 @@ def test_write_gather_round_trip_equals_mx_quantize(bits, group_size):
     # ... and it is lossy: not the fp16 rows themselves.
     assert not mx.array_equal(gk[:, :, :L], k)
     packed, scales, biases = pools.k[0]
-    assert packed.dtype == mx.uint32 and packed.shape == (8, 16, H, D * bits // 32)
-    assert scales.shape == biases.shape == (8, 16, H, D // group_size) and scales.dtype == mx.float16
+    assert packed.dtype == mx.uint32 and packed.shape == (H, 8, 16, D * bits // 32)
+    assert scales.shape == biases.shape == (H, 8, 16, D // group_size) and scales.dtype == mx.float16
 
 
 @pytest.mark.parametrize("bits, limit", [(8, 0.532), (4, 0.30)])
@@ -131,7 +131,7 @@ def test_copy_block_and_move_rows_with_rotation():
     pools.copy_block(3, 5)
     for layer in range(2):
         for a, b in zip(pools.k[layer] + pools.v[layer], pools.k[layer] + pools.v[layer]):
-            assert mx.array_equal(a[5], b[3])
+            assert mx.array_equal(a[:, 5], b[:, 3])
     before = [pools.gather(i, one_step([1, 3], 32)) for i in range(2)]
     # Move rows 0..3 of block 1 to block 4, re-rotating rows 1 and 2 by a known function.
     fn = lambda layer, keys, old, new: keys * 2 + new[:, None, None]  # noqa: E731

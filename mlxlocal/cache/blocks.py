@@ -6,8 +6,7 @@ or more sequences), or cached (ref == 0 but held by the radix tree, reclaimable)
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from mlxlocal.cache.radix import RadixCache
 
@@ -16,11 +15,89 @@ class OutOfBlocks(Exception):
     """Not enough free or reclaimable blocks: the scheduler preempts and retries."""
 
 
+class FreeBlocks:
+    """The free block ids as a map (one byte per block), handed out in runs of consecutive
+    ids where it can: a sequence on a run is read by attention as one slice, not a gather."""
+
+    def __init__(self, num_blocks: int):
+        self.map = bytearray(b"\x01") * num_blocks
+        self.count = num_blocks
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[int]:
+        i = self.map.find(1)
+        while i >= 0:
+            yield i
+            i = self.map.find(1, i + 1)
+
+    def __contains__(self, block: int) -> bool:
+        return bool(self.map[block])
+
+    def extend(self, blocks: list[int]) -> None:
+        for b in blocks:
+            assert not self.map[b], f"block {b} freed twice"
+            self.map[b] = 1
+        self.count += len(blocks)
+
+    def take(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
+        """n free ids (n <= len(self)): those right after block `after` first (the sequence
+        grows in place), then a run with `room` to grow on (_place), then the longest runs."""
+        out: list[int] = []
+        if after is not None:
+            i = after + 1
+            while len(out) < n and i < len(self.map) and self.map[i]:
+                out.append(i)
+                i += 1
+            self._mark(out)
+        need = n - len(out)
+        if need:
+            start = self._place(need, room)
+            more = list(range(start, start + need)) if start >= 0 else self._longest_runs(need)
+            self._mark(more)
+            out += more
+        return out
+
+    def _place(self, n: int, room: int) -> int:
+        """Start of a free run for n blocks, -1 if none fits. With `room`: `room` blocks past
+        the run's start when an allocated block precedes it (its holder may grow into them),
+        and room for this one to grow after; with less space, the first run that fits n."""
+        if room:
+            start = self.map.find(b"\x01" * (n + 2 * room))
+            if start >= 0:
+                return start + room if start > 0 else start
+            start = self.map.find(b"\x01" * (n + room))
+            if start >= 0:
+                return start
+        return self.map.find(b"\x01" * n)
+
+    def _mark(self, taken: list[int]) -> None:
+        for b in taken:
+            self.map[b] = 0
+        self.count -= len(taken)
+
+    def _longest_runs(self, n: int) -> list[int]:
+        runs, start = [], None
+        for i, free in enumerate(self.map + b"\x00"):
+            if free:
+                start = i if start is None else start
+            elif start is not None:
+                runs.append((start, i))
+                start = None
+        out: list[int] = []
+        for a, b in sorted(runs, key=lambda r: r[0] - r[1]):
+            out += range(a, min(b, a + n - len(out)))
+            if len(out) == n:
+                break
+        return out
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free: deque[int] = deque(range(num_blocks))
+        self.free = FreeBlocks(num_blocks)
         self.refs = [0] * num_blocks
         self.radix = RadixCache(block_size) if prefix_cache else None
         # Told of every block that becomes free, so what was keyed by its content goes, and
@@ -44,12 +121,14 @@ class BlockManager:
         return len(self.free) + self.num_cached >= n
 
     # --- allocation ----------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
+        """n blocks, consecutive where the free map allows: following block `after` (the
+        caller's last), else where `room` more could follow (the caller's expected growth)."""
         if len(self.free) < n and self.radix is not None:
             self._to_free(self.radix.evict(n - len(self.free), self._unreferenced))
         if len(self.free) < n:
             raise OutOfBlocks(n)
-        blocks = [self.free.popleft() for _ in range(n)]
+        blocks = self.free.take(n, after, room)
         for b in blocks:
             self.refs[b] = 1
         return blocks
@@ -79,7 +158,7 @@ class BlockManager:
 
         Full blocks are shared. With `copy`, a further k tokens matching the start of a
         cached block (full or partial) are reused copy-on-write: a new block, filled by
-        copy(src, dst), ends the table. `tags`: the edit history of each full chunk (radix.py).
+        copy(src, dst), ends the table (or the block itself, see _take_over). `tags`: the edit history of each full chunk (radix.py).
         The caller now references every block returned.
         """
         if self.radix is None:
@@ -87,7 +166,10 @@ class BlockManager:
         blocks, partial = self.radix.match_partial(tokens, partial=copy is not None, tags=tags)
         self.share(blocks)
         n = len(blocks) * self.block_size
-        if partial is not None:
+        if partial is not None and self._take_over(*partial):
+            blocks.append(partial[0])
+            n += partial[1]
+        elif partial is not None:
             src, k = partial
             self.share([src])  # not evicted by the allocation below
             try:
@@ -100,6 +182,17 @@ class BlockManager:
                 n += k
             self.release([src])
         return blocks, n
+
+    def _take_over(self, block: int, k: int) -> bool:
+        """A partial leaf no one holds, whose every token the request shares (the next turn
+        of the conversation that left it), is taken as it is, without a copy: the
+        sequence's table stays one run, and it writes on after those k tokens."""
+        node = self.radix.by_block[block]
+        if self.refs[block] or k != len(node.chunk) or k >= self.block_size:
+            return False
+        self.radix.detach([block])
+        self.refs[block] = 1
+        return True
 
     def cache_prefix(self, tokens: list[int], blocks: list[int], partial: bool = False,
                      tags: list | None = None) -> list[int]:

@@ -8,8 +8,13 @@ import mlx.core as mx
 
 from mlxlocal.cache import quantized
 from mlxlocal.metal import paged_attention
-from mlxlocal.metal.paged_attention import step_mask
-from mlxlocal.metal.paged_attention_quant import paged_attention_quantized
+from mlxlocal.metal.attention import sdpa
+from mlxlocal.metal.paged_attention import kernel_taken, step_mask
+from mlxlocal.metal.paged_attention_quant import paged_attention_quantized, quantized_kernel_taken
+
+# Longest context from which a decode batch on runs is read per sequence by slices: below,
+# one gather of the batch (and one attention call) costs less than B calls (measured here).
+IN_PLACE_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,11 @@ class KVShape:
 
 
 class KVPools:
-    """Per attention layer, K and V pools of shape [num_blocks, block_size, heads, dim].
+    """Per attention layer, K and V pools of shape [heads, num_blocks, block_size, dim].
+
+    Head-major, so a block's keys per head are contiguous: a sequence whose blocks form a
+    run is a slice in the [heads, keys, dim] shape attention takes, and a gathered one
+    needs no transpose (rows_index below).
 
     Sliding-window layers (`windowed`) have pools of their own block ids, `window_blocks`
     of them: they only ever hold the last window of each sequence (cache/window.py).
@@ -79,10 +88,10 @@ class KVPools:
         pools = [p for i in layers for pool in (self.k[i], self.v[i]) for p in quantized.parts(pool)]
         # The block as arrays of their own first: a pool updated from a view of itself cannot
         # be updated in place, and MLX would copy the whole pool (146 ms per 268 MB pool here).
-        blocks = [mx.contiguous(p[src]) for p in pools]
+        blocks = [mx.contiguous(p[:, src]) for p in pools]
         mx.eval(blocks)
         for p, b in zip(pools, blocks):
-            p[dst] = b
+            p[:, dst] = b
 
     def move_rows(self, src_blocks: mx.array, src_offsets: mx.array, dst_blocks: mx.array,
                   dst_offsets: mx.array, rotate: tuple | None = None) -> None:
@@ -91,20 +100,21 @@ class KVPools:
         those rows' keys are re-rotated on the way; values are copied as they are."""
         for i in range(len(self.k)):
             kp, vp = quantized.parts(self.k[i]), quantized.parts(self.v[i])
-            k = [p[src_blocks, src_offsets] for p in kp]
-            v = [p[src_blocks, src_offsets] for p in vp]
+            k = [p[:, src_blocks, src_offsets] for p in kp]  # [heads, rows, ...]
+            v = [p[:, src_blocks, src_offsets] for p in vp]
             if rotate is not None:
                 rows, old, new, fn = rotate
                 # Quantized keys: dequantized, re-rotated, quantized again. Attention only ever
                 # saw the dequantized keys, so this rotates exactly what the model attended to;
                 # the second rounding is one more error of the size of the first.
-                moved = self._encode(fn(i, self._decode([x[rows] for x in k]), old, new))
+                keys = self._decode([x[:, rows] for x in k]).swapaxes(0, 1)  # [rows, heads, dim]
+                moved = self._encode(fn(i, keys, old, new).swapaxes(0, 1))
                 for x, m in zip(k, moved):
-                    x[rows] = m
+                    x[:, rows] = m
             # Arrays of their own first, one layer at a time (see copy_block).
             mx.eval(k, v)
             for p, x in zip(kp + vp, k + v):
-                p[dst_blocks, dst_offsets] = x
+                p[:, dst_blocks, dst_offsets] = x
 
     def write(self, layer: int, batch: StepBatch, k: mx.array, v: mx.array) -> None:
         """Store new k/v [B, H, L, D] at the step's slots, in the order of the slot mapping
@@ -113,36 +123,59 @@ class KVPools:
         if batch.host_slot is not None and not self.windowed[layer]:
             block, offset = batch.host_slot
             for p, x in zip(kp + vp, self._encode(k[0, :, 0, :]) + self._encode(v[0, :, 0, :])):
-                p[block, offset] = x
+                p[:, block, offset] = x
             return
-        rows = lambda x: x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731
+        # [H, B * L, D] in slot order (B = 1, a prefill chunk: already so, no copy).
+        rows = lambda x: x[0] if x.shape[0] == 1 else x.swapaxes(0, 1).reshape(x.shape[1], -1, x.shape[3])  # noqa: E731
         slot_blocks, _ = self.tables(layer, batch)
         for p, x in zip(kp + vp, self._encode(rows(k)) + self._encode(rows(v))):
-            p[slot_blocks, batch.slot_offsets] = x
+            p[:, slot_blocks, batch.slot_offsets] = x
 
     def gather(self, layer: int, batch: StepBatch, window: int | None = None) -> tuple[mx.array, mx.array]:
         """Every sequence's keys and values [B, H, n_keys, D] from position 0 (a `window`
         layer: from its window_start block), through its block table (positions past a
-        sequence's context are masked by the caller); quantized pools come back dequantized."""
+        sequence's context are masked by the caller); quantized pools come back dequantized.
+        A run of blocks is read by a slice, a gather by one flat index: neither transposes."""
         n_keys = max(batch.host_context_lens)
         _, tables = self.tables(layer, batch)
         if window is not None:
             start = batch.window_start(window, self.block_size)
             tables, n_keys = tables[:, start:], n_keys - start * self.block_size
-        B, width = tables.shape
         run = None if self.windowed[layer] else batch.host_run
         out = []
         for pool in (self.k[layer], self.v[layer]):
-            xs = []
-            for p in quantized.parts(pool):
-                x = p[tables] if run is None else p[run : run + width]
-                xs.append(x.reshape(B, -1, p.shape[2], p.shape[3])[:, :n_keys])
-            out.append(self._decode(xs).transpose(0, 2, 1, 3))
+            xs = [sequence_rows(p, tables, n_keys, run) for p in quantized.parts(pool)]
+            out.append(self._decode(xs))
         return out[0], out[1]
 
     def state(self) -> list[mx.array]:
         return [p for pool in self.k + self.v for p in quantized.parts(pool)]
 
+
+def rows_index(tables: mx.array, heads: int, num_blocks: int) -> mx.array:
+    """[B, heads, W] index of each sequence's blocks per head into a pool seen as
+    [heads * num_blocks, block_size, ...]: one gather gives [B, heads, W, block_size, ...]."""
+    return (mx.arange(heads, dtype=mx.int32)[None, :, None] * num_blocks
+            + tables.astype(mx.int32)[:, None, :])
+
+
+def run_rows(pool: mx.array, run: int, n_keys: int) -> mx.array:
+    """The first n_keys rows [1, heads, n_keys, last] of a sequence on blocks run, run + 1, ...:
+    a slice of the pool (no copy: the blocks of a run are adjacent per head)."""
+    H, _, bs, last = pool.shape
+    width = -(-n_keys // bs)
+    return pool[:, run : run + width].reshape(1, H, width * bs, last)[:, :, :n_keys]
+
+
+def sequence_rows(pool: mx.array, tables: mx.array, n_keys: int, run: int | None = None) -> mx.array:
+    """One pool part's rows of every sequence, [B, heads, n_keys, last]: a slice for a lone
+    sequence on a run of blocks starting at `run`, else one gather through `tables`."""
+    if run is not None:
+        return run_rows(pool, run, n_keys)
+    H, NB, bs, last = pool.shape
+    B, W = tables.shape
+    flat = pool.reshape(H * NB, bs, last)[rows_index(tables, H, NB)]
+    return flat.reshape(B, H, W * bs, last)[:, :, :n_keys]
 
 @dataclass
 class StepBatch:
@@ -166,7 +199,17 @@ class StepBatch:
     # of a gather (a lone sequence usually gets consecutive blocks from the free list).
     host_slot: tuple[int, int] | None = None
     host_run: int | None = None
+    # Each sequence's first block when its table is a run (None where it is not): a decode
+    # batch at long context reads each sequence by a slice (reads_in_place).
+    host_runs: list[int | None] | None = None
     _masks: dict = field(default_factory=dict)  # per-step values every layer shares: masks, window starts
+
+    def reads_in_place(self, L: int) -> bool:
+        """A decode batch of several sequences, each on a run of blocks, long enough that
+        attention per sequence over slices beats one gather of every context (full layers)."""
+        runs, lens = self.host_runs, self.host_context_lens
+        return (L == 1 and len(lens) > 1 and runs is not None and None not in runs
+                and max(lens) >= IN_PLACE_KEYS)
 
     def window_start(self, window: int, block_size: int) -> int:
         """First block any query of this step sees in a `window` layer: keys before it are
@@ -214,11 +257,27 @@ class PagedLayerView:
         b, pools = self.batch, self.pools
         pools.write(self.layer, b, k, v)
         L, bs, w = q.shape[2], pools.block_size, self.window
+        k_pool, v_pool, tables = pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1]
+        if w is None and b.reads_in_place(L) and not self._kernel(q, k_pool, v_pool, tables):
+            return mx.concatenate([self._one(i, q[i : i + 1], scale) for i in range(q.shape[0])])
         # A window layer reads from the first block any query of this step still sees.
         kw = dict(n_keys=max(b.host_context_lens), mask=b.mask(L, None) if w is None else b.window_mask(L, w, bs),
                   first_block=b.host_run if w is None else None, window_start=0 if w is None else b.window_start(w, bs))
-        k_pool, v_pool, tables = pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1]
         if pools.bits is not None:
             return paged_attention_quantized(q, k_pool, v_pool, tables, b.context_lens, scale,
                                              pools.group_size, pools.bits, w, **kw)
         return paged_attention(q, k_pool, v_pool, tables, b.context_lens, scale, w, **kw)
+
+    def _kernel(self, q, k_pool, v_pool, tables) -> bool:
+        """Whether the dispatch takes the paged kernel, which reads the pools in place anyway."""
+        if self.pools.bits is not None:
+            return quantized_kernel_taken(q, k_pool, v_pool, tables, self.pools.group_size,
+                                          self.pools.bits, None)
+        return kernel_taken(q, k_pool, v_pool, tables, None)
+
+    def _one(self, i: int, q: mx.array, scale: float) -> mx.array:
+        """Sequence i's decode attention over its run of blocks: slices, cut to its context."""
+        pools, n, run = self.pools, self.batch.host_context_lens[i], self.batch.host_runs[i]
+        kv = [pools._decode([run_rows(p, run, n) for p in quantized.parts(pool)])
+              for pool in (pools.k[self.layer], pools.v[self.layer])]
+        return sdpa(q, kv[0].astype(q.dtype), kv[1].astype(q.dtype), scale, None)

@@ -1,8 +1,8 @@
 """Quantized K/V storage: each pool is the triple `mx.quantize` makes over the last axis.
 
-With kv_bits set, a layer's K (and V) pool is (packed uint32 [num_blocks, block_size, heads,
-dim * bits / 32], scales and biases [num_blocks, block_size, heads, dim / group_size] in the
-model dtype): mlx-lm's QuantizedKVCache layout, per token, so a row quantized on its own
+With kv_bits set, a layer's K (and V) pool is (packed uint32 [heads, num_blocks, block_size,
+dim * bits / 32], scales and biases [heads, num_blocks, block_size, dim / group_size] in the
+model dtype): mlx-lm's QuantizedKVCache rows, per token, so a row quantized on its own
 (one new token) equals the same row quantized with its prompt. An unquantized pool is one
 array; the helpers below take either as a tuple of parts, so KVPools treats both alike.
 """
@@ -41,12 +41,12 @@ def check(dims: list[int], bits: int | None, group_size: int) -> None:
 
 def empty(n: int, block_size: int, heads: int, dim: int, dtype: mx.Dtype, bits: int | None,
           group_size: int) -> mx.array | tuple[mx.array, mx.array, mx.array]:
-    """A zeroed pool: one array, or the (packed, scales, biases) triple."""
+    """A zeroed pool [heads, n, block_size, ...]: one array, or the (packed, scales, biases) triple."""
     if bits is None:
-        return mx.zeros((n, block_size, heads, dim), dtype)
+        return mx.zeros((heads, n, block_size, dim), dtype)
     groups = dim // group_size
-    return (mx.zeros((n, block_size, heads, dim * bits // 32), mx.uint32),
-            mx.zeros((n, block_size, heads, groups), dtype), mx.zeros((n, block_size, heads, groups), dtype))
+    return (mx.zeros((heads, n, block_size, dim * bits // 32), mx.uint32),
+            mx.zeros((heads, n, block_size, groups), dtype), mx.zeros((heads, n, block_size, groups), dtype))
 
 
 def parts(pool) -> tuple[mx.array, ...]:

@@ -22,6 +22,19 @@ from mlxlocal.engine.sequence import Sequence
 log = logging.getLogger("mlxlocal.engine")
 
 
+def run_start(table: list[int]) -> int | None:
+    """First block of a table whose ids are consecutive (one slice of the pools), else None."""
+    if not table or table[-1] - table[0] != len(table) - 1:
+        return None
+    return table[0] if table == list(range(table[0], table[-1] + 1)) else None
+
+
+def run_tables(runs: list[int], lengths: list[int]) -> mx.array:
+    """[B, max length] block tables of sequences on runs (padding reads block 0: masked)."""
+    width = mx.arange(max(lengths), dtype=mx.int32)[None, :]
+    return mx.where(width < mx.array(lengths)[:, None], mx.array(runs)[:, None] + width, 0)
+
+
 def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
                windowed: bool = False) -> StepBatch:
     """Where n new tokens of each sequence go (from position starts[i]) and what it sees;
@@ -37,15 +50,18 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
         return (mx.array([of[j][i] for j, i in index]),
                 mx.array([t + [0] * (width - len(t)) for t in rows]))
 
-    slot_blocks, block_tables = tables([s.block_table for s in seqs])
+    full = [s.block_table for s in seqs]
+    runs = [run_start(t) for t in full]
+    if None in runs:
+        slot_blocks, block_tables = tables(full)
+    else:  # every table a run: built on the device from B numbers, not from every block id
+        slot_blocks = mx.array([runs[j] + i for j, i in index])
+        block_tables = run_tables(runs, [len(t) for t in full])
     window_slots, window_tables = tables([s.window_table for s in seqs], holes=True) if windowed else (None, None)
-    host_slot = host_run = None
-    if len(seqs) == 1:
+    host_slot = None
+    if len(seqs) == 1 and n == 1:
         table = seqs[0].block_table
-        if n == 1:
-            host_slot = (table[starts[0] // block_size], starts[0] % block_size)
-        if table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[-1] + 1)):
-            host_run = table[0]
+        host_slot = (table[starts[0] // block_size], starts[0] % block_size)
     # Rope positions: each token's slot, unless cache edits moved the sequence's positions.
     rope = [p if s.edit is None else s.edit.position(p) for s, p in zip(seqs, starts)]
     return StepBatch(
@@ -58,7 +74,8 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
         window_slot_blocks=window_slots,
         window_block_tables=window_tables,
         host_slot=host_slot,
-        host_run=host_run,
+        host_run=runs[0] if len(seqs) == 1 else None,
+        host_runs=runs,
     )
 
 

@@ -18,6 +18,8 @@ from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine.edits import first_touched, restart
 from mlxlocal.engine.sequence import Sequence, Status
 
+ROOM_BLOCKS = 1024  # most growth room a new run asks for (16k tokens at block size 16)
+
 
 @dataclass
 class Plan:
@@ -67,8 +69,13 @@ class Scheduler:
         need = -(-(seq.num_computed + n_tokens) // self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
+        # Where the table can grow in place, or a run with room for what it may still need:
+        # a sequence on one run of blocks is read by attention as a slice, not a gather.
+        table = seq.block_table
+        ahead = len(seq.prompt) + seq.max_tokens - seq.num_computed - n_tokens
+        room = min(max(0, -(-ahead // self.block_size)), ROOM_BLOCKS)
         try:
-            new = self.blocks.allocate(need)
+            new = self.blocks.allocate(need, after=table[-1] if table else None, room=room)
         except OutOfBlocks:
             return False
         if self.windows is not None:
