@@ -59,7 +59,8 @@ def old_reference(q, k_pool, v_pool, tables, lens, scale, n_keys, mask, first_bl
 def new_reference(q, k_pool, v_pool, tables, lens, scale, n_keys, mask, first_block, quant, index):
     kw = dict(n_keys=n_keys, mask=mask, first_block=first_block, index=index)
     if quant:
-        return paged_attention_quantized_reference(q, k_pool, v_pool, tables, lens, scale, *quant, **kw)
+        return paged_attention_quantized_reference(q, k_pool, v_pool, tables, lens, scale, *quant,
+                                                   **kw)
     return paged_attention_reference(q, k_pool, v_pool, tables, lens, scale, **kw)
 
 
@@ -77,7 +78,8 @@ def build(B, n_keys, Hq, Hkv, D, bs, quant, seed):
         new = mx.random.normal((Hkv, NB, bs, D), key=mx.random.key(int(rng.integers(1 << 30))))
         old = mx.contiguous(new.transpose(1, 2, 0, 3))  # [NB, BS, H, D], the same values
         if quant:
-            new, old = (tuple(mx.quantize(x, group_size=quant[0], bits=quant[1])) for x in (new, old))
+            gs, bits = quant
+            new, old = (tuple(mx.quantize(x, group_size=gs, bits=bits)) for x in (new, old))
         mx.eval(new, old)
         pools_new.append(new)
         pools_old.append(old)
@@ -115,8 +117,12 @@ def run_case(B, n_keys, quant, args):
     old_p, new_p, q, tables, lens, first, mask, index = build(
         B, n_keys, args.hq, args.hkv, args.dim, args.block, quant, n_keys + B)
     scale = args.dim ** -0.5
-    before = lambda: old_reference(q, *old_p, tables, lens, scale, n_keys, mask, first, quant)  # noqa: E731
-    after = lambda: new_reference(q, *new_p, tables, lens, scale, n_keys, mask, first, quant, index)  # noqa: E731
+    def before():
+        return old_reference(q, *old_p, tables, lens, scale, n_keys, mask, first, quant)
+
+    def after():
+        return new_reference(q, *new_p, tables, lens, scale, n_keys, mask, first, quant, index)
+
     diff = float(mx.abs(before() - after()).max())
     runs = {"before": [], "after": []}
     for _ in range(args.repeats):
@@ -149,17 +155,22 @@ def main() -> None:
                 rows.append(run_case(B, n_keys, quant, args))
                 mx.clear_cache()
                 if not args.json:
-                    r = rows[-1]
-                    print(f"B={r['B']} keys={r['keys']:>6} {r['kv']:>5}: "
-                          f"{r['before_ms']:8.2f} -> {r['after_ms']:8.2f} ms "
-                          f"(x{r['before_ms'] / r['after_ms']:.2f}), peak "
-                          f"{r['before_peak_mb']:7.1f} -> {r['after_peak_mb']:7.1f} MB, "
-                          f"max |diff| {r['max_abs_diff']:.1e}"
-                          + (f", run view allocates {r['run_view_bytes']} B" if "run_view_bytes" in r else ""),
-                          flush=True)
-    print(json.dumps({"device": str(mx.default_device()), "shape": vars(args), "rows": rows}, indent=1)
-          if args.json else f"(device {mx.default_device()}, Hq={args.hq} Hkv={args.hkv} D={args.dim} "
-          f"block={args.block}; medians of {args.repeats} alternating runs of {args.calls} calls)")
+                    print(line(rows[-1]), flush=True)
+    if args.json:
+        print(json.dumps({"device": str(mx.default_device()), "shape": vars(args), "rows": rows},
+                         indent=1))
+    else:
+        print(f"(device {mx.default_device()}, Hq={args.hq} Hkv={args.hkv} D={args.dim} "
+              f"block={args.block}; medians of {args.repeats} alternating runs of {args.calls} "
+              "calls)")
+
+
+def line(r: dict) -> str:
+    view = f", run view allocates {r['run_view_bytes']} B" if "run_view_bytes" in r else ""
+    return (f"B={r['B']} keys={r['keys']:>6} {r['kv']:>5}: {r['before_ms']:8.2f} -> "
+            f"{r['after_ms']:8.2f} ms (x{r['before_ms'] / r['after_ms']:.2f}), peak "
+            f"{r['before_peak_mb']:7.1f} -> {r['after_peak_mb']:7.1f} MB, "
+            f"max |diff| {r['max_abs_diff']:.1e}{view}")
 
 
 if __name__ == "__main__":

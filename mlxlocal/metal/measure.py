@@ -48,12 +48,13 @@ def quantized_linear_key(x, w, scales, biases, group_size, bits, mode, bias) -> 
 
 
 def paged_attention_key(q, k_pool, v_pool, block_tables, window) -> Key:
-    return (("Hq", q.shape[1]), ("Hkv", k_pool.shape[0]), ("D", q.shape[-1]), ("block", k_pool.shape[2]),
-            ("dtype", dtype_name(q.dtype)))
+    return (("Hq", q.shape[1]), ("Hkv", k_pool.shape[0]), ("D", q.shape[-1]),
+            ("block", k_pool.shape[2]), ("dtype", dtype_name(q.dtype)))
 
 
 def paged_attention_quantized_key(q, k, v, block_tables, group_size, bits, window) -> Key:
-    return (("Hq", q.shape[1]), ("Hkv", k[0].shape[0]), ("D", q.shape[-1]), ("block", k[0].shape[2]),
+    return (("Hq", q.shape[1]), ("Hkv", k[0].shape[0]), ("D", q.shape[-1]),
+            ("block", k[0].shape[2]),
             ("dtype", dtype_name(q.dtype)), ("bits", bits), ("group", group_size))
 
 
@@ -95,10 +96,11 @@ OPS = {
     "quantized_linear": Op("mlxlocal.metal.qgemv_wide", "quantized_linear", "kernel_supports",
                            quantized_linear_key, "mx.quantized_matmul", _quantized_linear_fast),
     "paged_attention": Op("mlxlocal.metal.paged_attention", "paged_attention", "kernel_supports",
-                          paged_attention_key, "gather + sdpa", _paged_attention_fast),
+                          paged_attention_key, "slice / gather + sdpa", _paged_attention_fast),
     "paged_attention_quantized": Op("mlxlocal.metal.paged_attention_quant", "paged_attention_quantized",
                                     "kernel_supports_quantized", paged_attention_quantized_key,
-                                    "gather + quantized_matmul sdpa", _paged_attention_quantized_fast),
+                                    "slice / gather + quantized sdpa",
+                                    _paged_attention_quantized_fast),
 }
 
 

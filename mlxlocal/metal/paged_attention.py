@@ -17,8 +17,8 @@ Metal kernels (decode, L = 1), as in MLX's sdpa_vector / sdpa_vector_2pass:
   window)) are cut into P contiguous chunks, partition z taking chunk z; in each of its blocks
   stripe k takes tokens t0 + k, t0 + k + KS, ... Per block one 64-bit base pointer ((kvh * NB +
   id) * BS * D: the head's keys of a block are contiguous); token offsets inside it are 32-bit.
-  Lane l holds DPL contiguous dims [l * DPL, (l + 1) * DPL) (DPL = D / 32: vec2 loads at D = 64, 3 scalars at 96, vec4 at 128;
-  D = 80: DPL = 4 on lanes 0..19, lanes 20..31 hold no dim). Per key: a dot per head over the
+  Lane l holds DPL contiguous dims [l * DPL, (l + 1) * DPL) (DPL = D / 32: vec2 loads at
+  D = 64, 3 scalars at 96, vec4 at 128; D = 80: DPL = 4 on lanes 0..19, lanes 20..31 hold no dim). Per key: a dot per head over the
   lane's dims, the HPS sums in one reduce-scatter (REDUCE: HPS - 1 + 5 - log2(HPS) shuffles,
   + HPS to share the sums if HPS > 1; not HPS simd_sums), per head an online softmax (fp32)
   folding p * v into the lane's DPL accumulators.

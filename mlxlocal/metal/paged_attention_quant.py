@@ -17,8 +17,8 @@ out of the pool). A key is only W = D * BITS / 32 words, so a simdgroup reads KP
 keys at once: LPK lanes per key (W rounded up to 8 / 16 / 32; lanes past W idle), lane w owning
 word w = dims [w * PACK, (w + 1) * PACK) (PACK = 32 / BITS, one group: GS >= 32 >= PACK), one
 uint32 load per lane from the block's base (row kvh * NB + id), 32-bit offsets inside it.
-Stripe k of the threadgroup takes tokens t0 + k * KPS + slot, stepping KS * KPS. Per word and head: q.k =
-scale * sum_j q_j u_j + bias * sum_j q_j (sum q_j precomputed; the word unpacked once for all
+Stripe k of the threadgroup takes tokens t0 + k * KPS + slot, stepping KS * KPS. Per word and
+head: q.k = scale * sum_j q_j u_j + bias * sum_j q_j (sum q_j precomputed; the word unpacked once for all
 HPS heads of the set), the HPS sums over the LPK lanes in one reduce-scatter (REDUCE); each
 (simdgroup, key slot) keeps its own online softmax per head (fp32) and folds p * (scale * u +
 bias) of V into PACK accumulators per lane and head. The merge combines the KS * KPS
