@@ -120,7 +120,7 @@ def test_every_dispatch_gate_runs_what_the_chooser_picked(fake_metal, monkeypatc
     elif op == "quantized_linear":
         args, kw = (mx.ones((1, 64)), *mx.quantize(mx.ones((32, 64)) / 64, group_size=64, bits=4), 64, 4), {}
     else:
-        pools = [mx.random.normal((2, 16, 1, 64)) for _ in range(2)]
+        pools = [mx.random.normal((1, 2, 16, 64)) for _ in range(2)]
         if op == "paged_attention_quantized":
             pools = [tuple(mx.quantize(p, group_size=64, bits=8)) for p in pools]
         extra = (64, 8) if op == "paged_attention_quantized" else ()
@@ -306,13 +306,13 @@ def _recorded_decode_keys(monkeypatch, eng, prompts, max_tokens):
 
     def att_rec(q, k, v, *rest):
         if q.shape[2] == 1:  # decode; prefill chunks (L > 1) are never the kernel's
-            seen.add(("paged_attention", (("Hq", q.shape[1]), ("Hkv", k.shape[2]), ("D", q.shape[3]),
-                                          ("block", k.shape[1]), ("dtype", dt(q)))))
+            seen.add(("paged_attention", (("Hq", q.shape[1]), ("Hkv", k.shape[0]), ("D", q.shape[3]),
+                                          ("block", k.shape[2]), ("dtype", dt(q)))))
 
     def qatt_rec(q, k, v, tables, lens, scale, gs, bits, *rest):
         if q.shape[2] == 1:
-            seen.add(("paged_attention_quantized", (("Hq", q.shape[1]), ("Hkv", k[0].shape[2]), ("D", q.shape[3]),
-                                                    ("block", k[0].shape[1]), ("dtype", dt(q)), ("bits", bits),
+            seen.add(("paged_attention_quantized", (("Hq", q.shape[1]), ("Hkv", k[0].shape[0]), ("D", q.shape[3]),
+                                                    ("block", k[0].shape[2]), ("dtype", dt(q)), ("bits", bits),
                                                     ("group", gs))))
 
     wrap(metal, "linear", lin_rec)

@@ -18,6 +18,7 @@ import pytest
 from test_kernels import assert_close, emulate, f32, from_kernel, needs_emu, needs_metal, to_dtype
 from test_kernels_paged import STALE, emulate_dispatch, emulate_launches
 
+from mlxlocal.metal import attention
 from mlxlocal.metal import paged_attention_quant as pq
 
 paged_attention = importlib.import_module("mlxlocal.metal.paged_attention")
@@ -27,7 +28,8 @@ MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float
 
 def quant_pools(rng, num_blocks, bs, Hkv, D, gs, bits, dtype="float32"):
     """(quantized triple, the same pool dequantized up front) for K or V."""
-    x = mx.array(rng.normal(size=(num_blocks, bs, Hkv, D)).astype(np.float32)).astype(MX_DTYPES[dtype])
+    x = mx.array(rng.normal(size=(Hkv, num_blocks, bs, D)).astype(np.float32))
+    x = x.astype(MX_DTYPES[dtype])
     triple = mx.quantize(x, group_size=gs, bits=bits)
     return triple, mx.dequantize(*triple, group_size=gs, bits=bits)
 
@@ -85,9 +87,7 @@ def test_reference_first_block_slice(L, window):
     ctx, bs, gs, bits = [45], 16, 32, 4
     q, kq, kd, vq, vd, tables, lens, scale = _case(ctx, L, 4, 2, 64, bs, gs, bits, contiguous=True)
     want = paged_attention.paged_attention_reference(q, kd, vd, tables, lens, scale, window)
-    kw = _engine_hints(ctx, L, bs, window, first_block=2)
-    if window is not None:  # the engine slices window layers through the table, not first_block
-        kw["first_block"] = None
+    kw = _engine_hints(ctx, L, bs, window, first_block=2)  # a window cut moves the run's start
     got = pq.paged_attention_quantized_reference(q, kq, vq, tables, lens, scale, gs, bits, window, **kw)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
     # first_block honoured: pointing it one block off reads other blocks and changes the output
@@ -95,6 +95,60 @@ def test_reference_first_block_slice(L, window):
         kw["first_block"] = 3
         off = pq.paged_attention_quantized_reference(q, kq, vq, tables, lens, scale, gs, bits, **kw)
         assert not np.allclose(np.array(off), np.array(want), atol=1e-3)
+
+
+@pytest.mark.parametrize("ctx,window", [([45, 70, 3], None), ([70, 66], 24)])
+def test_reference_shared_index(ctx, window):
+    """The step's shared row index (rows_index) as the engine passes it: same result, and it
+    is what is read (another table's index gives that table's output)."""
+    q, kq, kd, vq, vd, tables, lens, scale = _case(ctx, 1, 4, 2, 64, 16, 32, 8)
+    want = paged_attention.paged_attention_reference(q, kd, vd, tables, lens, scale, window)
+    index = paged_attention.rows_index(tables, 2, kq[0].shape[1])
+    kw = _engine_hints(ctx, 1, 16, window)
+    got = pq.paged_attention_quantized_reference(q, kq, vq, tables, lens, scale, 32, 8, window,
+                                                 index=index, **kw)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    other = tables[::-1]
+    other_index = paged_attention.rows_index(other, 2, kq[0].shape[1])
+    via = pq.paged_attention_quantized_reference(q, kq, vq, tables, lens, scale, 32, 8,
+                                                 index=other_index)
+    direct = pq.paged_attention_quantized_reference(q, kq, vq, other, lens, scale, 32, 8)
+    np.testing.assert_array_equal(np.array(via), np.array(direct))
+
+
+SDPA_CASES = [
+    # B, Hq, Hkv, L, S, D, group size, bits, mask, dtype
+    (1, 4, 4, 1, 37, 64, 32, 8, None, "float32"),
+    (2, 8, 2, 1, 50, 128, 64, 4, "step", "float32"),  # GQA 4, per-sequence boolean mask
+    (1, 6, 2, 5, 40, 64, 64, 8, "causal", "float32"),  # L > 1 under the string mask
+    (2, 4, 1, 3, 33, 96, 32, 4, "window", "float32"),  # GQA 4, sliding window
+    (2, 16, 8, 1, 300, 128, 128, 8, "step", "float16"),
+    (1, 4, 2, 4, 20, 64, 32, 4, "additive", "float32"),
+    # a verify step (L = 4) over 3k keys, GQA 4: where broadcast weights went wrong (mlx#3497)
+    (2, 16, 4, 4, 3000, 128, 64, 4, "step", "float16"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,D,gs,bits,mask,dtype", SDPA_CASES)
+def test_quantized_sdpa_equals_dequantize_then_sdpa(B, Hq, Hkv, L, S, D, gs, bits, mask, dtype):
+    """quantized_sdpa (scores and values by quantized_matmul on the packed triples) against
+    another path: the same triples dequantized, then mx.fast.scaled_dot_product_attention."""
+    rng = np.random.default_rng(7)
+    dt = MX_DTYPES[dtype]
+    q = mx.array(rng.normal(size=(B, Hq, L, D)).astype(np.float32)).astype(dt)
+    k, v = (mx.quantize(mx.array(rng.normal(size=(B, Hkv, S, D)).astype(np.float32)).astype(dt),
+                        group_size=gs, bits=bits) for _ in "kv")
+    lens = mx.array(np.array([S - b for b in range(B)], np.int32))
+    m = {None: None, "causal": "causal", "step": paged_attention.step_mask(lens, L, S, None),
+         "window": paged_attention.step_mask(lens, L, S, 9),
+         "additive": mx.array(rng.normal(size=(1, 1, L, S)).astype(np.float32))}[mask]
+    got = attention.quantized_sdpa(q, k, v, D ** -0.5, m, gs, bits)
+    deq = [mx.dequantize(*t, group_size=gs, bits=bits).astype(dt) for t in (k, v)]
+    want = attention.sdpa(q, *deq, D ** -0.5, m)
+    assert got.shape == want.shape == (B, Hq, L, D) and got.dtype == dt
+    tol = 2e-5 if dtype == "float32" else 3e-3
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=tol, atol=tol)
 
 
 def test_reference_float16_pools():
@@ -116,8 +170,8 @@ def test_quantization_is_honoured():
     tables = mx.array(np.arange(12, dtype=np.int32).reshape(2, 6))
     lens = mx.array(np.array(ctx, np.int32))
     q = mx.array(rng.normal(size=(2, 4, 1, D)).astype(np.float32))
-    k = mx.array(rng.normal(size=(12, bs, 2, D)).astype(np.float32))
-    v = mx.array(rng.normal(size=(12, bs, 2, D)).astype(np.float32))
+    k = mx.array(rng.normal(size=(2, 12, bs, D)).astype(np.float32))
+    v = mx.array(rng.normal(size=(2, 12, bs, D)).astype(np.float32))
     exact = np.array(paged_attention.paged_attention_reference(q, k, v, tables, lens, D ** -0.5))
     err = {}
     for bits in (8, 4):
@@ -130,7 +184,7 @@ def test_quantization_is_honoured():
 
 def test_reference_rejects_mismatched_pools():
     q = mx.zeros((1, 2, 1, 64))
-    k = mx.quantize(mx.zeros((4, 16, 1, 64)), group_size=32, bits=4)
+    k = mx.quantize(mx.zeros((1, 4, 16, 64)), group_size=32, bits=4)
     tables, lens = mx.zeros((1, 2), mx.int32), mx.array([5])
     with pytest.raises(ValueError, match="bits=8"):
         pq.paged_attention_quantized_reference(q, k, k, tables, lens, 1.0, 32, 8)
@@ -152,7 +206,7 @@ def test_cpu_dispatch_is_the_reference():
 
 def test_kernel_support_rules():
     q = mx.zeros((2, 8, 1, 128), mx.bfloat16)
-    pool = mx.quantize(mx.zeros((10, 16, 2, 128), mx.bfloat16), group_size=64, bits=4)
+    pool = mx.quantize(mx.zeros((2, 10, 16, 128), mx.bfloat16), group_size=64, bits=4)
     tables = mx.zeros((2, 4), mx.int32)
     assert pq.kernel_supports_quantized(q, pool, pool, tables, 64, 4, None)
     assert pq.kernel_supports_quantized(q, pool, pool, tables, 64, 4, 100)
@@ -162,10 +216,10 @@ def test_kernel_support_rules():
                                             tables, 64, 4, None)  # prefill (L > 1)
     assert not pq.kernel_supports_quantized(q.astype(mx.float16), pool, pool, tables, 64, 4,
                                             None)  # scales in another dtype than q
-    small = tuple(a[:, :8] for a in pool)
+    small = tuple(a[:, :, :8] for a in pool)
     assert not pq.kernel_supports_quantized(q, small, small, tables, 64, 4, None)  # bs 8
     q6 = mx.zeros((2, 6, 1, 128), mx.bfloat16)
-    pool4 = mx.quantize(mx.zeros((10, 16, 4, 128), mx.bfloat16), group_size=64, bits=4)
+    pool4 = mx.quantize(mx.zeros((4, 10, 16, 128), mx.bfloat16), group_size=64, bits=4)
     assert not pq.kernel_supports_quantized(q6, pool4, pool4, tables, 64, 4, None)  # Hq % Hkv
 
 
@@ -184,7 +238,7 @@ def quant_kernel_case(ctx_lens, Hq, Hkv, D, bs, dtype, gs, bits, window, seed=0)
     q, qf = to_dtype(rng.normal(size=(B, Hq, 1, D)), dtype)
     tensors, pools = [q], []
     for _ in "kv":
-        x = mx.array(rng.normal(size=(num_blocks, bs, Hkv, D)).astype(np.float32))
+        x = mx.array(rng.normal(size=(Hkv, num_blocks, bs, D)).astype(np.float32))
         packed, scales, biases = mx.quantize(x.astype(MX_DTYPES[dtype]), group_size=gs, bits=bits)
         s, sf = to_dtype(np.array(scales.astype(mx.float32)), dtype)  # exact: already in dtype
         z, zf = to_dtype(np.array(biases.astype(mx.float32)), dtype)
@@ -198,7 +252,7 @@ def quant_kernel_case(ctx_lens, Hq, Hkv, D, bs, dtype, gs, bits, window, seed=0)
 
 
 def quant_specs(tensors, ctx, Hq, Hkv, D, bs, dtype, gs, bits, window, max_blocks, scale, parts=None):
-    return pq.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[0], dtype, scale,
+    return pq.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[1], dtype, scale,
                            window, gs, bits, span=max(ctx), parts=parts)
 
 
@@ -239,7 +293,7 @@ def test_quant_stale_block_id_gives_nan(what, parts):
     if what == "short row":
         lens[1] = max_blocks * 16 + 1
     else:
-        tables[1, 1] = tensors[1].shape[0] if STALE[what] is None else STALE[what]
+        tables[1, 1] = tensors[1].shape[1] if STALE[what] is None else STALE[what]
     specs = quant_specs(tensors, ctx, 4, 2, 64, 16, "float16", 32, 4, None, max_blocks, scale, parts)
     got = emulate_launches(specs, [*tensors[:7], tables, lens])
     assert np.isnan(got[1]).all()

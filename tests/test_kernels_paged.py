@@ -38,8 +38,33 @@ except ImportError:  # pragma: no cover - needs_emu skips these tests then
 pa = importlib.import_module("mlxlocal.metal.paged_attention")
 
 
+def dense_oracle(q, k, v, tables, lens, scale, window=None) -> np.ndarray:
+    """Plain float64 attention per sequence and query (numpy, no MLX): the sequence's keys
+    concatenated block by block from head-major pools [Hkv, NB, BS, D], query i of L at
+    position lens[b] - L + i sees keys <= it (and > it - window)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, Hq, L, _ = q.shape
+    Hkv, _, bs, _ = k.shape
+    out = np.zeros((B, Hq, L, v.shape[-1]))
+    for b in range(B):
+        n = int(lens[b])
+        blocks = np.asarray(tables[b][: math.ceil(n / bs)])
+        keys = np.repeat(k[:, blocks].reshape(Hkv, -1, k.shape[-1])[:, :n], Hq // Hkv, axis=0)
+        vals = np.repeat(v[:, blocks].reshape(Hkv, -1, v.shape[-1])[:, :n], Hq // Hkv, axis=0)
+        for i in range(L):
+            pos = n - L + i
+            seen = np.arange(n) <= pos
+            if window is not None:
+                seen &= np.arange(n) > pos - window
+            s = np.einsum("hd,hnd->hn", q[b, :, i], keys[:, seen]) * scale
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[b, :, i] = np.einsum("hn,hnd->hd", p / p.sum(-1, keepdims=True), vals[:, seen])
+    return out
+
+
 def paged_case(ctx_lens, Hq, Hkv, D, bs, dtype, window, seed=0):
-    """Pools with shuffled, padded block tables (context lens may end mid-block)."""
+    """Head-major pools [Hkv, NB, BS, D] with shuffled, padded block tables (context lens may
+    end mid-block); the reference's output, checked against dense_oracle."""
     rng = np.random.default_rng(seed)
     B = len(ctx_lens)
     max_blocks = max(math.ceil(c / bs) for c in ctx_lens) + 1  # one spare padding column
@@ -47,12 +72,14 @@ def paged_case(ctx_lens, Hq, Hkv, D, bs, dtype, window, seed=0):
     perm = rng.permutation(num_blocks)[: B * max_blocks].reshape(B, max_blocks)
     tables = perm.astype(np.int32)
     q, qf = to_dtype(rng.normal(size=(B, Hq, 1, D)), dtype)
-    k, kf = to_dtype(rng.normal(size=(num_blocks, bs, Hkv, D)), dtype)
-    v, vf = to_dtype(rng.normal(size=(num_blocks, bs, Hkv, D)), dtype)
+    k, kf = to_dtype(rng.normal(size=(Hkv, num_blocks, bs, D)), dtype)
+    v, vf = to_dtype(rng.normal(size=(Hkv, num_blocks, bs, D)), dtype)
     lens = np.array(ctx_lens, dtype=np.int32)
     scale = D ** -0.5
     want = pa.paged_attention_reference(
         f32(qf), f32(kf), f32(vf), mx.array(tables), mx.array(lens), scale, window)
+    oracle = dense_oracle(qf, kf, vf, tables, lens, scale, window)
+    np.testing.assert_allclose(np.array(want), oracle, rtol=1e-4, atol=1e-4)
     return [q, k, v, tables, lens], np.array(want), max_blocks, scale
 
 
@@ -64,7 +91,7 @@ def emulate_launches(specs, tensors) -> np.ndarray:
 
 
 def specs_for(tensors, ctx, Hq, Hkv, D, bs, dtype, window, max_blocks, scale, parts=None):
-    return pa.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[0], dtype,
+    return pa.launch_specs(len(ctx), Hq, Hkv, D, bs, max_blocks, tensors[1].shape[1], dtype,
                            scale, window, span=max(ctx), parts=parts)
 
 
@@ -120,6 +147,132 @@ def test_cpu_dispatch_is_the_reference():
     np.testing.assert_array_equal(np.array(got), want)
 
 
+# The reference path's reads of head-major pools (everywhere; the MLX built-in path on a Mac).
+
+def _pools(H=2, NB=12, bs=16, D=32, seed=3):
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.normal(size=(H, NB, bs, D)).astype(np.float32)) for _ in "kv"]
+
+
+def test_rows_index_is_head_times_blocks_plus_id():
+    tables = mx.array([[3, 0, 7], [5, 11, -1]], mx.int32)
+    got = np.array(pa.rows_index(tables, 3, 12))
+    assert got.shape == (2, 3, 3) and got.dtype == np.int32
+    want = np.arange(3)[None, :, None] * 12 + np.array(tables)[:, None, :]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n_keys", [None, 1, 16, 37])
+def test_sequence_rows_gather(n_keys):
+    k, _ = _pools()
+    tables = np.array([[4, 9, 1], [0, 11, 6]], np.int32)
+    got = np.array(pa.sequence_rows(k, mx.array(tables), n_keys))
+    kn = np.array(k)
+    want = np.stack([np.concatenate([kn[:, i] for i in row], axis=1) for row in tables])
+    want = want[:, :, :n_keys]
+    assert got.shape == (2, 2, n_keys or 48, 32)
+    np.testing.assert_array_equal(got, want)
+    index = pa.rows_index(mx.array(tables), 2, 12)  # the shared index: the same rows
+    got = pa.sequence_rows(k, mx.array(tables), n_keys, index)
+    np.testing.assert_array_equal(np.array(got), want)
+
+
+def test_sequence_rows_run_slice_reads_only_the_blocks_it_needs():
+    """A run ending at the pool's last block, its table a column wider than the pool: n_keys
+    cuts the slice to the blocks holding keys (the spare column is never addressed)."""
+    k, _ = _pools()
+    tables = mx.array([[9, 10, 11, 12]], mx.int32)
+    got = pa.sequence_rows(k, tables, 40, first_block=9)
+    want = pa.sequence_rows(k, mx.array([[9, 10, 11]], mx.int32), 40)
+    assert got.shape == (1, 2, 40, 32)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_run_slice_is_a_view():
+    """Reading a run of blocks allocates nothing: the slice and its reshape share the pool's
+    buffer (a gather or transpose would allocate a copy of the context)."""
+    k = mx.random.normal((4, 256, 16, 64))
+    mx.eval(k)
+    copy_bytes = 4 * 200 * 16 * 64 * 4
+    before = mx.get_active_memory()
+    rows = pa.sequence_rows(k, mx.zeros((1, 200), mx.int32), 200 * 16 - 5, first_block=30)
+    mx.eval(rows)
+    assert rows.shape == (1, 4, 3195, 64)
+    assert mx.get_active_memory() - before < copy_bytes // 8
+    np.testing.assert_array_equal(np.array(rows[0, 3, 16 * 7 + 2]), np.array(k[3, 37, 2]))
+
+
+D_SCALE = 32 ** -0.5
+
+
+def _run_case(ctx, L, window, seed=0, H=2, Hq=4, bs=16, D=32):
+    """B sequences over one pool; sequence 0's table a run (first_block 2) when B = 1."""
+    rng = np.random.default_rng(seed)
+    k, v = _pools(H, 40, bs, D, seed)
+    W = max(math.ceil(c / bs) for c in ctx) + 1
+    if len(ctx) == 1:
+        tables = (2 + np.arange(W, dtype=np.int32))[None]
+    else:
+        tables = rng.permutation(40)[: len(ctx) * W].reshape(len(ctx), W).astype(np.int32)
+    q = mx.array(rng.normal(size=(len(ctx), Hq, L, D)).astype(np.float32))
+    lens = np.array(ctx, np.int32)
+    want = dense_oracle(np.array(q), np.array(k), np.array(v), tables, lens, D ** -0.5, window)
+    return q, k, v, mx.array(tables), mx.array(lens), want
+
+
+@pytest.mark.parametrize("ctx,L,window", [
+    ([45], 1, None), ([45], 6, None), ([80], 1, 20), ([80], 5, 20),  # a run: first_block
+    ([45, 70, 3], 1, None), ([45, 70], 4, None), ([70, 45], 1, 24), ([70, 66], 3, 24),
+])
+@pytest.mark.parametrize("mask", ["built", "given"])
+def test_reference_hints_match_the_dense_oracle(ctx, L, window, mask):
+    """The engine's hints (n_keys, the step's mask, window_start, first_block for a run, the
+    shared index) change what is read, never the result: all equal the numpy oracle."""
+    bs = 16
+    q, k, v, tables, lens, want = _run_case(ctx, L, window)
+    start = 0 if window is None else min(max(0, c - L - window + 1) for c in ctx) // bs
+    kw = dict(n_keys=max(ctx), window_start=start)
+    if mask == "given":
+        kw["mask"] = pa.step_mask(lens, L, max(ctx), window, start * bs)
+    if len(ctx) == 1:
+        kw["first_block"] = 2
+    else:
+        kw["index"] = pa.rows_index(tables, k.shape[0], k.shape[1])
+    if window is not None:
+        assert start > 0  # the cut is exercised
+    got = pa.paged_attention_reference(q, k, v, tables, lens, D_SCALE, window, **kw)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-5)
+    plain = pa.paged_attention_reference(q, k, v, tables, lens, D_SCALE, window)
+    np.testing.assert_allclose(np.array(plain), want, rtol=1e-4, atol=1e-5)
+
+
+def test_index_hint_is_what_is_read():
+    """A passed index is used as given (not rebuilt from the table): another table's index
+    gives that table's result."""
+    q, k, v, tables, lens, _ = _run_case([45, 70], 1, None)
+    other = tables[::-1]
+    via_index = pa.paged_attention_reference(q, k, v, tables, lens, D_SCALE,
+                                             index=pa.rows_index(other, 2, 40))
+    want = pa.paged_attention_reference(q, k, v, other, lens, D_SCALE)
+    np.testing.assert_array_equal(np.array(via_index), np.array(want))
+    assert not np.allclose(np.array(via_index),
+                           np.array(pa.paged_attention_reference(q, k, v, tables, lens, D_SCALE)))
+
+
+def test_first_block_is_honoured():
+    q, k, v, tables, lens, want = _run_case([45], 1, None)
+    off = pa.paged_attention_reference(q, k, v, tables, lens, D_SCALE, n_keys=45, mask=None,
+                                       first_block=3)
+    assert not np.allclose(np.array(off), want, atol=1e-3)
+
+
+def test_cpu_takes_no_kernel():
+    if mx.metal.is_available():
+        pytest.skip("on Metal: test_kernel_taken_follows_the_dispatch")
+    q, k, v, tables, _, _ = _run_case([45], 1, None, D=64)
+    assert pa.kernel_taken(q, k, v, tables, None) is False
+
+
 # ---------------------------------------------------------------- emulation
 # Each case compiles its own instantiation(s); the list is a chosen few, not a grid.
 
@@ -163,7 +316,7 @@ def stale_case(what, window=None, ctx=(45, 40, 20), Hq=4, Hkv=2, D=64, bs=16, dt
     if what == "short row":
         lens[1] = max_blocks * bs + 1
     else:
-        tables[1, 1] = tensors[1].shape[0] if STALE[what] is None else STALE[what]
+        tables[1, 1] = tensors[1].shape[1] if STALE[what] is None else STALE[what]
     return [*tensors[:3], tables, lens], want, max_blocks, scale
 
 
@@ -296,10 +449,43 @@ def test_dispatch_under_emulation(emulated_metal, ctx, window, n_keys, launches)
     tensors, want, _, scale = paged_case(ctx, 8, 2, 64, 16, "bfloat16", window)
     q, k, v = (_mx(t, "bfloat16") for t in tensors[:3])
     tables, lens = mx.array(tensors[3]).astype(mx.int64), mx.array(tensors[4])
-    got = pa.paged_attention(q, k, v, tables, lens, scale, window, n_keys=n_keys, mask=None)
+    index = pa.rows_index(tables, 2, k.shape[1])  # the reference's hint; the kernel reads tables
+    got = pa.paged_attention(q, k, v, tables, lens, scale, window, n_keys=n_keys, mask=None,
+                             index=index)
     assert emulated_metal == launches
     assert got.dtype == mx.bfloat16 and got.shape == (2, 8, 1, 64)
     assert_close(_np(got), want, "bfloat16")
+
+
+def test_kernel_taken_follows_the_dispatch(emulated_metal):
+    """kernel_taken says what paged_attention will run: the kernel when forced to ours on a
+    supported shape, the reference when forced to MLX's or for a prefill chunk (L > 1)."""
+    from mlxlocal.metal.dispatch import MLX, OURS, forced
+
+    q, k, v, tables, _, _ = _run_case([45], 1, None, D=64)
+    q6 = mx.zeros((1, 4, 6, 64))
+    with forced(OURS):
+        assert pa.kernel_taken(q, k, v, tables, None) and pa.kernel_taken(q, k, v, tables, 32)
+        assert not pa.kernel_taken(q6, k, v, tables, None)
+        assert not pa.kernel_taken(q, k, v[:, :, :8], tables, None)  # v of another shape
+    with forced(MLX):
+        assert not pa.kernel_taken(q, k, v, tables, None)
+
+
+@needs_emu
+def test_kv_head_row_is_honoured():
+    """Each KV head reads its own rows (kvh * NB + id): a kernel reading head 0's rows for
+    every head fails the comparison."""
+    ctx = [90, 33]
+    tensors, want, max_blocks, scale = paged_case(ctx, 4, 2, 64, 16, "float32", None)
+    spec = specs_for(tensors, ctx, 4, 2, 64, 16, "float32", None, max_blocks, scale, 1)[0]
+    assert_close(emulate(spec, tensors), want, "float32")
+    row = "const size_t row = size_t(kvh) * size_t(NB) + size_t(id);"
+    assert row in spec.source
+    broken = dataclasses.replace(spec, name=spec.name + "_head0",
+                                 source=spec.source.replace(row, "const size_t row = size_t(id);"))
+    with pytest.raises(AssertionError):
+        assert_close(emulate(broken, tensors), want, "float32")
 
 
 # ---------------------------------------------------------------- real Metal

@@ -5,7 +5,8 @@ A key is derived from the gate arguments of a dispatch function (the arguments i
 kernel_supports takes), so warm-up, the chooser and the real calls agree on it. Timing runs
 the dispatch function itself under `forced` (dispatch.py): "ours" is exactly the production
 kernel launch, "mlx built-in" exactly the reference path (mx.matmul / mx.addmm,
-mx.quantized_matmul, gather + mx.fast.scaled_dot_product_attention).
+mx.quantized_matmul, a slice or gather of the head-major pools, then
+mx.fast.scaled_dot_product_attention or quantized_sdpa).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxlocal.metal.attention import rows_index, sequence_rows
 from mlxlocal.metal.kernel import dtype_name
 
 OURS, MLX, REFERENCE = "ours", "mlx built-in", "reference (no Metal)"
@@ -46,12 +48,13 @@ def quantized_linear_key(x, w, scales, biases, group_size, bits, mode, bias) -> 
 
 
 def paged_attention_key(q, k_pool, v_pool, block_tables, window) -> Key:
-    return (("Hq", q.shape[1]), ("Hkv", k_pool.shape[2]), ("D", q.shape[-1]), ("block", k_pool.shape[1]),
-            ("dtype", dtype_name(q.dtype)))
+    return (("Hq", q.shape[1]), ("Hkv", k_pool.shape[0]), ("D", q.shape[-1]),
+            ("block", k_pool.shape[2]), ("dtype", dtype_name(q.dtype)))
 
 
 def paged_attention_quantized_key(q, k, v, block_tables, group_size, bits, window) -> Key:
-    return (("Hq", q.shape[1]), ("Hkv", k[0].shape[2]), ("D", q.shape[-1]), ("block", k[0].shape[1]),
+    return (("Hq", q.shape[1]), ("Hkv", k[0].shape[0]), ("D", q.shape[-1]),
+            ("block", k[0].shape[2]),
             ("dtype", dtype_name(q.dtype)), ("bits", bits), ("group", group_size))
 
 
@@ -65,11 +68,11 @@ def _quantized_linear_fast(x, w, scales, biases, group_size, bits, mode, bias):
 
 
 def _paged_attention_fast(q, k_pool, v_pool, block_tables, window):
-    return q.shape[1:], k_pool.shape[1:3], q.dtype
+    return q.shape[1:], k_pool.shape[0], k_pool.shape[2], q.dtype
 
 
 def _paged_attention_quantized_fast(q, k, v, block_tables, group_size, bits, window):
-    return q.shape[1:], k[0].shape[1:3], q.dtype, group_size, bits
+    return q.shape[1:], k[0].shape[0], k[0].shape[2], q.dtype, group_size, bits
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,11 @@ OPS = {
     "quantized_linear": Op("mlxlocal.metal.qgemv_wide", "quantized_linear", "kernel_supports",
                            quantized_linear_key, "mx.quantized_matmul", _quantized_linear_fast),
     "paged_attention": Op("mlxlocal.metal.paged_attention", "paged_attention", "kernel_supports",
-                          paged_attention_key, "gather + sdpa", _paged_attention_fast),
+                          paged_attention_key, "slice / gather + sdpa", _paged_attention_fast),
     "paged_attention_quantized": Op("mlxlocal.metal.paged_attention_quant", "paged_attention_quantized",
                                     "kernel_supports_quantized", paged_attention_quantized_key,
-                                    "gather + dequantize + sdpa", _paged_attention_quantized_fast),
+                                    "slice / gather + quantized sdpa",
+                                    _paged_attention_quantized_fast),
 }
 
 
@@ -159,12 +163,20 @@ def inputs(op: str, key: Key, copies: int = 1, context: int = ATTENTION_CONTEXT,
     Hq, Hkv, D, bs = k["Hq"], k["Hkv"], k["D"], k["block"]
     blocks = -(-context // bs)
     q = _normal((batch, Hq, 1, D), dt)
-    tables = mx.random.permutation(batch * blocks).reshape(batch, blocks).astype(mx.int32)
     lens = mx.full((batch,), context, mx.int32)
-    # The hints the engine gives the reference path for such a step (a batch of one: no mask).
-    hints = dict(n_keys=context, mask=None if batch == 1 else False)
+    # The hints the engine gives the reference path for such a step: a lone sequence's blocks
+    # are a run (read by a slice, no mask); a batch's are scattered (one gather through the
+    # step's row index, built once for all layers: outside the timing).
+    if batch == 1:
+        tables = mx.arange(blocks, dtype=mx.int32)[None]
+        hints = dict(n_keys=context, mask=None, first_block=0)
+    else:
+        tables = mx.random.permutation(batch * blocks).reshape(batch, blocks).astype(mx.int32)
+        index = rows_index(tables, Hkv, batch * blocks)
+        mx.eval(index)
+        hints = dict(n_keys=context, mask=False, index=index)
     for _ in range(copies):
-        pools = [_normal((batch * blocks, bs, Hkv, D), dt) for _ in range(2)]
+        pools = [_normal((Hkv, batch * blocks, bs, D), dt) for _ in range(2)]
         if op == "paged_attention":
             calls.append(((q, *pools, tables, lens, D ** -0.5), hints))
         else:
@@ -176,9 +188,9 @@ def inputs(op: str, key: Key, copies: int = 1, context: int = ATTENTION_CONTEXT,
 
 def _gathered(pool, tables: mx.array, n: int, q: mx.array, group_size: int | None, bits: int | None):
     parts = pool if isinstance(pool, tuple) else (pool,)
-    got = [a[tables].reshape(q.shape[0], -1, *a.shape[2:])[:, :n] for a in parts]
+    got = [sequence_rows(a, tables, n) for a in parts]
     x = got[0] if len(got) == 1 else mx.dequantize(*got, group_size=group_size, bits=bits)
-    return x.astype(q.dtype).transpose(0, 2, 1, 3)
+    return x.astype(q.dtype)
 
 
 def _contiguous(calls: list[tuple[tuple, dict]]) -> tuple[Callable, list]:

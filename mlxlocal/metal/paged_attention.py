@@ -1,6 +1,7 @@
 """Attention straight from paged K/V pools, through block tables and context lengths.
 
-Pools are [num_blocks, block_size, n_kv_heads, head_dim]. Sequence b's queries are its
+Pools are head-major [n_kv_heads, num_blocks, block_size, head_dim]: key j of block id for KV
+head h is row (h * num_blocks + id) * block_size + j. Sequence b's queries are its
 last L positions: q_pos = context_lens[b] - L + i; it sees keys at positions <= q_pos
 (and > q_pos - window for sliding-window layers).
 
@@ -14,10 +15,10 @@ Metal kernels (decode, L = 1), as in MLX's sdpa_vector / sdpa_vector_2pass:
   simdgroup s serves set s % HSETS over key stripe s / HSETS (KS = SIMDGROUPS / HSETS stripes).
 - Keys: the sequence's visible blocks [start / BS, ceil(ctx / BS)) (start = max(0, ctx -
   window)) are cut into P contiguous chunks, partition z taking chunk z; in each of its blocks
-  stripe k takes tokens t0 + k, t0 + k + KS, ... Per block one 64-bit base pointer (block id *
-  BS * Hkv * D); token offsets inside it are 32-bit. Lane l holds DPL contiguous dims
-  [l * DPL, (l + 1) * DPL) (DPL = D / 32: vec2 loads at D = 64, 3 scalars at 96, vec4 at 128;
-  D = 80: DPL = 4 on lanes 0..19, lanes 20..31 hold no dim). Per key: a dot per head over the
+  stripe k takes tokens t0 + k, t0 + k + KS, ... Per block one 64-bit base pointer ((kvh * NB +
+  id) * BS * D: the head's keys of a block are contiguous); token offsets inside it are 32-bit.
+  Lane l holds DPL contiguous dims [l * DPL, (l + 1) * DPL) (DPL = D / 32: vec2 loads at
+  D = 64, 3 scalars at 96, vec4 at 128; D = 80: DPL = 4 on lanes 0..19, lanes 20..31 hold no dim). Per key: a dot per head over the
   lane's dims, the HPS sums in one reduce-scatter (REDUCE: HPS - 1 + 5 - log2(HPS) shuffles,
   + HPS to share the sums if HPS > 1; not HPS simd_sums), per head an online softmax (fp32)
   folding p * v into the lane's DPL accumulators.
@@ -40,7 +41,8 @@ import math
 
 import mlx.core as mx
 
-from mlxlocal.metal.attention import sdpa
+# rows_index and step_mask are re-exported: callers build a step's index and mask from here.
+from mlxlocal.metal.attention import rows_index, sdpa, sequence_rows, step_mask  # noqa: F401
 from mlxlocal.metal.dispatch import use_kernel
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available, run
 
@@ -142,7 +144,8 @@ PROLOGUE = """
 
 # Opens the loop over this partition's blocks: an id out of the pool is never read (it marks
 # the sequence bad: every simdgroup of the threadgroup reads the same entries, so `bad` is
-# uniform). Defines id, t0, t1 (the block's visible tokens); the kernel closes the loop.
+# uniform). Defines id, row (the pools' row-block kvh * NB + id: the block's keys of this head
+# start at row * BS), t0, t1 (the block's visible tokens); the kernel closes the loop.
 BLOCKS = """
     for (int blk = c0; blk < c1; blk++) {
         const int id = block_tables[b * MB + blk];
@@ -150,6 +153,7 @@ BLOCKS = """
             bad = true;
             continue;
         }
+        const size_t row = size_t(kvh) * size_t(NB) + size_t(id);
         const int t0 = max(start - blk * BS, 0);
         const int t1 = min(ctx - blk * BS, BS);
 """
@@ -249,7 +253,7 @@ STORE_PART = """
                 }
 """
 
-# Inputs: q [B, Hq, 1, D] T, k_pool / v_pool [NB, BS, Hkv, D] T, block_tables [B, MB] int32,
+# Inputs: q [B, Hq, 1, D] T, k_pool / v_pool [Hkv, NB, BS, D] T, block_tables [B, MB] int32,
 # context_lens [B] int32, params {MB, Hq, Hkv, window (0: none), NB} int32, scale {scale}
 # float32. Template: T, D, BS, NSG, GH, HSETS, HPS. Output: out [B, Hq, 1, D] T (one pass) or
 # part [B, Hq, P, D + 2] float32 (split).
@@ -282,10 +286,10 @@ BODY = """
         l[jj] = 0.0f;
     }
 """ + BLOCKS + """
-        const device T* kb = k_pool + size_t(id) * size_t(BS * Hkv * D);
-        const device T* vb = v_pool + size_t(id) * size_t(BS * Hkv * D);
+        const device T* kb = k_pool + row * size_t(BS * D);
+        const device T* vb = v_pool + row * size_t(BS * D);
         for (int t = t0 + stripe; t < t1; t += KS) {
-            const uint off = uint((t * Hkv + kvh) * D + lane * DPL);
+            const uint off = uint(t * D + lane * DPL);
             float kx[DPL];
             float vx[DPL];
             for (int i = 0; i < DPL; i++) {
@@ -450,8 +454,8 @@ def launch_specs(
     dtype: str, scale: float, window: int | None, span: int | None = None,
     parts: int | None = None,
 ) -> tuple[LaunchSpec, ...]:
-    """The Metal launches for decode attention of q [B, Hq, 1, D] over pools [num_blocks,
-    block_size, Hkv, D] through block_tables [B, max_blocks]; dtype names T. `span`: the
+    """The Metal launches for decode attention of q [B, Hq, 1, D] over pools [Hkv, num_blocks,
+    block_size, D] through block_tables [B, max_blocks]; dtype names T. `span`: the
     longest context (default: the table's width); `parts` overrides the partition count."""
     G = Hq // Hkv
     DPL = D // 32 if D % 32 == 0 else 4
@@ -472,6 +476,18 @@ def run_launches(specs: tuple[LaunchSpec, ...], tensors: list[mx.array]) -> mx.a
     return out if len(specs) == 1 else run(specs[1], [out])[0]
 
 
+def cut_window(block_tables: mx.array, n_keys: int | None, index: mx.array | None,
+               first_block: int | None, window_start: int, block_size: int) -> tuple:
+    """(tables, n_keys, index, first_block) from a window layer's first visible block on: the
+    blocks before window_start are never read (a run's first block moves with the cut)."""
+    if not window_start:
+        return block_tables, n_keys, index, first_block
+    return (block_tables[:, window_start:],
+            None if n_keys is None else n_keys - window_start * block_size,
+            None if index is None else index[:, :, window_start:],
+            None if first_block is None else first_block + window_start)
+
+
 def paged_attention_reference(
     q: mx.array,
     k_pool: mx.array,
@@ -485,43 +501,28 @@ def paged_attention_reference(
     mask: mx.array | str | None | bool = False,
     first_block: int | None = None,
     window_start: int = 0,
+    index: mx.array | None = None,
 ) -> mx.array:
     """q [B, Hq, L, D]; block_tables [B, max_blocks] int32; context_lens [B] -> [B, Hq, L, D].
 
     A caller that knows the longest context (n_keys) and has the mask for this step
     (None / "causal" / a boolean array, shared by every layer) passes them: fewer keys
-    gathered and no per-layer mask arithmetic. mask=False means "build it here".
+    read and no per-layer mask arithmetic. mask=False means "build it here".
     `first_block`: B = 1 and the table is first_block, first_block + 1, ...: a slice, not
     a gather. `window_start`: a window layer's first block any query sees; keys before it
-    are not read (the caller's mask starts there too).
+    are not read (the caller's mask starts there too). `index`: rows_index(block_tables, Hkv,
+    num_blocks), shared by the layers of a step (built here when None).
     """
-    B, _, L, _ = q.shape
-    H, NB, bs, D = k_pool.shape
-    if window_start:
-        block_tables = block_tables[:, window_start:]
-        n_keys = None if n_keys is None else n_keys - window_start * bs
-    W = block_tables.shape[1]
-    n = W * bs if n_keys is None else n_keys
-    if first_block is not None:
-        rows = lambda p: p[:, first_block : first_block + W].reshape(1, H, W * bs, D)  # noqa: E731
-    else:
-        index = mx.arange(H)[None, :, None] * NB + block_tables[:, None, :]
-        rows = lambda p: p.reshape(H * NB, bs, D)[index].reshape(B, H, W * bs, D)  # noqa: E731
-    keys, values = rows(k_pool)[:, :, :n], rows(v_pool)[:, :, :n]
+    L, bs = q.shape[2], k_pool.shape[2]
+    tables, n, index, first = cut_window(block_tables, n_keys, index, first_block, window_start,
+                                         bs)
+    keys = sequence_rows(k_pool, tables, n, index, first)
+    v_index = index if v_pool.shape[:2] == k_pool.shape[:2] else None
+    values = sequence_rows(v_pool, tables, n, v_index, first)
     if mask is False:
-        mask = step_mask(context_lens, L, keys.shape[2], window)
+        start = window_start * bs
+        mask = step_mask(context_lens, L, start + keys.shape[2], window, start)
     return sdpa(q, keys, values, scale, mask)
-
-
-def step_mask(context_lens: mx.array, L: int, n_keys: int, window: int | None, first_key: int = 0) -> mx.array:
-    """[B, 1, L, n_keys - first_key]: sequence b's query i sits at position
-    context_lens[b] - L + i; the keys are positions first_key .. n_keys - 1."""
-    k_pos = mx.arange(first_key, n_keys)[None, None, :]
-    q_pos = (context_lens[:, None] - L + mx.arange(L)[None, :])[:, :, None]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask = mask & (k_pos > q_pos - window)
-    return mask[:, None]
 
 
 def kernel_supports(
@@ -532,7 +533,7 @@ def kernel_supports(
     if q.ndim != 4 or k_pool.ndim != 4 or block_tables.ndim != 2:
         return False
     B, Hq, L, D = q.shape
-    _, bs, Hkv, Dk = k_pool.shape
+    Hkv, _, bs, Dk = k_pool.shape
     if L != 1 or D != Dk or D not in HEAD_DIMS or bs not in BLOCK_SIZES or Hq % Hkv:
         return False
     if v_pool.shape != k_pool.shape or block_tables.shape[0] != B:
@@ -540,6 +541,14 @@ def kernel_supports(
     if dtype_name(q.dtype) not in KERNEL_DTYPES or not q.dtype == k_pool.dtype == v_pool.dtype:
         return False
     return window is None or window > 0
+
+
+def kernel_taken(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
+                 window: int | None) -> bool:
+    """Whether paged_attention runs our Metal kernel for these arguments (else the reference:
+    a caller may then split a batch into per-sequence runs it can read by slices)."""
+    return metal_available() and use_kernel("paged_attention", kernel_supports, q, k_pool, v_pool,
+                                            block_tables, window)
 
 
 def paged_attention(
@@ -555,28 +564,21 @@ def paged_attention(
     mask: mx.array | str | None | bool = False,
     first_block: int | None = None,
     window_start: int = 0,
+    index: mx.array | None = None,
 ) -> mx.array:
     """Dispatch point for paged attention (decode, L = 1, is the Metal kernel's case).
 
-    n_keys / mask / first_block / window_start are hints for the reference path (see
+    n_keys / mask / first_block / window_start / index are hints for the reference path (see
     paged_attention_reference); the kernel finds a window's start itself and takes n_keys
     (the longest context) as the span its partition count is chosen for.
     """
-    if not (metal_available()
-            and use_kernel("paged_attention", kernel_supports, q, k_pool, v_pool, block_tables, window)):
+    if not kernel_taken(q, k_pool, v_pool, block_tables, window):
         return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale,
                                          window, n_keys=n_keys, mask=mask, first_block=first_block,
-                                         window_start=window_start)
+                                         window_start=window_start, index=index)
     B, Hq, _, D = q.shape
-    NB, bs, Hkv, _ = k_pool.shape
+    Hkv, NB, bs, _ = k_pool.shape
     specs = launch_specs(B, Hq, Hkv, D, bs, block_tables.shape[1], NB, dtype_name(q.dtype),
                          scale, window, span=n_keys)
     tensors = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
     return run_launches(specs, tensors)
-
-
-def kernel_taken(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-                 window: int | None) -> bool:
-    """Whether paged_attention takes the Metal kernel for these arguments."""
-    return metal_available() and use_kernel("paged_attention", kernel_supports, q, k_pool, v_pool,
-                                            block_tables, window)

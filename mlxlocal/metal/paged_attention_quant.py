@@ -1,10 +1,13 @@
 """Paged attention over quantized K/V pools (issue 18: --kv-bits).
 
 Each of K and V is a triple laid out exactly as `mx.quantize(x, group_size, bits)` over the
-last axis of x [num_blocks, block_size, n_kv_heads, head_dim]: packed uint32
-[NB, BS, H, D * bits / 32], scales and biases [NB, BS, H, D / group_size] in the model dtype;
-x = scale * q + bias per group. Semantics (positions, causal-per-sequence mask, windows, GQA,
-the n_keys / mask / first_block / window_start hints) are paged_attention_reference's.
+last axis of x [n_kv_heads, num_blocks, block_size, head_dim] (head-major, as the unquantized
+pools): packed uint32 [H, NB, BS, D * bits / 32], scales and biases [H, NB, BS, D / group_size]
+in the model dtype; x = scale * q + bias per group. The reference reads a sequence's rows by a
+slice or one gather (attention.sequence_rows) and attends on the packed values by
+mx.quantized_matmul (attention.quantized_sdpa): the context is never dequantized. Semantics
+(positions, causal-per-sequence mask, windows, GQA, the n_keys / mask / first_block /
+window_start / index hints) are paged_attention_reference's.
 
 Metal kernels `paged_attention_quant` (one pass) / `paged_attention_quant_split` + the shared
 `paged_attention_combine` (decode, L = 1): the unquantized kernels' grid, partitions, head
@@ -13,9 +16,9 @@ sequence, partition) serving all its query heads; NaN for a sequence whose table
 out of the pool). A key is only W = D * BITS / 32 words, so a simdgroup reads KPS = 32 / LPK
 keys at once: LPK lanes per key (W rounded up to 8 / 16 / 32; lanes past W idle), lane w owning
 word w = dims [w * PACK, (w + 1) * PACK) (PACK = 32 / BITS, one group: GS >= 32 >= PACK), one
-uint32 load per lane from the block's base, 32-bit offsets inside it. Stripe k of the
-threadgroup takes tokens t0 + k * KPS + slot, stepping KS * KPS. Per word and head: q.k =
-scale * sum_j q_j u_j + bias * sum_j q_j (sum q_j precomputed; the word unpacked once for all
+uint32 load per lane from the block's base (row kvh * NB + id), 32-bit offsets inside it.
+Stripe k of the threadgroup takes tokens t0 + k * KPS + slot, stepping KS * KPS. Per word and
+head: q.k = scale * sum_j q_j u_j + bias * sum_j q_j (sum q_j precomputed; the word unpacked once for all
 HPS heads of the set), the HPS sums over the LPK lanes in one reduce-scatter (REDUCE); each
 (simdgroup, key slot) keeps its own online softmax per head (fp32) and folds p * (scale * u +
 bias) of V into PACK accumulators per lane and head. The merge combines the KS * KPS
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxlocal.metal.attention import sdpa
+from mlxlocal.metal.attention import quantized_sdpa, sequence_rows, step_mask
 from mlxlocal.metal.dispatch import use_kernel
 from mlxlocal.metal.kernel import KERNEL_DTYPES, LaunchSpec, dtype_name, metal_available
 from mlxlocal.metal.paged_attention import (
@@ -38,11 +41,11 @@ from mlxlocal.metal.paged_attention import (
     SIMDGROUPS,
     STORE_OUT,
     STORE_PART,
+    cut_window,
     head_split,
     partitions,
     run_launches,
     split_specs,
-    step_mask,
 )
 
 QuantPool = tuple[mx.array, mx.array, mx.array]  # (packed uint32, scales, biases)
@@ -52,8 +55,8 @@ HEAD_DIMS = (64, 96, 128)
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
-# Inputs: q [B, Hq, 1, D] T; k_q / v_q [NB, BS, Hkv, W] uint32; k_s, k_b, v_s, v_b
-# [NB, BS, Hkv, D / GS] T; block_tables [B, MB] int32; context_lens [B] int32; params {MB, Hq,
+# Inputs: q [B, Hq, 1, D] T; k_q / v_q [Hkv, NB, BS, W] uint32; k_s, k_b, v_s, v_b
+# [Hkv, NB, BS, D / GS] T; block_tables [B, MB] int32; context_lens [B] int32; params {MB, Hq,
 # Hkv, window (0: none), NB} int32; scale {scale} float32. Template: T, D, BS, NSG, GH, HSETS,
 # HPS, BITS, GS. Output: out [B, Hq, 1, D] T (one pass) or part [B, Hq, P, D + 2] float32.
 BODY = """
@@ -94,9 +97,9 @@ BODY = """
         l[jj] = 0.0f;
     }
 """ + BLOCKS + """
-        const device uint* kqb = k_q + size_t(id) * size_t(BS * Hkv * W);
-        const device uint* vqb = v_q + size_t(id) * size_t(BS * Hkv * W);
-        const size_t gbase = size_t(id) * size_t(BS * Hkv * NG);
+        const device uint* kqb = k_q + row * size_t(BS * W);
+        const device uint* vqb = v_q + row * size_t(BS * W);
+        const size_t gbase = row * size_t(BS * NG);
         const device T* ksb = k_s + gbase;
         const device T* kzb = k_b + gbase;
         const device T* vsb = v_s + gbase;
@@ -105,8 +108,8 @@ BODY = """
             const int t = tb + slot;
             const bool live = t < t1;
             const bool reads = owns && live;
-            const uint wo = uint((t * Hkv + kvh) * W + w);
-            const uint go = uint((t * Hkv + kvh) * NG + g);
+            const uint wo = uint(t * W + w);
+            const uint go = uint(t * NG + g);
             float u[PACK];
             float ks = 0.0f;
             float kz = 0.0f;
@@ -184,7 +187,7 @@ def launch_specs(
     span: int | None = None, parts: int | None = None,
 ) -> tuple[LaunchSpec, ...]:
     """The Metal launches for decode attention of q [B, Hq, 1, D] over quantized pools
-    [num_blocks, block_size, Hkv, ..] through block_tables [B, max_blocks]; dtype names T.
+    [Hkv, num_blocks, block_size, ..] through block_tables [B, max_blocks]; dtype names T.
     `span` / `parts` as in paged_attention.launch_specs."""
     G = Hq // Hkv
     GH, hsets, hps = head_split(G, 32 // bits)
@@ -204,7 +207,7 @@ def _check_pool(name: str, pool: QuantPool, D: int, group_size: int, bits: int) 
         raise ValueError(f"{name}: expected a (packed, scales, biases) triple")
     packed, scales, biases = pool
     if packed.ndim != 4 or packed.dtype != mx.uint32:
-        raise ValueError(f"{name}: packed must be uint32 [num_blocks, block_size, heads, "
+        raise ValueError(f"{name}: packed must be uint32 [heads, num_blocks, block_size, "
                          f"head_dim*bits/32], got {packed.dtype} {tuple(packed.shape)}")
     if D % group_size or packed.shape[-1] * 32 != D * bits:
         raise ValueError(f"{name}: head_dim {D} with bits={bits}, group_size={group_size} needs "
@@ -230,35 +233,24 @@ def paged_attention_quantized_reference(
     mask: mx.array | str | None | bool = False,
     first_block: int | None = None,
     window_start: int = 0,
+    index: mx.array | None = None,
 ) -> mx.array:
-    """q [B, Hq, L, D] -> [B, Hq, L, D]: gather the blocks the tables name (packed, scales and
-    biases alike), keep the first n_keys positions, dequantize only those, then masked sdpa."""
-    B, _, L, D = q.shape
+    """q [B, Hq, L, D] -> [B, Hq, L, D]: each sequence's first n_keys rows of the packed words,
+    scales and biases (a slice for a run, else one gather through `index`), then
+    quantized_sdpa on them; hints as in paged_attention_reference."""
+    L, D = q.shape[2], q.shape[3]
     _check_pool("k", k, D, group_size, bits)
     _check_pool("v", v, D, group_size, bits)
     bs = k[0].shape[2]
-    if window_start:
-        block_tables = block_tables[:, window_start:]
-        n_keys = None if n_keys is None else n_keys - window_start * bs
-
-    def gather(pool: QuantPool) -> mx.array:
-        parts = []
-        for a in pool:
-            H, NB, _, last = a.shape
-            W = block_tables.shape[1]
-            if first_block is not None:  # B = 1, contiguous run of blocks: a slice
-                a = a[:, first_block:first_block + W].reshape(1, H, W * bs, last)
-            else:
-                index = mx.arange(H)[None, :, None] * NB + block_tables[:, None, :]
-                a = a.reshape(H * NB, bs, last)[index].reshape(B, H, W * bs, last)
-            parts.append(a if n_keys is None else a[:, :, :n_keys])
-        x = mx.dequantize(*parts, group_size=group_size, bits=bits)
-        return x.astype(q.dtype)
-
-    keys, values = gather(k), gather(v)
+    tables, n, index, first = cut_window(block_tables, n_keys, index, first_block, window_start,
+                                         bs)
+    keys = tuple(sequence_rows(a, tables, n, index, first) for a in k)
+    v_index = index if v[0].shape[:2] == k[0].shape[:2] else None
+    values = tuple(sequence_rows(a, tables, n, v_index, first) for a in v)
     if mask is False:
-        mask = step_mask(context_lens, L, keys.shape[2], window)
-    return sdpa(q, keys, values, scale, mask)
+        start = window_start * bs
+        mask = step_mask(context_lens, L, start + keys[0].shape[2], window, start)
+    return quantized_sdpa(q, keys, values, scale, mask, group_size, bits)
 
 
 def kernel_supports_quantized(
@@ -273,20 +265,27 @@ def kernel_supports_quantized(
         return False
     B, Hq, L, D = q.shape
     packed, scales, biases = k
-    NB, bs, Hkv, words = packed.shape
+    Hkv, NB, bs, words = packed.shape
     if L != 1 or D not in HEAD_DIMS or D % group_size or bs not in BLOCK_SIZES or Hq % Hkv:
         return False
     if packed.dtype != mx.uint32 or words * 32 != D * bits or block_tables.shape[0] != B:
         return False
     if dtype_name(q.dtype) not in KERNEL_DTYPES:
         return False
-    gshape = (NB, bs, Hkv, D // group_size)
+    gshape = (Hkv, NB, bs, D // group_size)
     for p, s, z in (k, v):
         if p.shape != packed.shape or p.dtype != mx.uint32:
             return False
         if s.shape != gshape or z.shape != gshape or not s.dtype == z.dtype == q.dtype:
             return False
     return window is None or window > 0
+
+
+def quantized_kernel_taken(q: mx.array, k: QuantPool, v: QuantPool, block_tables: mx.array,
+                           group_size: int, bits: int, window: int | None) -> bool:
+    """Whether paged_attention_quantized runs our Metal kernel for these arguments."""
+    return metal_available() and use_kernel("paged_attention_quantized", kernel_supports_quantized,
+                                            q, k, v, block_tables, group_size, bits, window)
 
 
 def paged_attention_quantized(
@@ -304,28 +303,21 @@ def paged_attention_quantized(
     mask: mx.array | str | None | bool = False,
     first_block: int | None = None,
     window_start: int = 0,
+    index: mx.array | None = None,
 ) -> mx.array:
     """Dispatch point for paged attention over quantized pools (the Metal kernel: decode, L = 1).
 
-    n_keys / mask / first_block / window_start are hints for the reference path; the kernel
-    finds a window's start itself and takes n_keys (the longest context) as the span its
-    partition count is chosen for.
+    n_keys / mask / first_block / window_start / index are hints for the reference path; the
+    kernel finds a window's start itself and takes n_keys (the longest context) as the span
+    its partition count is chosen for.
     """
-    if not (metal_available() and use_kernel("paged_attention_quantized", kernel_supports_quantized,
-                                             q, k, v, block_tables, group_size, bits, window)):
+    if not quantized_kernel_taken(q, k, v, block_tables, group_size, bits, window):
         return paged_attention_quantized_reference(
             q, k, v, block_tables, context_lens, scale, group_size, bits, window, n_keys=n_keys,
-            mask=mask, first_block=first_block, window_start=window_start)
+            mask=mask, first_block=first_block, window_start=window_start, index=index)
     B, Hq, _, D = q.shape
-    NB, bs, Hkv, _ = k[0].shape
+    Hkv, NB, bs, _ = k[0].shape
     specs = launch_specs(B, Hq, Hkv, D, bs, block_tables.shape[1], NB, dtype_name(q.dtype), scale,
                          window, group_size, bits, span=n_keys)
     tensors = [q, *k, *v, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
     return run_launches(specs, tensors)
-
-
-def quantized_kernel_taken(q: mx.array, k: QuantPool, v: QuantPool, block_tables: mx.array,
-                           group_size: int, bits: int, window: int | None) -> bool:
-    """Whether paged_attention_quantized takes the Metal kernel for these arguments."""
-    return metal_available() and use_kernel("paged_attention_quantized", kernel_supports_quantized,
-                                            q, k, v, block_tables, group_size, bits, window)
