@@ -14,7 +14,7 @@ from mlxlocal.cache import KVPools, StepBatch, paged
 from mlxlocal.cache.blocks import BlockManager, FreeBlocks
 from mlxlocal.engine import open_engine
 from mlxlocal.engine.runner import run_start, step_batch
-from mlxlocal.metal.attention import sdpa
+from mlxlocal.metal.attention import sdpa, sequence_rows
 from mlxlocal.source.loader import load_from_dir
 
 
@@ -111,12 +111,12 @@ def test_gather_reads_runs_and_tables_alike():
     pools = KVPools(KVPools.uniform(1, H, D), 16, bs, mx.float32)
     pools.k[0] = mx.random.normal(pools.k[0].shape, key=mx.random.key(1))
     pools.v[0] = mx.random.normal(pools.v[0].shape, key=mx.random.key(2))
-    run = paged.sequence_rows(pools.k[0], mx.array([[5, 6, 7]]), 10, run=5)
-    table = paged.sequence_rows(pools.k[0], mx.array([[5, 6, 7]]), 10)
+    run = sequence_rows(pools.k[0], mx.array([[5, 6, 7]]), 10, first_block=5)
+    table = sequence_rows(pools.k[0], mx.array([[5, 6, 7]]), 10)
     assert run.shape == (1, H, 10, D) and mx.array_equal(run, table)
     # Per head, a sequence's keys are its blocks' rows in table order.
     want = mx.concatenate([pools.k[0][:, b] for b in (7, 2)], axis=1)[None]
-    assert mx.array_equal(paged.sequence_rows(pools.k[0], mx.array([[7, 2]]), 8), want)
+    assert mx.array_equal(sequence_rows(pools.k[0], mx.array([[7, 2]]), 8), want)
 
 
 # --- through the engine ------------------------------------------------------------------

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from mlxlocal.cache import quantized
 from mlxlocal.metal import paged_attention
-from mlxlocal.metal.attention import sdpa
+from mlxlocal.metal.attention import rows_index, sdpa, sequence_rows
 from mlxlocal.metal.paged_attention import kernel_taken, step_mask
 from mlxlocal.metal.paged_attention_quant import paged_attention_quantized, quantized_kernel_taken
 
@@ -32,7 +32,7 @@ class KVPools:
 
     Head-major, so a block's keys per head are contiguous: a sequence whose blocks form a
     run is a slice in the [heads, keys, dim] shape attention takes, and a gathered one
-    needs no transpose (rows_index below).
+    needs no transpose (metal/attention.py).
 
     Sliding-window layers (`windowed`) have pools of their own block ids, `window_blocks`
     of them: they only ever hold the last window of each sequence (cache/window.py).
@@ -143,38 +143,16 @@ class KVPools:
         run = None if self.windowed[layer] else batch.host_run
         out = []
         for pool in (self.k[layer], self.v[layer]):
-            xs = [sequence_rows(p, tables, n_keys, run) for p in quantized.parts(pool)]
-            out.append(self._decode(xs))
+            parts = quantized.parts(pool)
+            index = None if run is not None else batch.rows_index(layer, self, parts[0])
+            if index is not None and window is not None:
+                index = index[:, :, start:]
+            out.append(self._decode([sequence_rows(p, tables, n_keys, index, run) for p in parts]))
         return out[0], out[1]
 
     def state(self) -> list[mx.array]:
         return [p for pool in self.k + self.v for p in quantized.parts(pool)]
 
-
-def rows_index(tables: mx.array, heads: int, num_blocks: int) -> mx.array:
-    """[B, heads, W] index of each sequence's blocks per head into a pool seen as
-    [heads * num_blocks, block_size, ...]: one gather gives [B, heads, W, block_size, ...]."""
-    return (mx.arange(heads, dtype=mx.int32)[None, :, None] * num_blocks
-            + tables.astype(mx.int32)[:, None, :])
-
-
-def run_rows(pool: mx.array, run: int, n_keys: int) -> mx.array:
-    """The first n_keys rows [1, heads, n_keys, last] of a sequence on blocks run, run + 1, ...:
-    a slice of the pool (no copy: the blocks of a run are adjacent per head)."""
-    H, _, bs, last = pool.shape
-    width = -(-n_keys // bs)
-    return pool[:, run : run + width].reshape(1, H, width * bs, last)[:, :, :n_keys]
-
-
-def sequence_rows(pool: mx.array, tables: mx.array, n_keys: int, run: int | None = None) -> mx.array:
-    """One pool part's rows of every sequence, [B, heads, n_keys, last]: a slice for a lone
-    sequence on a run of blocks starting at `run`, else one gather through `tables`."""
-    if run is not None:
-        return run_rows(pool, run, n_keys)
-    H, NB, bs, last = pool.shape
-    B, W = tables.shape
-    flat = pool.reshape(H * NB, bs, last)[rows_index(tables, H, NB)]
-    return flat.reshape(B, H, W * bs, last)[:, :, :n_keys]
 
 @dataclass
 class StepBatch:
@@ -214,6 +192,16 @@ class StepBatch:
             self._masks[key] = (mx.broadcast_to(mx.arange(heads)[None, :, None], shape),
                                 mx.broadcast_to(blocks.reshape(B, 1, L), shape),
                                 mx.broadcast_to(self.slot_offsets.reshape(B, 1, L), shape))
+        return self._masks[key]
+
+    def rows_index(self, layer: int, pools: KVPools, pool: mx.array) -> mx.array:
+        """The flat row-block index of this step's tables into pools like `pool` (layer's),
+        built once per step for every layer of the same heads and id space."""
+        windowed = pools.windowed[layer]
+        key = ("rows", windowed, pool.shape[0], pool.shape[1])
+        if key not in self._masks:
+            tables = self.window_block_tables if windowed else self.block_tables
+            self._masks[key] = rows_index(tables, pool.shape[0], pool.shape[1])
         return self._masks[key]
 
     def reads_in_place(self, L: int) -> bool:
@@ -273,8 +261,10 @@ class PagedLayerView:
         if w is None and b.reads_in_place(L) and not self._kernel(q, k_pool, v_pool, tables):
             return mx.concatenate([self._one(i, q[i : i + 1], scale) for i in range(q.shape[0])])
         # A window layer reads from the first block any query of this step still sees.
+        run = b.host_run if w is None else None
         kw = dict(n_keys=max(b.host_context_lens), mask=b.mask(L, None) if w is None else b.window_mask(L, w, bs),
-                  first_block=b.host_run if w is None else None, window_start=0 if w is None else b.window_start(w, bs))
+                  first_block=run, window_start=0 if w is None else b.window_start(w, bs),
+                  index=None if run is not None else b.rows_index(self.layer, pools, quantized.parts(k_pool)[0]))
         if pools.bits is not None:
             return paged_attention_quantized(q, k_pool, v_pool, tables, b.context_lens, scale,
                                              pools.group_size, pools.bits, w, **kw)
@@ -289,7 +279,8 @@ class PagedLayerView:
 
     def _one(self, i: int, q: mx.array, scale: float) -> mx.array:
         """Sequence i's decode attention over its run of blocks: slices, cut to its context."""
-        pools, n, run = self.pools, self.batch.host_context_lens[i], self.batch.host_runs[i]
-        kv = [pools._decode([run_rows(p, run, n) for p in quantized.parts(pool)])
+        b, pools = self.batch, self.pools
+        n, run, table = b.host_context_lens[i], b.host_runs[i], b.block_tables[i : i + 1]
+        kv = [pools._decode([sequence_rows(p, table, n, first_block=run) for p in quantized.parts(pool)])
               for pool in (pools.k[self.layer], pools.v[self.layer])]
         return sdpa(q, kv[0].astype(q.dtype), kv[1].astype(q.dtype), scale, None)
