@@ -176,6 +176,30 @@ def test_greedy_parity_with_mlx_lm_quantized_kv(models, which, bits):
     assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 2e-3
 
 
+def test_mlx_lm_path_attends_over_packed_kv(models, monkeypatch):
+    """An mlx-lm model whose attention takes a cache with `bits` gets its K/V packed (mlx-lm's
+    quantized sdpa), never dequantized per step; one that cannot, dequantized ones."""
+    from mlxlocal.cache import KVPools
+
+    decoded = []
+    real = KVPools._decode
+    monkeypatch.setattr(KVPools, "_decode", lambda self, xs: decoded.append(1) or real(self, xs))
+    want, _ = mlx_lm_quantized(models["mlx_lm"], PROMPT, 8, 8)
+    eng = open_engine(load_from_dir(models["mlx_lm"]), kv_bits=8, kv_group_size=64, kv_tokens=256)
+    try:
+        assert greedy(eng, PROMPT, 8)[0] == want
+        assert eng.runner.layout.takes_packed(8, 64) and not decoded
+    finally:
+        eng.shutdown()
+    # A model whose code handles the keys as arrays: the probe says so, and they are decoded.
+    eng = open_engine(load_from_dir(models["mlx_lm"]), kv_bits=8, kv_group_size=64, kv_tokens=256)
+    try:
+        eng.runner.layout._packed[(8, 64)] = False
+        assert greedy(eng, PROMPT, 8)[0] == want and decoded
+    finally:
+        eng.shutdown()
+
+
 def test_quantization_changes_the_output(models):
     """The parity above is not vacuous: 4-bit K/V moves this model's logprobs far more than
     the parity tolerance (and its greedy text within 24 tokens)."""

@@ -11,13 +11,23 @@ sequence between steps.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from mlxlocal.cache.paged import KVPools, KVShape, StepBatch
 from mlxlocal.metal.paged_attention import step_mask
+
+log = logging.getLogger("mlxlocal.engine")
 
 State = list  # one recurrent layer's arrays (ArraysCache.cache entries), batch axis first
 
@@ -55,6 +65,20 @@ class PagedCache:
         return False
 
 
+class QuantizedPagedCache(PagedCache):
+    """A full-attention layer over quantized pools, for a model that attends through mlx-lm's
+    quantized sdpa (it asks the cache for `bits`): keys and values are handed over packed, as
+    QuantizedKVCache does, so nothing is dequantized per step."""
+
+    def __init__(self, pools: KVPools, layer: int, batch: StepBatch):
+        super().__init__(pools, layer, batch, None)
+        self.bits, self.group_size = pools.bits, pools.group_size
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+        self.pools.write(self.layer, self.batch, keys, values)
+        return self.pools.gather(self.layer, self.batch, decode=False)
+
+
 @dataclass(frozen=True)
 class Slot:
     """One entry of the model's cache list: an attention layer, a recurrent layer, or a list."""
@@ -76,6 +100,7 @@ class CacheLayout:
         self.windows: list[int | None] = []  # per attention layer, in pool order
         self.slots = [self._slot(c) for c in make_prompt_cache(model)]
         self.model = model
+        self._packed: dict[tuple[int, int], bool] = {}
 
     def _slot(self, cache) -> Slot:
         # Exact types only: a subclass may keep state the paged pools know nothing about.
@@ -119,11 +144,30 @@ class CacheLayout:
             walk(slot, cache)
         return shapes, dtype, state_bytes
 
+    def takes_packed(self, bits: int, group_size: int) -> bool:
+        """Whether the model's attention takes packed K/V from a cache with `bits`, as
+        mlx-lm's QuantizedKVCache hands them over: tried once, two tokens on such caches."""
+        key = (bits, group_size)
+        if key not in self._packed:
+            caches = [QuantizedKVCache(group_size, bits) if type(c) is KVCache else c
+                      for c in make_prompt_cache(self.model)]
+            try:
+                mx.eval(self.model(mx.array([[0, 1]]), cache=caches))
+                self._packed[key] = True
+            except Exception as e:  # its code handles keys as arrays: they come dequantized
+                self._packed[key] = False
+                log.info("%s cannot attend over packed K/V (%s): its keys come dequantized",
+                         type(self.model).__module__, e)
+        return self._packed[key]
+
     def build(self, pools: KVPools, batch: StepBatch, states: list[list[State] | None]) -> list:
         """The cache list for one forward: `states[i]` is sequence i's recurrent state (one
         State per recurrent layer), or None before its first token."""
+        packed = pools.bits is not None and self.takes_packed(pools.bits, pools.group_size)
 
         def make(slot: Slot):
+            if slot.kind == "kv" and packed and slot.window is None:
+                return QuantizedPagedCache(pools, slot.index, batch)
             if slot.kind == "kv":
                 return PagedCache(pools, slot.index, batch, slot.window)
             if slot.kind == "list":

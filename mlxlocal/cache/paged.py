@@ -130,10 +130,12 @@ class KVPools:
             for p, rows in zip(pool, self._encode(x)):
                 p[index] = rows
 
-    def gather(self, layer: int, batch: StepBatch, window: int | None = None) -> tuple[mx.array, mx.array]:
+    def gather(self, layer: int, batch: StepBatch, window: int | None = None,
+               decode: bool = True) -> tuple:
         """Every sequence's keys and values [B, H, n_keys, D] from position 0 (a `window`
         layer: from its window_start block), through its block table (positions past a
-        sequence's context are masked by the caller); quantized pools come back dequantized.
+        sequence's context are masked by the caller); quantized pools come back dequantized
+        (with `decode`) or as their (packed, scales, biases) rows.
         A run of blocks is read by a slice, a gather by one flat index: neither transposes."""
         n_keys = max(batch.host_context_lens)
         _, tables = self.tables(layer, batch)
@@ -147,7 +149,8 @@ class KVPools:
             index = None if run is not None else batch.rows_index(layer, self, parts[0])
             if index is not None and window is not None:
                 index = index[:, :, start:]
-            out.append(self._decode([sequence_rows(p, tables, n_keys, index, run) for p in parts]))
+            rows = [sequence_rows(p, tables, n_keys, index, run) for p in parts]
+            out.append(self._decode(rows) if decode or self.bits is None else tuple(rows))
         return out[0], out[1]
 
     def state(self) -> list[mx.array]:
