@@ -121,9 +121,11 @@ class KVPools:
         (quantized first, each token's row on its own, with bits set)."""
         kp, vp = quantized.parts(self.k[layer]), quantized.parts(self.v[layer])
         if batch.host_slot is not None and not self.windowed[layer]:
-            block, offset = batch.host_slot
-            for p, x in zip(kp + vp, self._encode(k[0, :, 0, :]) + self._encode(v[0, :, 0, :])):
-                p[:, block, offset] = x
+            # One token of one sequence: [1, H, 1, D] is [H, 1, 1, D] (no copy), a slice update.
+            b, o = batch.host_slot
+            for pool, x in ((kp, k), (vp, v)):
+                for p, row in zip(pool, self._encode(x.reshape(x.shape[1], 1, 1, x.shape[3]))):
+                    p[:, b : b + 1, o : o + 1] = row
             return
         for pool, x in ((kp, k), (vp, v)):
             index = batch.write_index(x.shape[0], x.shape[1], x.shape[2], self.windowed[layer])
