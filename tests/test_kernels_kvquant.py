@@ -325,6 +325,22 @@ def test_broken_quant_kernel_fails_emulation(what):
         assert_close(emulate(broken, tensors), want, dtype)
 
 
+@needs_emu
+def test_quant_kv_head_row_is_honoured():
+    """Each KV head reads its own rows (kvh * NB + id) of the packed words and the groups: a
+    kernel reading head 0's for every head fails the comparison."""
+    ctx, Hq, Hkv, D, bs, dtype, gs, bits = [75, 20], 4, 2, 64, 16, "float32", 32, 8
+    tensors, want, max_blocks, scale = quant_kernel_case(ctx, Hq, Hkv, D, bs, dtype, gs, bits, None)
+    spec = quant_specs(tensors, ctx, Hq, Hkv, D, bs, dtype, gs, bits, None, max_blocks, scale, 1)[0]
+    assert_close(emulate(spec, tensors), want, dtype)
+    row = "const size_t row = size_t(kvh) * size_t(NB) + size_t(id);"
+    assert row in spec.source
+    broken = dataclasses.replace(spec, name=f"{spec.name}_head0",
+                                 source=spec.source.replace(row, "const size_t row = size_t(id);"))
+    with pytest.raises(AssertionError):
+        assert_close(emulate(broken, tensors), want, dtype)
+
+
 @pytest.fixture
 def emulated_metal(monkeypatch):
     return emulate_dispatch(monkeypatch)
@@ -341,7 +357,9 @@ def test_quant_dispatch_under_emulation(emulated_metal, ctx, n_keys, launches):
     q = mx.array(tensors[0])
     k, v = tuple(mx.array(t) for t in tensors[1:4]), tuple(mx.array(t) for t in tensors[4:7])
     tables, lens = mx.array(tensors[7]), mx.array(tensors[8])
-    got = pq.paged_attention_quantized(q, k, v, tables, lens, scale, 64, 4, n_keys=n_keys, mask=None)
+    index = paged_attention.rows_index(tables, 2, k[0].shape[1])  # the reference's hint only
+    got = pq.paged_attention_quantized(q, k, v, tables, lens, scale, 64, 4, n_keys=n_keys,
+                                       mask=None, index=index)
     assert emulated_metal == launches
     assert_close(np.array(got.astype(mx.float32)), want, "float16")
 
