@@ -14,7 +14,8 @@ from mlxlocal import metal
 
 class Linear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        return metal.linear(x, self.weight, self.get("bias"))
+        # Item lookups, as nn.Linear: Module attribute access costs a __getattr__ per call.
+        return metal.linear(x, self["weight"], self["bias"] if "bias" in self else None)
 
     def to_quantized(self, group_size=None, bits=None, mode="affine", quantize_input=False):
         if mode != "affine" or quantize_input:
