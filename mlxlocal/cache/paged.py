@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from mlxlocal.cache import quantized
 from mlxlocal.metal import paged_attention
-from mlxlocal.metal.attention import rows_index, sdpa, sequence_rows
+from mlxlocal.metal.attention import quantized_sdpa, rows_index, sdpa, sequence_rows
 from mlxlocal.metal.paged_attention import kernel_taken, step_mask
 from mlxlocal.metal.paged_attention_quant import paged_attention_quantized, quantized_kernel_taken
 
@@ -283,9 +283,12 @@ class PagedLayerView:
         return kernel_taken(q, k_pool, v_pool, tables, None)
 
     def _one(self, i: int, q: mx.array, scale: float) -> mx.array:
-        """Sequence i's decode attention over its run of blocks: slices, cut to its context."""
+        """Sequence i's decode attention over its run of blocks: slices, cut to its context
+        (quantized: straight on the packed rows, nothing dequantized)."""
         b, pools = self.batch, self.pools
         n, run, table = b.host_context_lens[i], b.host_runs[i], b.block_tables[i : i + 1]
-        kv = [pools._decode([sequence_rows(p, table, n, first_block=run) for p in quantized.parts(pool)])
-              for pool in (pools.k[self.layer], pools.v[self.layer])]
-        return sdpa(q, kv[0].astype(q.dtype), kv[1].astype(q.dtype), scale, None)
+        k, v = (tuple(sequence_rows(p, table, n, first_block=run) for p in quantized.parts(pool))
+                for pool in (pools.k[self.layer], pools.v[self.layer]))
+        if pools.bits is not None:
+            return quantized_sdpa(q, k, v, scale, None, pools.group_size, pools.bits)
+        return sdpa(q, k[0], v[0], scale, None)
