@@ -257,9 +257,10 @@ def run_engine_turns(lm, turns, max_tokens, mode: str) -> list[dict]:
 
 def run_mlx_lm_turns(model, turns, max_tokens) -> list[dict]:
     """mlx-lm's prompt cache reused across turns (trimmed to the common prefix, as its server)."""
-    from mlxlocal.bench.scenarios import mlx_lm_prompt_cache_turns
+    from mlxlocal.bench.scenarios import MlxLmPromptCache
 
-    return [dict(r, cached=r["cached_tokens"]) for r in mlx_lm_prompt_cache_turns(model, turns, max_tokens)]
+    theirs = MlxLmPromptCache(model)
+    return [dict(r, cached=r["cached_tokens"]) for r in (theirs.turn(ids, max_tokens) for ids in turns)]
 
 
 def bench_multiturn(lm, system_tokens: int, max_tokens: int, reps: int) -> dict:

@@ -107,43 +107,50 @@ def _engine_turn(engine, ids: list[int], max_tokens: int) -> dict:
     return dict(ttft_s=first - t0, cached_tokens=stats.cached_tokens, prompt_tokens=len(ids), tokens=tokens)
 
 
-def mlx_lm_prompt_cache_turns(model, turns: list[list[int]], max_tokens: int) -> list[dict]:
+class MlxLmPromptCache:
     """mlx-lm's prompt cache reused across turns as its server does: keep the longest common
-    prefix with the new prompt (trim_prompt_cache), prefill the rest. Greedy decoding."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+    prefix with the new prompt (trim_prompt_cache), prefill the rest. Greedy decoding. One
+    turn at a time, so the bench can interleave its turns with ours."""
 
-    def greedy(x):
-        return mx.argmax(x, axis=-1)
+    def __init__(self, model):
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
 
-    for _ in generate_step(mx.array([5] * 8), model, max_tokens=2, sampler=greedy):  # warm-up
-        pass
-    cache, cached_tokens, out = make_prompt_cache(model), [], []
-    for ids in turns:
+        self.model, self.mx, self.generate_step = model, mx, generate_step
+        for _ in generate_step(mx.array([5] * 8), model, max_tokens=2, sampler=self.greedy):  # warm-up
+            pass
+        self.cache, self.cached_tokens = make_prompt_cache(model), []
+
+    def greedy(self, x):
+        return self.mx.argmax(x, axis=-1)
+
+    def turn(self, ids: list[int], max_tokens: int) -> dict:
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
         t0 = time.perf_counter()
-        limit = min(len(cached_tokens), len(ids) - 1)  # keep >= 1 token to feed
-        common = next((i for i in range(limit) if cached_tokens[i] != ids[i]), limit)
-        if len(cached_tokens) > common:
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, len(cached_tokens) - common)
+        limit = min(len(self.cached_tokens), len(ids) - 1)  # keep >= 1 token to feed
+        common = next((i for i in range(limit) if self.cached_tokens[i] != ids[i]), limit)
+        if len(self.cached_tokens) > common:
+            if can_trim_prompt_cache(self.cache):
+                trim_prompt_cache(self.cache, len(self.cached_tokens) - common)
             else:
-                cache, common = make_prompt_cache(model), 0
+                self.cache, common = make_prompt_cache(self.model), 0
         tokens, ttft = [], None
-        for tok, _ in generate_step(mx.array(ids[common:]), model, prompt_cache=cache,
-                                    max_tokens=max_tokens, sampler=greedy):
+        for tok, _ in self.generate_step(self.mx.array(ids[common:]), self.model, prompt_cache=self.cache,
+                                         max_tokens=max_tokens, sampler=self.greedy):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             tokens.append(int(tok))
-        cached_tokens = (ids + tokens)[: cache[0].offset]
-        out.append(dict(ttft_s=ttft, cached_tokens=common, prompt_tokens=len(ids), tokens=tokens))
-    return out
+        self.cached_tokens = (ids + tokens)[: self.cache[0].offset]
+        return dict(ttft_s=ttft, cached_tokens=common, prompt_tokens=len(ids), tokens=tokens)
 
 
 def agent_scenario(loaded, *, system_tokens: int, turns: int = 6, max_tokens: int = 8, repeats: int = 1,
                    compare: str | None = None, cache_on: bool = True) -> dict:
-    """Per-turn TTFT with the prefix cache on and off (two fresh engines per repeat, turns
-    interleaved on/off/mlx-lm, the first mode rotating between repeats); medians over repeats."""
+    """Per-turn TTFT with the prefix cache on and off (two fresh engines per repeat) and
+    mlx-lm's prompt cache, turns interleaved on/off/mlx-lm, the first mode rotating between
+    repeats; medians over repeats."""
     from mlxlocal.engine import SamplingParams, open_engine
 
     probe = open_engine(loaded, kv_tokens=64, max_num_seqs=1)
@@ -162,25 +169,27 @@ def agent_scenario(loaded, *, system_tokens: int, turns: int = 6, max_tokens: in
     for r in range(repeats):
         log(f"agent repeat {r + 1}/{repeats}: {turns} turns, prompt {len(trace[0])}..{len(trace[-1])} tokens")
         engines = {m: open_engine(loaded, prefix_cache=(m == "on"), kv_tokens=kv, max_num_seqs=2) for m in modes}
+        theirs = MlxLmPromptCache(ref_model) if ref_model is not None else None
         try:
             warm = SamplingParams(max_tokens=2, ignore_eos=True)
             for e in engines.values():  # unrelated prompt: starts the thread, shares nothing
                 for _ in e.generate([7] * 8, warm):
                     pass
-            rot = modes[r % len(modes):] + modes[: r % len(modes)]
-            rep = {m: [] for m in modes}
+            # Every mode takes each turn in turn (the first rotating between repeats), mlx-lm's
+            # prompt cache among them: the same machine state for all, turn by turn.
+            names = modes + (["mlx_lm"] if theirs is not None else [])
+            rot = names[r % len(names):] + names[: r % len(names)]
+            rep = {m: [] for m in names}
             for ids in trace:
                 for m in rot:
-                    rep[m].append(_engine_turn(engines[m], ids, max_tokens))
+                    rep[m].append(theirs.turn(ids, max_tokens) if m == "mlx_lm"
+                                  else _engine_turn(engines[m], ids, max_tokens))
                     order.append(m)
         finally:
             for e in engines.values():
                 e.shutdown()
-        for m in modes:
+        for m in names:
             runs[m].append(rep[m])
-        if ref_model is not None:
-            runs["mlx_lm"].append(mlx_lm_prompt_cache_turns(ref_model, trace, max_tokens))
-            order.append("mlx_lm")
     per_turn = {m: [median([rep[t]["ttft_s"] for rep in rs]) for t in range(turns)] for m, rs in runs.items()}
     cached = {m: [rs[0][t]["cached_tokens"] for t in range(turns)] for m, rs in runs.items()}
     last = {m: v[-1] for m, v in per_turn.items()}
