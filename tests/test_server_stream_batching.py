@@ -175,3 +175,77 @@ def test_client_gone_mid_stream_frees_its_sequence(server, model, engine, route)
         assert wait_for(lambda: (s := engine.stats())["running"] == 0 and s["waiting"] == 0
                         and s["blocks_used"] == 0, 10), engine.stats()
     assert _metric(url, "mlxlocal_requests_cancelled_total") == before + 4
+
+
+class _CountWrites:
+    """ASGI wrapper: how many non-empty body messages each response sent."""
+
+    def __init__(self, app):
+        self.app, self.writes = app, []
+
+    def __getattr__(self, name):  # app.state etc.
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        count = [0]
+        self.writes.append(count)
+
+        async def counted(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                count[0] += 1
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+@pytest.fixture(scope="module")
+def counted_server(tiny_model):
+    import time
+
+    import uvicorn
+    from server_util import free_port
+
+    from mlxlocal.server import ServerConfig, create_app
+
+    config = ServerConfig(models=[str(tiny_model)], port=free_port())
+    app = _CountWrites(create_app(config))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{config.port}", app
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat",
+                                   "/v1/responses"])
+def test_one_write_per_wakeup_in_every_dialect(counted_server, tiny_model, route):
+    url, app = counted_server
+    engine = app.state.registry.models[0].engine
+    model = str(tiny_model)
+    body = {"model": model, "stream": True, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    if route == "/v1/completions":
+        body["prompt"] = "count to ten"
+    elif route == "/v1/responses":
+        body = {"model": model, "stream": True, "max_output_tokens": 24, "input": "count to ten"}
+    else:
+        body["messages"] = ask("count to ten")
+    if route == "/api/chat":
+        body = {"model": model, "messages": ask("count to ten"), "options": {"num_predict": 24}}
+    before = engine.outbox.wakeups
+    with httpx.stream("POST", url + route, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = sum(1 for line in r.iter_lines() if line.startswith(("data:", "{")))
+    wakeups = engine.outbox.wakeups - before
+    writes = app.writes[-1][0]
+    # Each wake-up's events go out together, plus the keep-alive the response opens with:
+    # not one write per SSE event (message_start, deltas, block stops, usage, [DONE] ...).
+    assert writes <= wakeups + 1, (writes, wakeups, events)
+    if route in ("/v1/messages", "/v1/responses"):  # several events a token, one write
+        assert events > writes, (writes, events)
