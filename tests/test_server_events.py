@@ -22,12 +22,12 @@ class Handle:
     def __init__(self, pieces, die=False):
         self.pieces, self.die, self.cancelled = pieces, die, False
 
-    async def astream(self):
+    async def batches(self, idle=None):  # one chunk a wake-up, as a slow engine step gives
         if self.die:
             raise EngineDeadError("engine stopped")
         for i, text in enumerate(self.pieces):
             last = i == len(self.pieces) - 1
-            yield Chunk(text, token=i, finish_reason="stop" if last else None)
+            yield [Chunk(text, token=i, finish_reason="stop" if last else None)]
 
     def cancel(self):
         self.cancelled = True

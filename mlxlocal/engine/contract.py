@@ -82,7 +82,8 @@ class Engine(Protocol):
                edits: list[CacheEdit] | None = None) -> RequestHandle:
         """Queue a request. `edits` drop / reposition spans of the prompt's cache (AKV);
         an engine or model that cannot edits raises ValueError naming why. The handle's
-        progress() says how far the prompt's prefill is; astream(idle=) ticks while quiet."""
+        progress() says how far the prompt's prefill is; astream(idle=) ticks while quiet;
+        with `loop`, batches() yields all chunks ready at each wake-up (one per step)."""
         ...
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, session: Any = None,

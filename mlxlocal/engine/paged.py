@@ -26,7 +26,7 @@ from mlxlocal.engine import constraint, sampling
 from mlxlocal.engine import edits as cache_edits
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.config import EngineConfig, size_pools
-from mlxlocal.engine.handle import EngineDeadError, RequestHandle
+from mlxlocal.engine.handle import EngineDeadError, Outbox, RequestHandle
 from mlxlocal.engine.kernels import warm_up
 from mlxlocal.engine.output import Output
 from mlxlocal.engine.reuse import PrefixReuse
@@ -90,6 +90,7 @@ class PagedEngine(EngineBase):
         self._rotator: cache_edits.Rotator | None = None  # built at the first reposition
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
+        self.outbox = Outbox()  # consumers' loops woken once per step, not per token
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         # Set once, when the engine stops for good (a fault, or shutdown). Checked and set
@@ -138,7 +139,7 @@ class PagedEngine(EngineBase):
             out=Output(self.tokenizer.detokenizer, params, set(self.tokenizer.eos_token_ids), len(prompt),
                        min(params.max_tokens, self.context_length - kept)),
             handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason,
-                                 progress=lambda: (min(seq.num_computed, n), n)),
+                                 progress=lambda: (min(seq.num_computed, n), n), outbox=self.outbox),
             session=session,
         )
         if edits:
@@ -293,6 +294,7 @@ class PagedEngine(EngineBase):
         for item in held:
             if item[0] == "call":
                 item[2].put((False, error))
+        self.outbox.flush()
 
     def _loop(self) -> None:
         while self.dead_reason is None:
@@ -320,6 +322,7 @@ class PagedEngine(EngineBase):
                 self._inflight = []
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._fail(seq, e)
+            self.outbox.flush()  # this step's chunks: one wake-up per consumer loop
             self._queued = len(self.scheduler.waiting)
 
     def _handle(self, item) -> None:

@@ -37,7 +37,9 @@ from mlxlocal.server.anthropic_request import (
 from mlxlocal.server.errors import APIError, read_json_object
 from mlxlocal.server.events import (
     Finish,
+    Flush,
     StreamEvent,
+    coalesced,
     keepalive_comment,
     open_events,
     stream_keepalive,
@@ -211,13 +213,14 @@ def usage(stats, prompt_len: int, out_tokens: int) -> dict:
 
 
 async def _events(engine, ids, params, thinking: Thinking,
-                  events: AsyncIterator[StreamEvent]) -> AsyncIterator[dict | Waiting]:
-    """All of a message's stream events after message_start (and the keep-alive cues)."""
+                  events: AsyncIterator[StreamEvent]) -> AsyncIterator[dict | Waiting | Flush]:
+    """All of a message's stream events after message_start (and the keep-alive cues, and
+    the Flush that ends each wake-up's)."""
     blocks = Blocks(thinking)
     async for ev in events:
         if ev.kind == "token":
             continue
-        if ev.kind == "waiting":  # no output yet (or for a while): sent as a ping (stream only)
+        if ev.kind in ("waiting", "flush"):  # a keep-alive cue, sent as a ping (stream only)
             yield ev
             continue
         if ev.kind != "finish":
@@ -256,7 +259,7 @@ async def messages(request: Request):
     stream = bool(body.get("stream", False))
     parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
                                think_budget=None if constraint is not None else thinking.budget, cache=use,
-                               keepalive=stream_keepalive(request) if stream else None)
+                               keepalive=stream_keepalive(request) if stream else None, flushes=stream)
     events = _events(engine, ids, params, thinking, parsed)
 
     if not stream:
@@ -293,6 +296,9 @@ async def messages(request: Request):
                 if isinstance(ev, Waiting):  # Anthropic's keep-alive, the prefill progress as a comment
                     yield keepalive_comment(ev) + _sse({"type": "ping"})
                     continue
+                if isinstance(ev, Flush):
+                    yield ev
+                    continue
                 yield _sse(ev)
         except APIError as e:
             yield _sse({"type": "error", "error": {"type": "api_error", "message": e.message}})
@@ -302,7 +308,8 @@ async def messages(request: Request):
             return
         yield _sse({"type": "message_stop"})
 
-    return StreamingResponse(sse(), media_type="text/event-stream",
+    # One write per wake-up: the events framed since the last Flush, joined.
+    return StreamingResponse(coalesced(sse()), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -12,6 +12,9 @@ The stream it returns yields, in order:
   Finish(...)                   last: the engine's finish reason, stats, generated ids
 and, with `keepalive`, Waiting(done, total) first and whenever no chunk came for that many
 seconds: the router sends its dialect's keep-alive (prefill progress where it has room).
+The chunks ready at one wake-up (an engine step's) are parsed together: their text is one
+feed, so one text event, not one per token. With `flushes`, a Flush closes each wake-up's
+events: a streaming router frames all it wrote since the last one as one write (`coalesced`).
 """
 
 from __future__ import annotations
@@ -46,8 +49,33 @@ class Finish:
     kind: str = "finish"
 
 
-StreamEvent = Token | Event | Finish | Waiting
-Item = Chunk | Waiting  # what a request's chunk stream yields
+@dataclass(frozen=True)
+class Flush:
+    """The end of one wake-up's events: what a stream framed for them goes out as one write."""
+
+    kind: str = "flush"
+
+
+FLUSH = Flush()
+StreamEvent = Token | Event | Finish | Waiting | Flush
+Item = list[Chunk] | Waiting  # what a request's chunk stream yields: the chunks of one wake-up
+
+
+async def coalesced(body: AsyncIterator[str | Flush]) -> AsyncIterator[str]:
+    """A streaming body's pieces joined up to each Flush: one write (one ASGI message, one
+    socket send) per wake-up, not one per event."""
+    parts: list[str] = []
+    try:
+        async for piece in body:
+            if not isinstance(piece, Flush):
+                parts.append(piece)
+            elif parts:
+                yield "".join(parts)
+                parts.clear()
+        if parts:
+            yield "".join(parts)
+    finally:
+        await body.aclose()
 
 
 def stream_keepalive(request: Request) -> float | None:
@@ -64,9 +92,9 @@ def keepalive_comment(w: Waiting) -> str:
 async def open_chunks(request: Request, engine, ids: list[int], params: SamplingParams,
                       metrics: Metrics, cache: CacheUse | None = None,
                       keepalive: float | None = None) -> AsyncIterator[Item]:
-    """Start the request and await its first chunk (errors raise here, as HTTP errors; with
-    `keepalive`, a Waiting once it is submitted); return all of its chunks, that first one
-    included. `cache`: its session and edits."""
+    """Start the request and await its first chunks (errors raise here, as HTTP errors; with
+    `keepalive`, a Waiting once it is submitted); return all of its chunk lists, that first
+    one included. `cache`: its session and edits."""
     chunks = generation.run(request, engine, ids, params, metrics, cache, keepalive)
     try:
         first = await chunks.__anext__()
@@ -81,7 +109,7 @@ async def open_chunks(request: Request, engine, ids: list[int], params: Sampling
 async def _rest(first: Item, chunks: AsyncIterator[Item]) -> AsyncIterator[Item]:
     try:
         yield first
-        if isinstance(first, Waiting) or first.finish_reason is None:
+        if isinstance(first, Waiting) or first[-1].finish_reason is None:
             async for chunk in chunks:
                 yield chunk
     finally:
@@ -91,17 +119,18 @@ async def _rest(first: Item, chunks: AsyncIterator[Item]) -> AsyncIterator[Item]
 async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
                       tools: list[dict] | None, metrics: Metrics, think_budget: int | None = None,
                       cache: CacheUse | None = None,
-                      keepalive: float | None = None) -> AsyncIterator[StreamEvent]:
-    """`open_chunks`, parsed into events (see the module docstring). With `think_budget`,
-    a think block still open after that many generated tokens is closed (`_budgeted`)."""
+                      keepalive: float | None = None, flushes: bool = False) -> AsyncIterator[StreamEvent]:
+    """`open_chunks`, parsed into events (see the module docstring; `flushes`: a Flush after
+    each wake-up's). With `think_budget`, a think block still open after that many generated
+    tokens is closed (`_budgeted`)."""
     parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning(engine, ids))
     if think_budget is None or not parser.think_end or think_budget >= params.max_tokens:
         chunks = await open_chunks(request, engine, ids, params, metrics, cache, keepalive)
-        return parse_chunks(chunks, parser)
+        return parse_chunks(chunks, parser, flushes)
     budgeted = replace(params, max_tokens=think_budget)
     first = await open_chunks(request, engine, ids, budgeted, metrics, cache, keepalive)
     rest = _budgeted(request, engine, ids, params, metrics, parser, first, cache, keepalive)
-    return parse_chunks(rest, parser)
+    return parse_chunks(rest, parser, flushes)
 
 
 async def _budgeted(request: Request, engine, ids: list[int], params: SamplingParams, metrics: Metrics,
@@ -118,41 +147,41 @@ async def _budgeted(request: Request, engine, ids: list[int], params: SamplingPa
     block); a reply that thinks after some text gets its budget counted from the start."""
     generated, last = [], None
     try:
-        async for chunk in first:
-            if isinstance(chunk, Waiting):
-                yield chunk
-                continue
-            if chunk.token is not None:
-                generated.append(chunk.token)
-            if chunk.finish_reason is not None:
-                last = chunk
-                break
-            yield chunk
+        async for batch in first:
+            if not isinstance(batch, Waiting):
+                generated += [chunk.token for chunk in batch if chunk.token is not None]
+                if batch[-1].finish_reason is not None:
+                    last = batch[-1]
+                    stats = last.stats
+                    if last.finish_reason != "length" or stats is None or stats.truncated_by != "max_tokens":
+                        yield batch  # not cut by the budget: the reply as it is
+                        return
+                    # Its text and token; the parser reads them now.
+                    yield batch[:-1] + [replace(last, finish_reason=None, stats=None)]
+                    break
+            yield batch
     finally:
         await first.aclose()  # cancels it if our consumer stopped early
-    stats = last.stats if last is not None else None
-    if last is None or last.finish_reason != "length" or stats is None or stats.truncated_by != "max_tokens":
-        if last is not None:
-            yield last
+    if last is None:
         return
-    yield replace(last, finish_reason=None, stats=None)  # its text and token; the parser reads them now
     extra: list[int] = []
     if parser.state == "reasoning":
         close = f"\n{parser.think_end}\n\n"
         extra = list(engine.tokenizer.encode(close, add_special_tokens=False))
-        yield Chunk(close)  # no token: the marker is prompt for the second part, not output
+        yield [Chunk(close)]  # no token: the marker is prompt for the second part, not output
     # The same session and edits (all inside `ids`): the second part continues the first.
     rest = await open_chunks(request, engine, ids + generated + extra,
                              replace(params, max_tokens=params.max_tokens - len(generated)), metrics, cache,
                              keepalive)
     try:
-        async for chunk in rest:
-            if not isinstance(chunk, Waiting) and chunk.stats is not None:
-                chunk = replace(chunk, stats=replace(
+        async for batch in rest:
+            if not isinstance(batch, Waiting) and batch[-1].stats is not None:
+                chunk = batch[-1]
+                batch = batch[:-1] + [replace(chunk, stats=replace(
                     chunk.stats, prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
                     dropped_tokens=stats.dropped_tokens, repositioned_tokens=stats.repositioned_tokens,
-                    ttft_s=stats.ttft_s, completion_tokens=stats.completion_tokens + chunk.stats.completion_tokens))
-            yield chunk
+                    ttft_s=stats.ttft_s, completion_tokens=stats.completion_tokens + chunk.stats.completion_tokens))]
+            yield batch
     finally:
         await rest.aclose()
 
@@ -180,19 +209,26 @@ class _Trim:
             yield e
 
 
-async def parse_chunks(chunks: AsyncIterator[Item], parser: OutputParser) -> AsyncIterator[StreamEvent]:
+async def parse_chunks(chunks: AsyncIterator[Item], parser: OutputParser,
+                       flushes: bool = False) -> AsyncIterator[StreamEvent]:
     trim, tokens, last = _Trim(), [], None
     try:
-        async for chunk in chunks:
-            if isinstance(chunk, Waiting):
-                yield chunk
+        async for batch in chunks:
+            if isinstance(batch, Waiting):
+                yield batch
+                if flushes:
+                    yield FLUSH
                 continue
-            last = chunk
-            if chunk.token is not None:
-                tokens.append(chunk.token)
-                yield Token(chunk)
-            for e in trim(parser.feed(chunk.text)):
+            last = batch[-1]
+            for chunk in batch:
+                if chunk.token is not None:
+                    tokens.append(chunk.token)
+                    yield Token(chunk)
+            text = batch[0].text if len(batch) == 1 else "".join(chunk.text for chunk in batch)
+            for e in trim(parser.feed(text)):
                 yield e
+            if flushes and last.finish_reason is None:  # the last one's events end with Finish
+                yield FLUSH
         for e in trim(parser.finish()):
             yield e
     finally:

@@ -86,17 +86,19 @@ async def _watch(request: Request, cancel, registry) -> None:
             return
 
 
-async def _dead_is_503(stream: AsyncIterator[Chunk | None]) -> AsyncIterator[Chunk | None]:
+async def _dead_is_503(batches: AsyncIterator[list[Chunk] | None]) -> AsyncIterator[list[Chunk] | None]:
     """An engine that dies after accepting the request: a 503 before the response starts,
     an error event after (the routers already turn errors into one mid-stream). Non-finite
     logits end this request alone: a 500 that says so."""
     try:
-        async for chunk in stream:
-            yield chunk
+        async for batch in batches:
+            yield batch
     except EngineDeadError as e:
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER}) from None
     except NonFiniteLogitsError as e:  # this request alone: the engine serves on
         raise APIError(500, str(e), code="non_finite_logits") from None
+    finally:
+        await batches.aclose()
 
 
 async def _session(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
@@ -118,10 +120,11 @@ async def _session(request: Request, engine: Engine, prompt: list[int], params: 
 
 async def run(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
               metrics: Metrics, cache: akv.CacheUse | None = None,
-              keepalive: float | None = None) -> AsyncIterator[Chunk | Waiting]:
-    """Stream a request's chunks; a client that goes away cancels it (blocks freed next step).
-    With `keepalive` (seconds), a Waiting right after submit (the response can start) and
-    one each time no chunk came for that long."""
+              keepalive: float | None = None) -> AsyncIterator[list[Chunk] | Waiting]:
+    """Stream a request's chunks, a list of all that are ready at each wake-up (the routers
+    parse and frame them together: one write per step, not per token); a client that goes
+    away cancels it (blocks freed next step). With `keepalive` (seconds), a Waiting right
+    after submit (the response can start) and one each time no chunk came for that long."""
     loop = asyncio.get_running_loop()
     registry = request.app.state.registry
     if registry.stopping:
@@ -139,26 +142,26 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
     try:
         if keepalive is not None:
             yield Waiting(*handle.progress())
-        chunks = handle.astream() if keepalive is None else handle.astream(idle=keepalive)
-        async for chunk in _dead_is_503(chunks):
-            if chunk is None:
+        async for batch in _dead_is_503(handle.batches(idle=keepalive)):
+            if batch is None:
                 yield Waiting(*handle.progress())
                 continue
-            if chunk.finish_reason == "cancelled" and registry.stopping:
-                raise _stopping()  # a 503 before the response starts, an error event after
-            if chunk.token is not None:
-                generated += 1
-                now = time.perf_counter()
-                if last is None:
-                    metrics.ttft.observe(now - t0)
-                else:
-                    metrics.itl.observe(now - last)
-                last = now
-            if chunk.stats is not None:
-                metrics.prompt_tokens.inc(chunk.stats.prompt_tokens)
-                metrics.generated_tokens.inc(chunk.stats.completion_tokens)
-            finished = finished or chunk.finish_reason not in (None, "cancelled")
-            yield chunk
+            now = time.perf_counter()
+            for chunk in batch:
+                if chunk.finish_reason == "cancelled" and registry.stopping:
+                    raise _stopping()  # a 503 before the response starts, an error event after
+                if chunk.token is not None:
+                    generated += 1
+                    if last is None:
+                        metrics.ttft.observe(now - t0)
+                    else:
+                        metrics.itl.observe(now - last)
+                    last = now
+                if chunk.stats is not None:
+                    metrics.prompt_tokens.inc(chunk.stats.prompt_tokens)
+                    metrics.generated_tokens.inc(chunk.stats.completion_tokens)
+                finished = finished or chunk.finish_reason not in (None, "cancelled")
+            yield batch
     finally:
         lanes.chat_ended()
         watcher.cancel()

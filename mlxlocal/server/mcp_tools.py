@@ -130,7 +130,7 @@ async def _run(engine, ids: list[int], params: SamplingParams, parser: OutputPar
     except APIError as e:
         raise _tool_error(e) from None
     try:
-        async for event in parse_chunks(handle.astream(), parser):
+        async for event in parse_chunks(handle.batches(), parser):
             yield event
     except EngineDeadError as e:  # the registry restarts the engine on the next call
         raise ToolError(f"the engine stopped: {e}; retry the call") from None

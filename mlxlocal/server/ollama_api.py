@@ -18,7 +18,7 @@ from mlxlocal import __version__
 from mlxlocal.engine import SamplingParams
 from mlxlocal.server import formats
 from mlxlocal.server.errors import APIError, read_json_object
-from mlxlocal.server.events import StreamEvent, open_events, stream_keepalive
+from mlxlocal.server.events import FLUSH, StreamEvent, coalesced, open_events, stream_keepalive
 from mlxlocal.server.registry import parse_duration
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
@@ -201,13 +201,15 @@ async def _pieces(events: AsyncIterator[StreamEvent], think) -> AsyncIterator[tu
             yield "done", ("length" if ev.reason == "length" else "stop", ev.stats, len(ev.tokens))
         elif ev.kind == "waiting":
             yield "waiting", None
+        elif ev.kind == "flush":
+            yield "flush", None
 
 
 async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tools, think, chat: bool):
     try:  # bad requests fail here, as HTTP errors
         keepalive = stream_keepalive(request) if body.get("stream", True) else None
         events = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
-                                   keepalive=keepalive)
+                                   keepalive=keepalive, flushes=bool(body.get("stream", True)))
     except BaseException:
         release(m)
         raise
@@ -255,7 +257,9 @@ async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tool
     async def stream():
         try:
             async for kind, value in pieces:
-                if kind == "done":
+                if kind == "flush":  # the end of a wake-up's lines: they go out as one write
+                    yield FLUSH
+                elif kind == "done":
                     last = {**base(), **final(*value)}
                     last.update({"message": message()} if chat else {"response": ""})
                     yield line(last)
@@ -277,7 +281,7 @@ async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tool
         finally:
             release(m)
 
-    return StreamingResponse(stream(), media_type="application/x-ndjson")
+    return StreamingResponse(coalesced(stream()), media_type="application/x-ndjson")
 
 
 def _flags(body: dict, *names: str):

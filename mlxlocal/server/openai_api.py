@@ -45,7 +45,9 @@ from mlxlocal.engine import Chunk, SamplingParams
 from mlxlocal.server import akv, formats, model_cards
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import (
+    FLUSH,
     StreamEvent,
+    coalesced,
     keepalive_comment,
     open_chunks,
     open_events,
@@ -244,7 +246,8 @@ def _sse(obj: Any) -> str:
 
 
 def _stream_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream",
+    """One write per wake-up: the body's pieces up to each Flush joined (events.coalesced)."""
+    return StreamingResponse(coalesced(body), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -385,7 +388,7 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     engine, ids, params, tools, use = await _prepare_chat(req, request)
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
-                               keepalive=stream_keepalive(request) if req.stream else None)
+                               keepalive=stream_keepalive(request) if req.stream else None, flushes=req.stream)
     meta = {"id": _new_id("chatcmpl"), "created": int(time.time()), "model": req.model}
     text_of = _TokenText(engine.tokenizer)
     if req.stream:
@@ -440,6 +443,9 @@ async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: S
     started = False
     try:
         async for e in events:
+            if e.kind == "flush":  # the end of a wake-up's events: what is framed goes out
+                yield e
+                continue
             if e.kind == "waiting":  # no output yet (or for a while): a keep-alive, not a chunk
                 yield keepalive_comment(e)
                 continue
@@ -498,6 +504,17 @@ def _completion_logprobs(entries: list[tuple[Chunk, str]], text_of, offset: int)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def _batch_logprobs(batch: list[Chunk], text_of, offset: int) -> dict | None:
+    """_completion_logprobs of a wake-up's chunks, each at its own text's offset; None without tokens."""
+    out: dict | None = None
+    for chunk in batch:
+        if chunk.token is not None:
+            one = _completion_logprobs([(chunk, chunk.text)], text_of, offset)
+            out = one if out is None else {k: out[k] + one[k] for k in out}
+        offset += len(chunk.text)
+    return out
+
+
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     if req.suffix:
@@ -529,19 +546,22 @@ async def completions(req: CompletionRequest, request: Request):
                 if echo:
                     yield _sse({**meta, "choices": [{"index": 0, "text": echo, "logprobs": None,
                                                      "finish_reason": None}]})
-                async for chunk in chunks:
-                    if isinstance(chunk, Waiting):
-                        yield keepalive_comment(chunk)
+                async for batch in chunks:
+                    if isinstance(batch, Waiting):
+                        yield keepalive_comment(batch)
+                        yield FLUSH
                         continue
-                    last = chunk
-                    lp = None
-                    if want_logprobs and chunk.token is not None:
-                        lp = _completion_logprobs([(chunk, chunk.text)], text_of, offset)
-                    offset += len(chunk.text)
-                    finish = _finish_reason(chunk.finish_reason, False) if chunk.finish_reason else None
-                    if chunk.text or lp or finish:
-                        yield _sse({**meta, "choices": [{"index": 0, "text": chunk.text, "logprobs": lp,
+                    # A wake-up's chunks, framed together: one event, its text and logprobs.
+                    last = batch[-1]
+                    text = "".join(chunk.text for chunk in batch)
+                    lp = _batch_logprobs(batch, text_of, offset) if want_logprobs else None
+                    offset += len(text)
+                    finish = _finish_reason(last.finish_reason, False) if last.finish_reason else None
+                    if text or lp or finish:
+                        yield _sse({**meta, "choices": [{"index": 0, "text": text, "logprobs": lp,
                                                          "finish_reason": finish}]})
+                    if finish is None:
+                        yield FLUSH
                 if include_usage:
                     yield _sse({**meta, "choices": [], "usage": _usage(last.stats if last else None)})
             except Exception as e:
@@ -550,11 +570,12 @@ async def completions(req: CompletionRequest, request: Request):
 
         return _stream_response(stream())
     texts, entries, last = [echo], [], None
-    async for chunk in chunks:
-        last = chunk
-        texts.append(chunk.text)
-        if want_logprobs and chunk.token is not None:
-            entries.append((chunk, chunk.text))
+    async for batch in chunks:
+        for chunk in batch:
+            last = chunk
+            texts.append(chunk.text)
+            if want_logprobs and chunk.token is not None:
+                entries.append((chunk, chunk.text))
     choice = {
         "index": 0,
         "text": "".join(texts),

@@ -68,6 +68,7 @@ from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import (
     Finish,
     StreamEvent,
+    coalesced,
     keepalive_comment,
     open_events,
     stream_keepalive,
@@ -409,7 +410,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     await formats.constrain(params, constraint, engine, ids)
     check_params(params, names, engine, ids)
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
-                               keepalive=stream_keepalive(request) if req.stream else None)
+                               keepalive=stream_keepalive(request) if req.stream else None, flushes=req.stream)
 
     builder = _Builder(_response_object(req, req.tools), req.parallel_tool_calls is not False,
                        "reasoning.encrypted_content" in (req.include or []), namespaces)
@@ -434,6 +435,9 @@ async def create_response(req: ResponsesRequest, request: Request):
             yield _sse(event)
         try:
             async for e in events:
+                if e.kind == "flush":  # the end of a wake-up's events: what is framed goes out
+                    yield e
+                    continue
                 if e.kind == "waiting":  # no output yet (or for a while)
                     yield keepalive_comment(e)
                     continue
@@ -447,7 +451,8 @@ async def create_response(req: ResponsesRequest, request: Request):
         finally:
             await events.aclose()  # a client gone mid-stream: cancel the request now
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
+    # One write per wake-up: the events framed since the last Flush, joined.
+    return StreamingResponse(coalesced(stream()), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
