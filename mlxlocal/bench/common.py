@@ -8,11 +8,11 @@ the window where every stream is decoding (after the last first token, until the
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,38 +96,30 @@ class StreamTimes:
         return (n - 1) / span if n > 1 and span > 0 else None
 
 
-class Consumer(threading.Thread):
-    """Drain one request handle, timestamping each token as it arrives."""
-
-    def __init__(self, handle, t0: float):
-        super().__init__(daemon=True)
-        self.handle, self.st = handle, StreamTimes(t0)
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for c in self.handle:
-                if c.token is not None:
-                    self.st.times.append(time.perf_counter())
-                    self.st.tokens.append(c.token)
-                if c.finish_reason is not None:
-                    self.st.stats = c.stats
-        except BaseException as e:  # surfaced by the caller
-            self.error = e
+async def _drain(handle, st: StreamTimes) -> None:
+    """Read one request handle on the event loop, timestamping each token as it arrives."""
+    async for batch in handle.batches():
+        now = time.perf_counter()
+        for c in batch:
+            if c.token is not None:
+                st.times.append(now)
+                st.tokens.append(c.token)
+            if c.finish_reason is not None:
+                st.stats = c.stats
 
 
 def run_streams(engine, prompts: list[list[int]], params) -> list[StreamTimes]:
-    """Submit all prompts at once (engine.submit is thread-safe), drain each in a thread."""
-    t0 = time.perf_counter()
-    consumers = [Consumer(engine.submit(p, params), t0) for p in prompts]
-    for c in consumers:
-        c.start()
-    for c in consumers:
-        c.join()
-    for c in consumers:
-        if c.error is not None:
-            raise c.error
-    return [c.st for c in consumers]
+    """Submit all prompts at once and read every stream on one event loop, as the server
+    does (the engine wakes the loop once per step for all of them)."""
+
+    async def main() -> list[StreamTimes]:
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        streams = [(engine.submit(p, params, loop=loop), StreamTimes(t0)) for p in prompts]
+        await asyncio.gather(*(_drain(h, st) for h, st in streams))
+        return [st for _, st in streams]
+
+    return asyncio.run(main())
 
 
 def window_decode_tps(streams: list[StreamTimes]) -> float | None:
