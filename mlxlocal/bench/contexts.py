@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxlocal.bench.common import log, median
+from mlxlocal.errors import EngineOptionError
 
 COLUMNS = ("prefill_tps", "decode_tps", "ttft_s", "peak_memory_bytes")
 
@@ -41,10 +42,10 @@ def contexts_bench(loaded, contexts: list[int], *, gen_tokens: int, repeats: int
     limit = loaded.info.context_length
     too_long = [c for c in contexts if c > limit]
     if too_long:
-        raise ValueError(f"--contexts {too_long[0]} is over the model's context of {limit} tokens")
+        raise EngineOptionError(f"--contexts {too_long[0]} is over the model's context of {limit} tokens")
     short = [c for c in contexts if c <= gen_tokens]
     if short:
-        raise ValueError(f"--contexts {short[0]} leaves no prompt for -g {gen_tokens}")
+        raise EngineOptionError(f"--contexts {short[0]} leaves no prompt for -g {gen_tokens}")
     ref = None
     if compare == "mlx-lm":
         log(f"loading {loaded.info.path} with mlx_lm.load ...")

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 from mlxlocal.bench.common import log, random_prompt, run_streams
 from mlxlocal.engine.profile import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
+from mlxlocal.errors import EngineOptionError
 
 SKIP = 2  # the first steady steps still carry the switch from prefill
 
@@ -183,7 +184,7 @@ def profile_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batches: tuple
                          kv_tokens=top * (prompt_tokens + gen_tokens + 32))
     if not isinstance(engine, PagedEngine):
         engine.shutdown()
-        raise ValueError(f"--profile times the paged engine's steps; {loaded.info.name} runs on the dense one")
+        raise EngineOptionError(f"--profile times the paged engine's steps; {loaded.info.name} runs on the dense one")
     ref = None
     if compare == "mlx-lm":
         import mlx_lm
