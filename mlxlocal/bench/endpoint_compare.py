@@ -41,10 +41,13 @@ def served_model(url: str, model: str | None) -> str:
 
 def compare_endpoints(urls: list[str], model: str | None = None, *, concurrency: int = 8,
                       requests: int | None = None, prompt_tokens: int = 256, gen_tokens: int = 64,
-                      repeats: int = 3, single: bool = True, timeout: float = 600.0) -> dict:
+                      repeats: int = 3, single: bool = True, timeout: float = 600.0,
+                      names: dict[str, str] | None = None) -> dict:
+    """The comparison (see above); `names`: the model name to send a URL, where not the
+    one served_model picks."""
     if len(set(map(_base_url, urls))) != len(urls):
         raise EndpointBenchError("--url and --compare-url must name different servers")
-    names = {u: served_model(u, model) for u in urls}
+    names = {u: (names or {}).get(u) or served_model(u, model) for u in urls}
     raw: dict[str, dict[str, list[dict]]] = {u: {"load": [], "single": []} for u in urls}
     order: list[str] = []
     for r in range(repeats):
@@ -89,12 +92,14 @@ def print_comparison(c: dict, con=None) -> None:
     con = con or Console()
     t = Table(title=f"{c['concurrency']} concurrent streams ({c['requests']} requests, ~{c['prompt_tokens']}-token "
               f"prompts, {c['gen_tokens']} tokens each), servers one at a time, medians of {c['repeats']}")
-    for name in ("server", "model", "aggregate tok/s", "÷ first", "p50 TTFT", "per-stream tok/s",
-                 "single stream tok/s", "failed"):
-        t.add_column(name, justify="left" if name in ("server", "model") else "right")
+    for name in ("server", "aggregate tok/s", "÷ first", "p50 TTFT", "per stream", "alone", "failed"):
+        t.add_column(name, justify="left" if name == "server" else "right")
     for row in c["rows"]:
-        t.add_row(row["url"], row["model"], _f(row["aggregate_tps"], "{:.1f}"),
-                  _f(row["aggregate_ratio"], "×{:.2f}"), _f(row["ttft_p50_s"] and row["ttft_p50_s"] * 1000, "{:.0f} ms"),
+        ttft = row["ttft_p50_s"]
+        t.add_row(row.get("label") or row["url"], _f(row["aggregate_tps"], "{:.1f}"),
+                  _f(row["aggregate_ratio"], "×{:.2f}"), _f(ttft and ttft * 1000, "{:.0f} ms"),
                   _f(row["stream_decode_tps_p50"], "{:.1f}"), _f(row["single_decode_tps"], "{:.1f}"),
                   str(row["failed"]))
     con.print(t)
+    con.print("tok/s: aggregate = output tokens of the load ÷ its wall time; per stream = p50 of each "
+              "request's decode rate under the load; alone = one request by itself", highlight=False)
