@@ -230,8 +230,9 @@ def bench(
             from mlxlocal.bench.endpoint import run_endpoint_bench
         except ImportError as e:
             fail(f"the endpoint benchmark (mlxlocal.bench.endpoint) is not available: {e}", 1)
-        run_endpoint_bench(url=url, model=model, concurrency=concurrency, requests=requests,
-                           prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, prompt_file=prompt_file,
+        # run_endpoint_bench's own defaults where an option is not given (None would reach the checks)
+        run_endpoint_bench(url=url, model=model, concurrency=concurrency or 1, requests=requests or 10,
+                           prompt_tokens=prompt_tokens or 128, gen_tokens=gen_tokens or 64, prompt_file=prompt_file,
                            as_json=as_json, plot=plot)
         return
     akv_options = None
