@@ -35,20 +35,35 @@ def _port() -> int:
 def commands(model_dir: str, peers: str | None) -> dict[str, list[str]]:
     """name -> command line with a {port} placeholder, for each server found."""
     py = sys.executable
-    out = {"mlxlocal": [py, "-m", "mlxlocal", "serve", "-m", model_dir, "--port", "{port}"],
-           "mlx_lm.server": [py, "-m", "mlx_lm.server", "--model", model_dir, "--port", "{port}"]}
+    out = {
+        "mlxlocal": [py, "-m", "mlxlocal", "serve", "-m", model_dir, "--port", "{port}"],
+        "mlx_lm.server": [py, "-m", "mlx_lm.server", "--model", model_dir, "--port", "{port}"],
+    }
     for name, extra in (("vllm-mlx", ["--continuous-batching"]), ("rapid-mlx", [])):
         exe = shutil.which(name, path=peers) if peers else None
         exe = exe or shutil.which(name)
         if exe:
-            out[name] = [exe, "serve", model_dir, "--host", "127.0.0.1", "--port", "{port}", *extra]
+            out[name] = [
+                exe,
+                "serve",
+                model_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "{port}",
+                *extra,
+            ]
     return out
 
 
-def start(name: str, cmd: list[str], log_dir: Path, wait_s: float) -> tuple[subprocess.Popen, str] | None:
+def start(
+    name: str, cmd: list[str], log_dir: Path, wait_s: float
+) -> tuple[subprocess.Popen, str] | None:
     port = _port()
     log = open(log_dir / f"{name}.log", "wb")
-    proc = subprocess.Popen([c.replace("{port}", str(port)) for c in cmd], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [c.replace("{port}", str(port)) for c in cmd], stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and proc.poll() is None:
@@ -81,14 +96,18 @@ def rss_mb(pid: int) -> float | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("model", help="HF-layout model directory, or a synthetic:NAME spec")
     ap.add_argument("-c", "--concurrency", type=int, default=8)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-g", "--gen-tokens", type=int, default=64)
     ap.add_argument("-n", "--repeats", type=int, default=3)
-    ap.add_argument("--peers", default="/tmp/peers/bin", help="bin folder with vllm-mlx / rapid-mlx")
+    ap.add_argument(
+        "--peers", default="/tmp/peers/bin", help="bin folder with vllm-mlx / rapid-mlx"
+    )
     ap.add_argument("--only", default=None, help="comma-separated server names to run")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--logs", default="/tmp/bench_servers", help="where the servers' logs go")
@@ -110,14 +129,24 @@ def main() -> None:
             started = start(name, cmd, log_dir, args.start_timeout)
             if started:
                 running[name] = started
-                print(f"{name}: {started[1]}, idle RSS {rss_mb(started[0].pid) or 0:.0f} MB", file=sys.stderr)
+                print(
+                    f"{name}: {started[1]}, idle RSS {rss_mb(started[0].pid) or 0:.0f} MB",
+                    file=sys.stderr,
+                )
         if len(running) < 2:
             sys.exit("fewer than two servers started: nothing to compare")
         # mlx_lm.server lists the Hugging Face cache too: name it the directory it serves
         names = {url: model_dir for name, (_, url) in running.items() if name == "mlx_lm.server"}
-        res = compare_endpoints([url for _, url in running.values()], None, names=names, concurrency=args.concurrency,
-                                requests=args.requests, prompt_tokens=args.prompt_tokens,
-                                gen_tokens=args.gen_tokens, repeats=args.repeats)
+        res = compare_endpoints(
+            [url for _, url in running.values()],
+            None,
+            names=names,
+            concurrency=args.concurrency,
+            requests=args.requests,
+            prompt_tokens=args.prompt_tokens,
+            gen_tokens=args.gen_tokens,
+            repeats=args.repeats,
+        )
         for (name, _), row in zip(running.items(), res["rows"]):
             row["label"] = name
         print_comparison(res)

@@ -35,14 +35,24 @@ def parse_contexts(text: str) -> list[int]:
     return out
 
 
-def contexts_bench(loaded, contexts: list[int], *, gen_tokens: int, repeats: int = 3, warmup: int = 1,
-                   compare: str | None = None, kv: dict | None = None) -> dict:
+def contexts_bench(
+    loaded,
+    contexts: list[int],
+    *,
+    gen_tokens: int,
+    repeats: int = 3,
+    warmup: int = 1,
+    compare: str | None = None,
+    kv: dict | None = None,
+) -> dict:
     from mlxlocal.bench.local import MlxLmRunner, speed_bench
 
     limit = loaded.info.context_length
     too_long = [c for c in contexts if c > limit]
     if too_long:
-        raise EngineOptionError(f"--contexts {too_long[0]} is over the model's context of {limit} tokens")
+        raise EngineOptionError(
+            f"--contexts {too_long[0]} is over the model's context of {limit} tokens"
+        )
     short = [c for c in contexts if c <= gen_tokens]
     if short:
         raise EngineOptionError(f"--contexts {short[0]} leaves no prompt for -g {gen_tokens}")
@@ -53,10 +63,23 @@ def contexts_bench(loaded, contexts: list[int], *, gen_tokens: int, repeats: int
     rows: list[dict[str, Any]] = []
     for i, c in enumerate(contexts):
         log(f"context {c}: prompt {c - gen_tokens} + {gen_tokens} generated")
-        s = speed_bench(loaded, prompt_tokens=c - gen_tokens, gen_tokens=gen_tokens, repeats=repeats,
-                        warmup=warmup if i == 0 else 0, compare=compare, kv=kv, ref=ref)
-        row: dict[str, Any] = dict(context=c, prompt_tokens=c - gen_tokens, gen_tokens=gen_tokens,
-                                   order=s["order"], runs=s["runs"])
+        s = speed_bench(
+            loaded,
+            prompt_tokens=c - gen_tokens,
+            gen_tokens=gen_tokens,
+            repeats=repeats,
+            warmup=warmup if i == 0 else 0,
+            compare=compare,
+            kv=kv,
+            ref=ref,
+        )
+        row: dict[str, Any] = dict(
+            context=c,
+            prompt_tokens=c - gen_tokens,
+            gen_tokens=gen_tokens,
+            order=s["order"],
+            runs=s["runs"],
+        )
         row.update({k: median([r[k] for r in s["runs"]]) for k in COLUMNS})
         if ref is not None:
             row["mlx_lm_runs"] = s["mlx_lm_runs"]
@@ -64,7 +87,9 @@ def contexts_bench(loaded, contexts: list[int], *, gen_tokens: int, repeats: int
             row.update({f"mlx_lm_{k}": v for k, v in theirs.items()})
             row["ratios"] = {k: row[k] / theirs[k] if theirs[k] else None for k in COLUMNS}
         rows.append(row)
-    return dict(contexts=contexts, gen_tokens=gen_tokens, repeats=repeats, compare=compare, rows=rows)
+    return dict(
+        contexts=contexts, gen_tokens=gen_tokens, repeats=repeats, compare=compare, rows=rows
+    )
 
 
 def print_contexts(c: dict, con) -> None:
@@ -75,8 +100,11 @@ def print_contexts(c: dict, con) -> None:
 
     both = c["compare"] == "mlx-lm"
     shown = ("prefill_tps", "decode_tps", "peak_memory_bytes")
-    t = Table(title=f"long context: prompt of C - {c['gen_tokens']} tokens, then {c['gen_tokens']} generated; "
-              f"medians of {c['repeats']} runs" + (", ours / mlx-lm ×ratio, alternating" if both else ""))
+    t = Table(
+        title=f"long context: prompt of C - {c['gen_tokens']} tokens, then {c['gen_tokens']} "
+        f"generated; medians of {c['repeats']} runs"
+        + (", ours / mlx-lm ×ratio, alternating" if both else "")
+    )
     t.add_column("context", justify="right")
     for key in shown:
         t.add_column(FORMATS[key][0], justify="right")
@@ -87,7 +115,9 @@ def print_contexts(c: dict, con) -> None:
             cell = fmt(row[key])
             if both:
                 ratio = row["ratios"][key]
-                cell += f" / {fmt(row[f'mlx_lm_{key}'])} " + ("-" if ratio is None else f"×{ratio:.2f}")
+                cell += f" / {fmt(row[f'mlx_lm_{key}'])} " + (
+                    "-" if ratio is None else f"×{ratio:.2f}"
+                )
             cells.append(cell)
         t.add_row(*cells)
     con.print(t)

@@ -240,13 +240,14 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
     elif profile:
         from mlxlocal.bench.profile import profile_bench
 
-        res["profile"] = profile_bench(loaded, prompt_tokens=p, gen_tokens=g, batches=(1, batch if batch > 1 else 8),
-                                       repeats=repeats, warmup=warmup, compare="mlx-lm")
+        res["profile"] = profile_bench(loaded, prompt_tokens=p, gen_tokens=g,
+                                       batches=(1, batch if batch > 1 else 8), repeats=repeats,
+                                       warmup=warmup, compare="mlx-lm")
     elif contexts:
         from mlxlocal.bench.contexts import contexts_bench
 
-        res["contexts"] = contexts_bench(loaded, contexts, gen_tokens=gen_tokens or 16, repeats=repeats,
-                                         warmup=warmup, compare=compare, kv=kv)
+        res["contexts"] = contexts_bench(loaded, contexts, gen_tokens=gen_tokens or 16,
+                                         repeats=repeats, warmup=warmup, compare=compare, kv=kv)
     elif scenario is None:
         res["speed"] = speed_bench(loaded, prompt_tokens=p, gen_tokens=g, batch=batch, repeats=repeats,
                                    warmup=warmup, compare=compare, bandwidth=bandwidth, kv=kv)

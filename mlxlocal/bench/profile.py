@@ -26,7 +26,7 @@ SKIP = 2  # the first steady steps still carry the switch from prefill
 
 
 def summarize_steps(steps: list[dict]) -> dict:
-    """Mean per step of each phase, host and eval (their sums), wall and loop (wall - host - eval)."""
+    """Mean per step of each phase, host and eval (their sums), wall, and loop (the rest)."""
     steps = steps[SKIP:] if len(steps) > SKIP + 2 else steps
     if not steps:
         return dict(steps=0)
@@ -45,7 +45,9 @@ def ours_steps(engine, prompts: list[list[int]], gen_tokens: int) -> list[dict]:
 
     prof = engine.profile = StepProfile()
     try:
-        run_streams(engine, prompts, SamplingParams(max_tokens=gen_tokens, ignore_eos=True, temperature=0))
+        run_streams(
+            engine, prompts, SamplingParams(max_tokens=gen_tokens, ignore_eos=True, temperature=0)
+        )
     finally:
         engine.profile = None
     out = []
@@ -140,8 +142,12 @@ def mlx_lm_steps(model, prompts: list[list[int]], gen_tokens: int) -> list[dict]
     keep: list[bool] = []
     with _timed_mlx_lm(marks):
         if len(prompts) == 1:
-            it = generate_step(mx.array(prompts[0]), timed, max_tokens=gen_tokens,
-                               sampler=lambda x: mx.argmax(x, axis=-1))
+            it = generate_step(
+                mx.array(prompts[0]),
+                timed,
+                max_tokens=gen_tokens,
+                sampler=lambda x: mx.argmax(x, axis=-1),
+            )
             next(it)  # the prefill and the first token
             marks.on = True
             for _ in range(gen_tokens - 1):
@@ -151,7 +157,9 @@ def mlx_lm_steps(model, prompts: list[list[int]], gen_tokens: int) -> list[dict]
                 keep.append(True)
             marks("schedule")
         else:
-            bg = BatchGenerator(timed, max_tokens=gen_tokens, completion_batch_size=max(32, len(prompts)))
+            bg = BatchGenerator(
+                timed, max_tokens=gen_tokens, completion_batch_size=max(32, len(prompts))
+            )
             try:
                 bg.insert(prompts, [gen_tokens] * len(prompts))
                 while len(bg.next_generated()) < len(prompts):  # until every sequence decodes
@@ -163,28 +171,44 @@ def mlx_lm_steps(model, prompts: list[list[int]], gen_tokens: int) -> list[dict]
                     marks("output")
                     if not responses:
                         break
-                    keep.append(len(responses) == len(prompts)
-                                and all(r.finish_reason is None for r in responses))
+                    keep.append(
+                        len(responses) == len(prompts)
+                        and all(r.finish_reason is None for r in responses)
+                    )
             finally:
                 bg.close()
     return marks.steps(keep)
 
 
 # ------------------------------------------------------------------ the section
-def profile_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batches: tuple[int, ...] = (1, 8),
-                  repeats: int = 3, warmup: int = 1, compare: str | None = "mlx-lm") -> dict:
-    """Per decode step: host phases and evaluation, ours and (compare) mlx-lm's, runs alternating."""
+def profile_bench(
+    loaded,
+    *,
+    prompt_tokens: int,
+    gen_tokens: int,
+    batches: tuple[int, ...] = (1, 8),
+    repeats: int = 3,
+    warmup: int = 1,
+    compare: str | None = "mlx-lm",
+) -> dict:
+    """Per decode step: host phases and evaluation, ours and (compare) mlx-lm's, alternating."""
     from mlxlocal.engine import PagedEngine, open_engine
 
     mc = loaded.model_config
     vocab = mc.vocab_size if mc else loaded.config.get("vocab_size", 32000)
     top = max(batches)
     prompts = [random_prompt(prompt_tokens, vocab, seed=3000 + i) for i in range(top)]
-    engine = open_engine(loaded, prefix_cache=False, max_num_seqs=top,
-                         kv_tokens=top * (prompt_tokens + gen_tokens + 32))
+    engine = open_engine(
+        loaded,
+        prefix_cache=False,
+        max_num_seqs=top,
+        kv_tokens=top * (prompt_tokens + gen_tokens + 32),
+    )
     if not isinstance(engine, PagedEngine):
         engine.shutdown()
-        raise EngineOptionError(f"--profile times the paged engine's steps; {loaded.info.name} runs on the dense one")
+        raise EngineOptionError(
+            f"--profile times the paged engine's steps; {loaded.info.name} runs on the dense one"
+        )
     ref = None
     if compare == "mlx-lm":
         import mlx_lm
@@ -218,8 +242,14 @@ def profile_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batches: tuple
             a, m = row["mlxlocal"].get("host"), row["mlx_lm"].get("host")
             row["host_ratio_vs_mlx_lm"] = a / m if a is not None and m else None
         rows.append(row)
-    return dict(prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repeats=repeats, rows=rows, order=order,
-                compare=compare)
+    return dict(
+        prompt_tokens=prompt_tokens,
+        gen_tokens=gen_tokens,
+        repeats=repeats,
+        rows=rows,
+        order=order,
+        compare=compare,
+    )
 
 
 def _greedy(n: int):
@@ -252,27 +282,45 @@ def profile_lines(p: dict) -> list[str]:
             s = row.get(who)
             if not s or not s.get("steps"):
                 continue
-            bound = ("host-bound: the device waits on the host" if s["eval"] < 0.2 * s["wall"]
-                     else "host time under the evaluation's: hidden where the device overlaps it")
-            lines.append(f"batch {row['batch']}, {who}: host {_us(s['host'])} µs + eval {_us(s['eval'])} µs "
-                         f"of a {_us(s['wall'])} µs step (host {s['host_share']:.0%}); {bound}")
+            bound = (
+                "host-bound: the device waits on the host"
+                if s["eval"] < 0.2 * s["wall"]
+                else "host time under the evaluation's: hidden where the device overlaps it"
+            )
+            lines.append(
+                f"batch {row['batch']}, {who}: host {_us(s['host'])} µs "
+                f"+ eval {_us(s['eval'])} µs "
+                f"of a {_us(s['wall'])} µs step (host {s['host_share']:.0%}); {bound}"
+            )
         if row.get("host_ratio_vs_mlx_lm"):
-            lines.append(f"batch {row['batch']}: host per step ours ÷ mlx-lm ×{row['host_ratio_vs_mlx_lm']:.2f}")
+            lines.append(
+                f"batch {row['batch']}: host per step ours ÷ mlx-lm "
+                f"×{row['host_ratio_vs_mlx_lm']:.2f}"
+            )
     return lines
 
 
 def print_profile(p: dict, con) -> None:
     from rich.table import Table
 
-    t = Table(title=f"decode step profile, µs per step (-p {p['prompt_tokens']} -g {p['gen_tokens']}, "
-              f"medians of {p['repeats']} runs of per-step means)")
+    t = Table(
+        title=f"decode step profile, µs per step (-p {p['prompt_tokens']} -g {p['gen_tokens']}, "
+        f"medians of {p['repeats']} runs of per-step means)"
+    )
     t.add_column("phase")
     cols = [(row, who) for row in p["rows"] for who in ("mlxlocal", "mlx_lm") if row.get(who)]
     for row, who in cols:
-        t.add_column(f"{'ours' if who == 'mlxlocal' else 'mlx-lm'} b={row['batch']}", justify="right")
+        t.add_column(
+            f"{'ours' if who == 'mlxlocal' else 'mlx-lm'} b={row['batch']}", justify="right"
+        )
     for key in HOST_PHASES + ("host",) + EVAL_PHASES + ("eval", "loop", "wall"):
-        label = {"host": "host (sum)", "submit": "eval: submit", "wait": "eval: wait", "eval": "eval (sum)",
-                 "wall": "step wall"}.get(key, key)
+        label = {
+            "host": "host (sum)",
+            "submit": "eval: submit",
+            "wait": "eval: wait",
+            "eval": "eval (sum)",
+            "wall": "step wall",
+        }.get(key, key)
         t.add_row(label, *[_us(row[who].get(key)) for row, who in cols])
     t.add_row("steps", *[f"{row[who].get('steps', 0):.0f}" for row, who in cols])
     con.print(t)
