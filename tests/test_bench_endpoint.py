@@ -302,3 +302,41 @@ def test_bench_against_mlxlocal_serve(tiny_model, capsys):
         assert itl["p50"] <= itl["p90"] <= itl["p99"]
     assert result["request_throughput"] > 0 and result["output_throughput"] > 0
     assert result["prompt_source"].startswith("synthetic, ~16 tokens (tokenizer:")
+
+
+# --- --compare-url: the same load against two real servers ------------------------------------
+def test_compare_url_against_a_second_server(tiny_model, capsys):
+    import typer
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli.bench import register
+
+    app = typer.Typer()
+    register(app)
+    app.callback()(lambda: None)
+    with running_server(ServerConfig(models=[str(tiny_model)])) as (first, _), \
+            running_server(ServerConfig(models=[str(tiny_model)], served_model_names=["other"])) as (second, _):
+        result = CliRunner().invoke(app, ["bench", "endpoint", "--url", first, "--compare-url", second,
+                                          "-c", "2", "--requests", "4", "-p", "16", "-g", "6", "-n", "2",
+                                          "--json"])
+    assert result.exit_code == 0, result.output
+    res = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [row["url"] for row in res["rows"]] == [first, second]
+    assert res["order"] == [first, second, second, first]
+    # each server is sent the name it lists
+    assert [row["model"] for row in res["rows"]] == [str(tiny_model), "other"]
+    for row in res["rows"]:
+        assert row["completed"] == 8 and row["failed"] == 0 and row["errors"] == []
+        assert row["aggregate_tps"] > 0 and row["ttft_p50_s"] > 0
+        assert row["single_decode_tps"] > 0 and row["stream_decode_tps_p50"] > 0
+        assert len(row["aggregate_tps_runs"]) == 2
+    assert res["rows"][0]["aggregate_ratio"] == 1.0
+    assert res["rows"][1]["aggregate_ratio"] == pytest.approx(res["rows"][1]["aggregate_tps"]
+                                                              / res["rows"][0]["aggregate_tps"])
+
+
+def test_compare_url_needs_url_and_distinct_servers():
+    from mlxlocal.bench.endpoint_compare import compare_endpoints
+
+    with pytest.raises(EndpointBenchError, match="different servers"):
+        compare_endpoints(["http://127.0.0.1:9/v1", "127.0.0.1:9"], "m")

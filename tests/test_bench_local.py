@@ -274,3 +274,91 @@ def test_structured_output_bench(tiny_model, tmp_path):
     assert res["batches"][0]["forced_share"] > 0  # alone: the keys are forced, fed in one forward
     bad = CliRunner().invoke(app, ["bench", "--json-schema", str(tmp_path / "missing.json")])
     assert bad.exit_code == 2 and "missing.json" in bad.output
+
+
+# --- bench --profile ----------------------------------------------------------------------------
+def test_step_profile_counts_the_decode_steps(tiny_model):
+    """The hook records one entry per step; the decode rows add up to the tokens generated
+    (a pipelined step may compute one wasted token per sequence)."""
+    from mlxlocal.bench.common import random_prompt, run_streams
+    from mlxlocal.engine import SamplingParams, StepProfile, open_engine
+    from mlxlocal.source.loader import load
+
+    engine = open_engine(load(str(tiny_model)), prefix_cache=False, max_num_seqs=2)
+    try:
+        assert engine.profile is None
+        engine.profile = prof = StepProfile()
+        streams = run_streams(engine, [random_prompt(16, 200, seed=s) for s in (1, 2)],
+                              SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+        engine.profile = None
+    finally:
+        engine.shutdown()
+    assert [len(s.times) for s in streams] == [8, 8]
+    prefilled = sum(s["prefill"] for s in prof.steps)
+    decoded = sum(s["decode"] for s in prof.steps)
+    assert prefilled == 32 and 2 * 7 <= decoded <= 2 * 8 + 2
+    for s in prof.steps:
+        assert s["t1"] >= s["t0"]
+        assert sum(s[p] for p in ("schedule", "build", "sample", "output", "submit", "wait")) == \
+            pytest.approx(s["t1"] - s["t0"], rel=1e-6, abs=1e-9)
+
+
+def test_profile_phases_ours_and_mlx_lm(tiny_model):
+    res = bench("-m", str(tiny_model), "--profile", "-p", "16", "-g", "12", "-b", "4", "-n", "2",
+                "--warmup", "1", "--json")
+    p = res["profile"]
+    assert [row["batch"] for row in p["rows"]] == [1, 4]
+    assert p["order"] == ["mlxlocal:1", "mlx-lm:1", "mlxlocal:4", "mlx-lm:4",
+                          "mlxlocal:4", "mlx-lm:4", "mlxlocal:1", "mlx-lm:1"]
+    for row in p["rows"]:
+        for who in ("mlxlocal", "mlx_lm"):
+            s = row[who]
+            assert s["steps"] >= 12 - 6, (who, row["batch"], s)
+            for phase in ("schedule", "build", "sample", "submit", "wait", "output"):
+                assert s[phase] > 0, (who, phase)
+            assert s["host"] == pytest.approx(s["schedule"] + s["build"] + s["sample"] + s["output"])
+            assert s["eval"] == pytest.approx(s["submit"] + s["wait"])
+            # The phases cover the step: what is left is the engine loop between steps.
+            assert 0.8 * s["wall"] <= s["host"] + s["eval"] <= s["wall"] * (1 + 1e-6)
+            assert 0 < s["host_share"] < 1
+        assert row["host_ratio_vs_mlx_lm"] == pytest.approx(row["mlxlocal"]["host"] / row["mlx_lm"]["host"])
+
+
+def test_profile_report_says_how_host_compares(tiny_model):
+    from mlxlocal.bench.profile import profile_lines
+
+    res = bench("-m", str(tiny_model), "--profile", "-p", "16", "-g", "10", "-b", "2", "-n", "1",
+                "--warmup", "0", "--json")
+    lines = profile_lines(res["profile"])
+    assert sum("host" in line and "µs step" in line for line in lines) == 4
+    assert sum("ours ÷ mlx-lm" in line for line in lines) == 2
+
+
+# --- bench --contexts ---------------------------------------------------------------------------
+def test_contexts_table_one_row_per_context(tiny_model):
+    res = bench("-m", str(tiny_model), "--contexts", "64,160", "-g", "4", "-n", "2", "--warmup", "1",
+                "--compare", "mlx-lm", "--json")
+    c = res["contexts"]
+    assert [row["context"] for row in c["rows"]] == [64, 160]
+    for row in c["rows"]:
+        assert row["prompt_tokens"] == row["context"] - 4
+        assert row["order"] == ["mlxlocal", "mlx-lm", "mlxlocal", "mlx-lm"]
+        assert [r["generated"] for r in row["runs"] + row["mlx_lm_runs"]] == [4] * 4
+        for key in ("prefill_tps", "decode_tps", "peak_memory_bytes"):
+            assert row[key] == pytest.approx(statistics.median(r[key] for r in row["runs"]))
+            assert row[f"mlx_lm_{key}"] > 0
+            assert row["ratios"][key] == pytest.approx(row[key] / row[f"mlx_lm_{key}"])
+    # a longer context holds more K/V: ours peaks higher at 160 than at 64
+    assert c["rows"][1]["peak_memory_bytes"] > c["rows"][0]["peak_memory_bytes"]
+
+
+def test_contexts_refused_past_the_model():
+    result = CliRunner().invoke(app, ["bench", "--contexts", "4k,x"])
+    assert result.exit_code == 2 and "'x' is not a token count" in result.output
+    result = CliRunner().invoke(app, ["bench", "--contexts", "64", "--profile"])
+    assert result.exit_code == 2 and "no --profile" in result.output
+
+
+def test_contexts_over_the_model_context(tiny_model):
+    result = CliRunner().invoke(app, ["bench", "-m", str(tiny_model), "--contexts", "1024", "--json"])
+    assert result.exit_code == 1 and "over the model's context of 512" in result.output

@@ -109,8 +109,9 @@ def summarize(runs: list[dict]) -> dict:
 
 def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, repeats: int = 3,
                 warmup: int = 1, compare: str | None = None, bandwidth: float | None = None,
-                kv: dict | None = None) -> dict:
-    """Warm-up, then `repeats` timed runs (A B A B with mlx-lm); mean and sd of each metric."""
+                kv: dict | None = None, ref: MlxLmRunner | None = None) -> dict:
+    """Warm-up, then `repeats` timed runs (A B A B with mlx-lm); mean and sd of each metric.
+    `ref`: an mlx-lm runner already loaded (compare="mlx-lm" loads one otherwise)."""
     from mlxlocal.engine import open_engine
 
     mc = loaded.model_config
@@ -118,8 +119,7 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
     # Prefix cache off: every repeat prefills its whole prompt, as mlx-lm does.
     engine = open_engine(loaded, prefix_cache=False, max_num_seqs=max(batch, 1),
                          kv_tokens=batch * (prompt_tokens + gen_tokens + 32), **(kv or {}))
-    ref = None
-    if compare == "mlx-lm":
+    if compare == "mlx-lm" and ref is None:
         log(f"loading {loaded.info.path} with mlx_lm.load ...")
         ref = MlxLmRunner(str(loaded.info.path))
     prompts = [random_prompt(prompt_tokens, vocab, seed=1000 + i) for i in range(batch)]
@@ -197,10 +197,11 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
               batch: int = 1, repeats: int = 3, warmup: int = 1, compare: str | None = None,
               scenario: str | None = None, concurrency: int | None = None, bandwidth: float | None = None,
               prefix_cache: bool = True, turns: int | None = None, system_tokens: int | None = None,
-               grammar=None, akv: dict | None = None, speculation=None, kv: dict | None = None) -> dict:
+               grammar=None, akv: dict | None = None, speculation=None, kv: dict | None = None,
+              profile: bool = False, contexts: list[int] | None = None) -> dict:
     """Load the model and run the speed section, one scenario, (a grammar given) the
-    structured-output comparison or (a SpeculationChoice given) plain vs speculative decode;
-    one JSON-able dict."""
+    structured-output comparison, (a SpeculationChoice given) plain vs speculative decode,
+    (profile) the decode step profile or (contexts) the long-context table; one JSON-able dict."""
     import mlx.core as mx
 
     from mlxlocal.source.loader import load
@@ -208,6 +209,8 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
     d = defaults()
     spec = model or d["akv_model" if akv is not None else "model"]
     note = "given with --model" if model else f"default for the {d['backend']} backend"
+    if contexts and spec.startswith("synthetic:") and "context=" not in spec:
+        spec += f":context={max(contexts)}"  # random weights: any context the table asks for
     p = prompt_tokens or d["prompt_tokens"]
     g = gen_tokens or d["gen_tokens"]
     log(f"loading {spec} ({note}) ...")
@@ -234,6 +237,17 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         res["structured"] = structured_bench(loaded, grammar, prompt_tokens=p, gen_tokens=g,
                                              batches=(1, batch) if batch > 1 else (1, 8),
                                              repeats=repeats, warmup=warmup)
+    elif profile:
+        from mlxlocal.bench.profile import profile_bench
+
+        res["profile"] = profile_bench(loaded, prompt_tokens=p, gen_tokens=g,
+                                       batches=(1, batch if batch > 1 else 8), repeats=repeats,
+                                       warmup=warmup, compare="mlx-lm")
+    elif contexts:
+        from mlxlocal.bench.contexts import contexts_bench
+
+        res["contexts"] = contexts_bench(loaded, contexts, gen_tokens=gen_tokens or 16,
+                                         repeats=repeats, warmup=warmup, compare=compare, kv=kv)
     elif scenario is None:
         res["speed"] = speed_bench(loaded, prompt_tokens=p, gen_tokens=g, batch=batch, repeats=repeats,
                                    warmup=warmup, compare=compare, bandwidth=bandwidth, kv=kv)

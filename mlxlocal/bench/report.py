@@ -44,6 +44,14 @@ def print_report(res: dict, console: Console | None = None) -> None:
         print_kernels(res["kernels"], con)
     if "speed" in res:
         print_speed(res["speed"], con)
+    if "profile" in res:
+        from mlxlocal.bench.profile import print_profile
+
+        print_profile(res["profile"], con)
+    if "contexts" in res:
+        from mlxlocal.bench.contexts import print_contexts
+
+        print_contexts(res["contexts"], con)
     if "agent" in res:
         print_agent(res["agent"], con)
     if "akv" in res:

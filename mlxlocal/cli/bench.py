@@ -5,7 +5,7 @@ built-ins. The package calls register(app)."""
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -27,6 +27,22 @@ BatchGenerator, alternating, ratios per stream count); sessions (-c sessions, de
 of -p tokens, default 2048 clipped to the context, then a second turn on the cache: peak
 memory over the resident weights and second-turn TTFT; --compare: one mlx-lm prompt
 cache per session).
+
+Profile (--profile): per decode step, the host time (schedule, build, sample, output) and the
+evaluation time (submit: mx.async_eval, which blocks while the device has too much queued;
+wait: the previous step's tokens), ours (the engine's StepProfile) and mlx-lm's (generate_step,
+BatchGenerator at -b > 1) timed the same way, at batch 1 and 8 (or -b), runs alternating,
+medians; and how the host time compares to the step's.
+
+Long context (--contexts 4096,16384,32768): per context C, a prompt of C - g tokens then -g
+tokens (default 16): prefill and decode tok/s, TTFT and peak memory, medians of -n runs, with
+--compare mlx-lm alternating and as ratios. A synthetic model gets :context= to fit.
+
+Endpoint comparison (--url URL --compare-url URL2 [--compare-url URL3]): the same load (-c
+streams, default 8; -p 256, -g 64) against each server, one at a time, alternating, then one
+request alone: aggregate tok/s, p50 TTFT, per-stream and single-stream decode tok/s, medians of
+-n (3). scripts/bench_servers.py starts mlxlocal serve, mlx_lm.server (and vllm-mlx, rapid-mlx
+where installed) on one model directory and runs it.
 
 AKV (--scenario agent --akv): a scripted agent trace of --turns steps (default 30) with tool
 results of a few hundred to a few thousand tokens, one session per mode on a fresh engine:
@@ -72,8 +88,9 @@ without Metal; measured or forced by --kernels) and the kernel choice cache file
 
 
 def bench(
-    what: Optional[str] = typer.Argument(None, metavar="[kernels]", help="kernels: the kernel microbenchmark "
-                                         "(see above); omitted: the engine benchmark"),
+    what: Optional[str] = typer.Argument(None, metavar="[kernels|endpoint]", help="kernels: the kernel "
+                                         "microbenchmark; endpoint: a server (--url, as without it); omitted: the "
+                                         "engine benchmark"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model spec (default: a synthetic preset, see above)"),
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", "-p", help="Prompt length in tokens"),
     gen_tokens: Optional[int] = typer.Option(None, "--gen-tokens", "-g", help="Tokens to generate per request"),
@@ -124,7 +141,12 @@ def bench(
                                          "[default: all of qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.2-1b, llama-3.2-3b, "
                                          "llama-3.1-8b]"),
     rows: str = typer.Option("1,2,4,8", "--rows", help="bench kernels: decode rows M of the projections"),
-    contexts: str = typer.Option("1024,4096,16384", "--contexts", help="bench kernels: attention context lengths"),
+    contexts: Optional[str] = typer.Option(None, "--contexts", help="bench kernels: attention context lengths "
+                                           "[default: 1024,4096,16384]; the engine bench: the long-context table "
+                                           "(see above)"),
+    profile: bool = typer.Option(False, "--profile", help="Decode step profile, ours and mlx-lm's (see above)"),
+    compare_url: Optional[List[str]] = typer.Option(None, "--compare-url", help="With --url: the same load against "
+                                                    "this server too, one at a time (repeatable; see above)"),
     skip: Optional[str] = typer.Option(None, "--skip", help="bench kernels: comma-separated sections to skip: "
                                        "dense, quant, attention"),
 ) -> None:
@@ -136,21 +158,23 @@ def bench(
 
     from mlxlocal.cli.common import kernels_mode, kv_precision, speculation
 
-    if what is not None and what != "kernels":
-        fail(f"unknown benchmark {what!r}: the only one named is 'kernels' (mlxlocal bench kernels); "
+    if what not in (None, "kernels", "endpoint"):
+        fail(f"unknown benchmark {what!r}: the ones named are 'kernels' and 'endpoint'; "
              "the engine benchmark takes no argument")
+    if what == "endpoint" and url is None:
+        fail("bench endpoint needs --url (the server to load; --compare-url for others beside it)")
     kernel_opts = [name for name, on in (("--models", models), ("--rows", rows != "1,2,4,8"),
-                                         ("--contexts", contexts != "1024,4096,16384"), ("--skip", skip)) if on]
+                                         ("--skip", skip)) if on]
     if what == "kernels":
         others = [name for name, on in (
             ("--model", model), ("--prompt-tokens", prompt_tokens), ("--gen-tokens", gen_tokens),
             ("--compare", compare), ("--scenario", scenario), ("--concurrency", concurrency), ("--url", url),
             ("--embed", embed), ("--kv-bits", kv_bits), ("--draft-model", draft_model),
             ("--prompt-lookup", prompt_lookup), ("--json-schema", json_schema), ("--plot", plot),
-            ("--kernels", kernels)) if on]
+            ("--kernels", kernels), ("--profile", profile), ("--compare-url", compare_url)) if on]
         if others:
             fail(f"bench kernels times ours and the built-in at fixed shapes: no {', '.join(others)}")
-        return bench_kernels(models, rows, contexts, batch, repeats, warmup, skip, as_json, fail)
+        return bench_kernels(models, rows, contexts or "1024,4096,16384", batch, repeats, warmup, skip, as_json, fail)
     if kernel_opts:
         fail(f"{', '.join(kernel_opts)} apply to `mlxlocal bench kernels` only")
     kernels_mode(kernels)  # exits 2 naming --kernels (or MLXLOCAL_KERNELS)
@@ -194,13 +218,21 @@ def bench(
         except EndpointBenchError as e:
             fail(str(e), 1)
         return
+    if compare_url:
+        if url is None:
+            fail("--compare-url needs --url (the first server; the others are compared with it)")
+        if prompt_file is not None or plot:
+            fail("--compare-url sends synthetic prompts and prints a table: no --prompt-file or --plot")
+        return bench_compare_urls([url, *compare_url], model, concurrency, requests, prompt_tokens, gen_tokens,
+                                  repeats, as_json, fail)
     if url is not None:
         try:
             from mlxlocal.bench.endpoint import run_endpoint_bench
         except ImportError as e:
             fail(f"the endpoint benchmark (mlxlocal.bench.endpoint) is not available: {e}", 1)
-        run_endpoint_bench(url=url, model=model, concurrency=concurrency, requests=requests,
-                           prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, prompt_file=prompt_file,
+        # run_endpoint_bench's own defaults where an option is not given (None would reach the checks)
+        run_endpoint_bench(url=url, model=model, concurrency=concurrency or 1, requests=requests or 10,
+                           prompt_tokens=prompt_tokens or 128, gen_tokens=gen_tokens or 64, prompt_file=prompt_file,
                            as_json=as_json, plot=plot)
         return
     akv_options = None
@@ -233,6 +265,24 @@ def bench(
         fail("--bandwidth must be > 0 (GB/s)")
     if prompt_file is not None or requests is not None:
         fail("--prompt-file and --requests apply to --url only")
+    context_list = None
+    if contexts is not None:
+        from mlxlocal.bench.contexts import parse_contexts
+
+        try:
+            context_list = parse_contexts(contexts)
+        except ValueError as e:
+            fail(str(e))
+    for name, on in (("--profile", profile), ("--contexts", context_list)):
+        others = [o for o, given in (("--scenario", scenario), ("--json-schema", json_schema),
+                                     ("--draft-model", spec is not None), ("--plot", plot),
+                                     ("--profile", profile and name != "--profile"),
+                                     ("--kv-bits", kv and name == "--profile"),
+                                     ("--batch", batch != 1 and name == "--contexts")) if given]
+        if on and others:
+            fail(f"{name} runs on its own: no {', '.join(others)}")
+    if profile and compare is not None:
+        fail("--profile always times mlx-lm beside ours: no --compare")
     grammar = None
     if json_schema is not None:
         if scenario is not None or compare is not None:
@@ -256,7 +306,8 @@ def bench(
         res = run_local(model=model, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch,
                         repeats=3 if repeats is None else repeats, warmup=warmup, compare=compare, scenario=scenario,
                         concurrency=concurrency, bandwidth=bandwidth, prefix_cache=not no_prefix_cache,
-                        turns=turns, grammar=grammar, akv=akv_options, speculation=spec, kv=kv)
+                        turns=turns, grammar=grammar, akv=akv_options, speculation=spec, kv=kv,
+                        profile=profile, contexts=context_list)
     except MlxLocalError as e:
         fail(str(e), 1)
     if plot:
@@ -270,6 +321,24 @@ def bench(
         print_report(res)
         if plot:
             Console().print(f"plot written to {res['plot']}")
+
+
+def bench_compare_urls(urls: list[str], model: Optional[str], concurrency: Optional[int], requests: Optional[int],
+                       prompt_tokens: Optional[int], gen_tokens: Optional[int], repeats: Optional[int],
+                       as_json: bool, fail) -> None:
+    from mlxlocal.bench.endpoint_compare import compare_endpoints, print_comparison
+    from mlxlocal.errors import EndpointBenchError
+
+    try:
+        res = compare_endpoints(urls, model, concurrency=concurrency or 8, requests=requests,
+                                prompt_tokens=prompt_tokens or 256, gen_tokens=gen_tokens or 64,
+                                repeats=3 if repeats is None else repeats)
+    except EndpointBenchError as e:
+        fail(str(e), 1)
+    if as_json:
+        print(json.dumps(res))
+    else:
+        print_comparison(res)
 
 
 def bench_kernels(models: Optional[str], rows: str, contexts: str, batch: int, repeats: Optional[int],

@@ -29,6 +29,7 @@ from mlxlocal.engine.config import EngineConfig, size_pools
 from mlxlocal.engine.handle import EngineDeadError, Outbox, RequestHandle
 from mlxlocal.engine.kernels import warm_up
 from mlxlocal.engine.output import Output
+from mlxlocal.engine.profile import StepProfile
 from mlxlocal.engine.reuse import PrefixReuse
 from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, make_runner
 from mlxlocal.engine.sampling import Sampler
@@ -103,6 +104,7 @@ class PagedEngine(EngineBase):
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
         # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
         self._inflight: list = []
+        self.profile: StepProfile | None = None  # set: step() times its phases (bench --profile)
 
     # --- front-end API (any thread) ----------------------------------------------
     def new_session(self) -> PagedSession:
@@ -372,6 +374,8 @@ class PagedEngine(EngineBase):
         and evaluating step N+1 overlaps with handing out step N's tokens. A sequence that
         turns out to have finished computes one wasted token, which is dropped.
         """
+        if (prof := self.profile) is not None:
+            prof.start()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.cancelled.is_set():
                 self._guarded(seq, self._finish, seq, "cancelled")
@@ -389,6 +393,8 @@ class PagedEngine(EngineBase):
             groups.append((plan.decode, 1))
         if plan.prefill is not None:
             groups.append(([plan.prefill], plan.prefill_tokens))
+        if prof is not None:
+            prof.lap("schedule")
         ready: list[tuple[list[Sequence], mx.array]] = []  # (sequences to sample, their logits)
         for seqs, n in groups:
             logits = self._forward(seqs, n)  # a batch's failure is no one request's: _loop fails all
@@ -405,6 +411,8 @@ class PagedEngine(EngineBase):
         state = self.pools.state() + self.runner.state([q for g, _ in groups for q in g]) if groups else []
         if groups and self.spec is not None:
             state += self.spec.state()
+        if prof is not None:
+            prof.lap("build")
         if any(seq.constraint is not None for seqs, _ in ready for seq in seqs):
             # A grammar's mask needs the previous token: start the forward on the device,
             # take the previous step's tokens meanwhile, then work out the masks.
@@ -418,7 +426,11 @@ class PagedEngine(EngineBase):
         if sampled or groups:
             checks = list({id(c[0]): c[0] for *_, c in sampled if c is not None}.values())
             logprobs = [a for _, _, lp, *_ in sampled for a in lp]
+            if prof is not None:
+                prof.lap("sample")
             mx.async_eval([t for _, t, *_ in sampled] + logprobs + checks + state)
+        if prof is not None:
+            prof.wait(previous)
         self._inflight = sampled
         self._take(previous)
         for seq, token, _, src, _ in sampled:
@@ -428,6 +440,9 @@ class PagedEngine(EngineBase):
             self.spec.verify(verify, drafts,
                              lambda seq, token, lp: self._guarded(seq, self._accept, seq, token, lp),
                              self._non_finite)
+        if prof is not None:
+            prof.lap("output")
+            prof.end(len(plan.decode), plan.prefill_tokens if plan.prefill is not None else 0)
 
     def _take(self, previous: list[tuple]) -> None:
         """Hand out the tokens a step sampled: one host read per sampled batch (and one of
