@@ -22,6 +22,7 @@ import sys
 import time
 
 import httpx
+from bench_servers import stop
 
 from mlxlocal.bench.endpoint import measure_endpoint
 from mlxlocal.source.hub import resolve
@@ -155,11 +156,7 @@ def main() -> None:
                       f"{o['single_ttft_s'] * 1000:10.0f} ms {o['single_cpu_ms_tok']:10.2f}")
     finally:
         for proc in procs.values():
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ import json
 import os
 import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 from bench_serve import free_port, start, thread_cpu_s
+from bench_servers import stop
 
 from mlxlocal.bench.endpoint import measure_endpoint
 
@@ -130,11 +130,7 @@ def main() -> None:
         print(json.dumps(out))
     finally:
         for proc in procs.values():
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 if __name__ == "__main__":
