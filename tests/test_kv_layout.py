@@ -12,7 +12,7 @@ from test_paged import greedy_params, mlx_lm_tokens, paused, prompt_of, tokens_o
 
 from mlxlocal.cache import KVPools, StepBatch, paged
 from mlxlocal.cache.blocks import BlockManager, FreeBlocks
-from mlxlocal.engine import open_engine
+from mlxlocal.engine import open_engine, runner
 from mlxlocal.engine.runner import run_start, step_batch
 from mlxlocal.metal.attention import sdpa, sequence_rows
 from mlxlocal.source.loader import load_from_dir
@@ -47,11 +47,12 @@ def test_fragmented_free_map_still_allocates_every_free_block():
         free.extend([10])
 
 
-def test_run_start_and_device_built_tables_equal_host_tables():
+def test_run_start_and_device_built_tables_equal_host_tables(monkeypatch):
     assert run_start([4, 5, 6]) == 4 and run_start([7]) == 7
     assert run_start([4, 6, 5]) is None and run_start([4, 6]) is None and run_start([]) is None
     seqs = [SimpleNamespace(block_table=list(range(9, 13)), window_table=[], edit=None),
             SimpleNamespace(block_table=[2, 3], window_table=[], edit=None)]
+    monkeypatch.setattr(runner, "DEVICE_TABLE_IDS", 1)  # tables this short come from the host
     on_runs = step_batch(seqs, [60, 20], 1, 16)
     assert on_runs.block_tables.tolist() == [[9, 10, 11, 12], [2, 3, 0, 0]]
     assert on_runs.slot_blocks.tolist() == [12, 3] and on_runs.host_runs == [9, 2]
