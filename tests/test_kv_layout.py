@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ from test_paged import greedy_params, mlx_lm_tokens, paused, prompt_of, tokens_o
 from mlxlocal.cache import KVPools, StepBatch, paged
 from mlxlocal.cache.blocks import BlockManager, FreeBlocks
 from mlxlocal.engine import open_engine, runner
-from mlxlocal.engine.runner import run_start, step_batch
+from mlxlocal.engine.runner import run_start, step_batch, table_run
 from mlxlocal.metal.attention import sdpa, sequence_rows
 from mlxlocal.source.loader import load_from_dir
 
@@ -50,8 +51,8 @@ def test_fragmented_free_map_still_allocates_every_free_block():
 def test_run_start_and_device_built_tables_equal_host_tables(monkeypatch):
     assert run_start([4, 5, 6]) == 4 and run_start([7]) == 7
     assert run_start([4, 6, 5]) is None and run_start([4, 6]) is None and run_start([]) is None
-    seqs = [SimpleNamespace(block_table=list(range(9, 13)), window_table=[], edit=None),
-            SimpleNamespace(block_table=[2, 3], window_table=[], edit=None)]
+    seqs = [SimpleNamespace(block_table=list(range(9, 13)), window_table=[], edit=None, run_cache=None),
+            SimpleNamespace(block_table=[2, 3], window_table=[], edit=None, run_cache=None)]
     monkeypatch.setattr(runner, "DEVICE_TABLE_IDS", 1)  # tables this short come from the host
     on_runs = step_batch(seqs, [60, 20], 1, 16)
     assert on_runs.block_tables.tolist() == [[9, 10, 11, 12], [2, 3, 0, 0]]
@@ -60,6 +61,24 @@ def test_run_start_and_device_built_tables_equal_host_tables(monkeypatch):
     mixed = step_batch(seqs, [60, 20], 1, 16)
     assert mixed.block_tables.tolist() == [[9, 10, 11, 12], [3, 2, 0, 0]] and mixed.host_runs == [9, None]
     assert mixed.slot_blocks.tolist() == [12, 2]
+
+
+def test_table_run_checks_only_what_was_added_and_stays_exact():
+    """Random growth, rollback and replacement of a table: the cached answer always equals
+    the full check (in place a table only grows; trim makes a new list)."""
+    rng = random.Random(0)
+    seq = SimpleNamespace(block_table=[], run_cache=None)
+    for _ in range(400):
+        op, t = rng.random(), seq.block_table
+        if op < 0.5:  # grow: after the last block (a run) or elsewhere
+            nxt = t[-1] + 1 if t and rng.random() < 0.8 else rng.randrange(100)
+            seq.block_table += [nxt + i for i in range(rng.randrange(1, 4))]
+        elif op < 0.75:  # rollback, as Scheduler.trim does
+            seq.block_table = t[: rng.randrange(len(t) + 1)]
+        else:  # a new table (prefix reuse, cache edits)
+            start = rng.randrange(50)
+            seq.block_table = list(range(start, start + rng.randrange(6))) + ([99] if rng.random() < 0.3 else [])
+        assert table_run(seq) == run_start(seq.block_table), seq.block_table
 
 
 # --- reads in place equal the gather ---------------------------------------------------

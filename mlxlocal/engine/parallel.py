@@ -45,6 +45,7 @@ class _Rows:
     block_table: list[int]
     window_table: list[int] = field(default_factory=list)
     edit: None = None
+    run_cache: tuple | None = None
 
 
 _engine_ids = itertools.count()

@@ -40,6 +40,20 @@ def run_tables(runs: list[int], lengths: list[int]) -> mx.array:
     return mx.where(width < mx.array(lengths)[:, None], mx.array(runs)[:, None] + width, 0)
 
 
+def table_run(seq) -> int | None:
+    """run_start of seq's block table, checking only the ids added since the last call: in
+    place a table only grows (every other change makes a new list, which is checked whole)."""
+    table, cached = seq.block_table, seq.run_cache
+    if cached is not None and cached[0] is table and 0 < cached[1] <= len(table):
+        start, n = cached[2], cached[1]
+        if start is not None and table[n:] != list(range(start + n, start + len(table))):
+            start = None
+    else:
+        start = run_start(table)
+    seq.run_cache = (table, len(table), start)
+    return start
+
+
 def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
                windowed: bool = False) -> StepBatch:
     """Where n new tokens of each sequence go (from position starts[i]) and what it sees;
@@ -56,7 +70,7 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
                 mx.array([t + [0] * (width - len(t)) for t in rows]))
 
     full = [s.block_table for s in seqs]
-    runs = [run_start(t) for t in full]
+    runs = [table_run(s) for s in seqs]
     if None in runs or sum(map(len, full)) < DEVICE_TABLE_IDS:
         slot_blocks, block_tables = tables(full)
     else:  # every table a run: built on the device from B numbers, not from every block id

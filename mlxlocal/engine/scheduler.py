@@ -92,7 +92,7 @@ class Scheduler:
         keep = -(-n_tokens // self.block_size)
         if len(seq.block_table) > keep:
             self.blocks.release(seq.block_table[keep:])
-            del seq.block_table[keep:]
+            seq.block_table = seq.block_table[:keep]  # a new list: in place, tables only grow
         if self.windows is not None and len(seq.window_table) > keep:
             self.windows.release(seq.window_table[keep:])
             del seq.window_table[keep:]
