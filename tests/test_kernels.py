@@ -124,13 +124,13 @@ def test_dispatch_support_rules():
     assert not qgemv_wide.kernel_supports(mx.zeros((3, 4, 64), mx.float16), wq, s, b, 32, 4,
                                           "affine", None)  # M = 12
     q = mx.zeros((2, 8, 1, 80), mx.bfloat16)
-    pool = mx.zeros((10, 16, 2, 80), mx.bfloat16)
+    pool = mx.zeros((2, 10, 16, 80), mx.bfloat16)  # [kv_heads, blocks, block_size, dim]
     tables = mx.zeros((2, 4), mx.int32)
     assert paged_attention.kernel_supports(q, pool, pool, tables, None)
     assert paged_attention.kernel_supports(q, pool, pool, tables, 100)
     assert not paged_attention.kernel_supports(mx.zeros((2, 8, 3, 80), mx.bfloat16), pool, pool,
                                                tables, None)  # prefill (L > 1)
-    assert not paged_attention.kernel_supports(q, pool[:, :8], pool[:, :8], tables, None)  # bs 8
+    assert not paged_attention.kernel_supports(q, pool[:, :, :8], pool[:, :, :8], tables, None)  # bs 8
 
 
 @pytest.mark.parametrize("N", [1, 15, 16, 17, 151936])
