@@ -33,7 +33,7 @@ class PagedScorer:
     def logits(self, windows: mx.array) -> mx.array:
         B, L = windows.shape
         tables = [list(range(i * self.per_seq, i * self.per_seq + -(-L // self.block_size))) for i in range(B)]
-        seqs = [SimpleNamespace(tokens=row, block_table=t, window_table=t, edit=None)
+        seqs = [SimpleNamespace(tokens=row, block_table=t, window_table=t, edit=None, run_cache=None)
                 for row, t in zip(windows.tolist(), tables)]
         starts = [0] * B
         batch = step_batch(seqs, starts, L, self.block_size, any(self.pools.windowed))
