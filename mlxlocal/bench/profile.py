@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 
 from mlxlocal.bench.common import log, random_prompt, run_streams
-from mlxlocal.engine.profile import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
+from mlxlocal.engine import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
 from mlxlocal.errors import EngineOptionError
 
 SKIP = 2  # the first steady steps still carry the switch from prefill

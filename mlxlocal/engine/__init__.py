@@ -16,7 +16,7 @@ from mlxlocal.engine.handle import EngineDeadError, RequestHandle
 from mlxlocal.engine.kernels import kernel_plan
 from mlxlocal.engine.paged import CapacityError, PagedEngine
 from mlxlocal.engine.parallel import cluster_problem
-from mlxlocal.engine.profile import StepProfile
+from mlxlocal.engine.profile import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
 from mlxlocal.engine.runner import NotPageable, make_runner
 from mlxlocal.engine.simple import SimpleEngine
 from mlxlocal.engine.types import (
@@ -31,7 +31,7 @@ from mlxlocal.errors import EngineOptionError
 from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
-    "STATS_KEYS", "CacheEdit", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",
+    "EVAL_PHASES", "HOST_PHASES", "PHASES", "STATS_KEYS", "CacheEdit", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",
     "GenerationStats", "Grammar", "KVPrecisionError", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "SpeculativeConfig", "StepProfile", "cluster_problem", "engine_kind",
     "kernel_plan", "kv_bytes_per_token",
     "open_engine",
