@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument(
         "--peers", default="/tmp/peers/bin", help="bin folder with vllm-mlx / rapid-mlx"
     )
+    ap.add_argument("--seed", type=int, default=None,
+                    help="prompt seed (default: a fresh one, so no server's disk cache holds them)")
     ap.add_argument("--only", default=None, help="comma-separated server names to run")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--logs", default="/tmp/bench_servers", help="where the servers' logs go")
@@ -146,6 +148,7 @@ def main() -> None:
             prompt_tokens=args.prompt_tokens,
             gen_tokens=args.gen_tokens,
             repeats=args.repeats,
+            seed=args.seed,
         )
         for (name, _), row in zip(running.items(), res["rows"]):
             row["label"] = name

@@ -340,3 +340,33 @@ def test_compare_url_needs_url_and_distinct_servers():
 
     with pytest.raises(EndpointBenchError, match="different servers"):
         compare_endpoints(["http://127.0.0.1:9/v1", "127.0.0.1:9"], "m")
+
+
+def test_compare_url_sends_prompts_no_server_has_seen(monkeypatch):
+    # vllm-mlx and rapid-mlx keep prefix caches on disk: fixed prompts would be their cache hits
+    from mlxlocal.bench import endpoint_compare
+
+    sent: list[tuple[str, int, int]] = []
+
+    async def fake(url, model, *, concurrency, requests, prompt_tokens, gen_tokens, seed, timeout):
+        sent.append((url, concurrency, seed))
+        return dict(output_throughput=1.0, ttft_s={"p50": 0.1}, decode_tps_per_request={"p50": 1.0},
+                    completed=requests, failed=0, errors=[])
+
+    monkeypatch.setattr(endpoint_compare, "measure_endpoint", fake)
+    urls = ["http://a:1", "http://b:2"]
+    names = {u: "m" for u in urls}
+
+    def seeds_of(res_seed=None):
+        sent.clear()
+        res = endpoint_compare.compare_endpoints(urls, names=names, repeats=2, seed=res_seed)
+        by_server = {u: [s for v, c, s in sent if v == u] for u in urls}
+        return res["seed"], by_server
+
+    seed1, first = seeds_of()
+    seed2, second = seeds_of()
+    assert first[urls[0]] == first[urls[1]]  # within one comparison every server gets the same
+    assert len(set(first[urls[0]])) == 4  # two loads and two single requests, all distinct
+    assert seed1 != seed2 and not set(first[urls[0]]) & set(second[urls[0]])
+    again, fixed = seeds_of(seed1)  # a given seed reproduces a comparison
+    assert again == seed1 and fixed == first

@@ -4,6 +4,8 @@ several OpenAI-compatible servers (ours, mlx_lm.server, vllm-mlx, rapid-mlx ...)
 The servers run one at a time: each repeat sends every server, in turn (the order reversed on
 odd repeats), -c concurrent streaming requests of the same prompts (new ones each repeat, so no
 server's prefix cache carries over), then one request alone for the single-stream rate. The
+prompts' seed is drawn anew per comparison (or given): vllm-mlx and rapid-mlx keep their prefix
+caches on disk across restarts, so fixed prompts would be cache hits for them run after run. The
 table has medians over repeats: aggregate tok/s (output tokens of the load ÷ its wall time),
 p50 TTFT under load, p50 per-stream decode tok/s under load, and the single stream's decode
 tok/s; ratios are each server ÷ the first (--url).
@@ -12,6 +14,7 @@ tok/s; ratios are each server ÷ the first (--url).
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import httpx
@@ -53,12 +56,15 @@ def compare_endpoints(
     single: bool = True,
     timeout: float = 600.0,
     names: dict[str, str] | None = None,
+    seed: int | None = None,
 ) -> dict:
     """The comparison (see above); `names`: the model name to send a URL, where not the
     one served_model picks."""
     if len(set(map(_base_url, urls))) != len(urls):
         raise EndpointBenchError("--url and --compare-url must name different servers")
     names = {u: (names or {}).get(u) or served_model(u, model) for u in urls}
+    if seed is None:  # prompts no server has seen, in memory or on disk
+        seed = random.SystemRandom().randrange(1, 1 << 30)
     raw: dict[str, dict[str, list[dict]]] = {u: {"load": [], "single": []} for u in urls}
     order: list[str] = []
     for r in range(repeats):
@@ -73,7 +79,7 @@ def compare_endpoints(
                         requests=requests or concurrency,
                         prompt_tokens=prompt_tokens,
                         gen_tokens=gen_tokens,
-                        seed=1 + r,
+                        seed=seed + r,
                         timeout=timeout,
                     )
                 )
@@ -88,7 +94,7 @@ def compare_endpoints(
                             requests=1,
                             prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens,
-                            seed=1000 + r,
+                            seed=seed + 1_000_003 + r,
                             timeout=timeout,
                         )
                     )
@@ -124,6 +130,7 @@ def compare_endpoints(
         prompt_tokens=prompt_tokens,
         gen_tokens=gen_tokens,
         repeats=repeats,
+        seed=seed,
         rows=rows,
         order=order,
     )
@@ -141,7 +148,7 @@ def print_comparison(c: dict, con=None) -> None:
     t = Table(
         title=f"{c['concurrency']} concurrent streams ({c['requests']} requests, "
         f"~{c['prompt_tokens']}-token prompts, {c['gen_tokens']} tokens each), "
-        f"servers one at a time, medians of {c['repeats']}"
+        f"servers one at a time, medians of {c['repeats']}, prompt seed {c.get('seed')}"
     )
     for name in (
         "server",
