@@ -31,8 +31,7 @@ from mlxlocal.chat import (
     sigint_sets,
 )
 from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.engine import Engine, SamplingParams
-from mlxlocal.engine.spec_options import open_engine_with
+from mlxlocal.engine import Engine, SamplingParams, open_engine
 from mlxlocal.errors import MlxLocalError
 
 CONNECT_TIMEOUT_S = 30.0
@@ -71,7 +70,7 @@ def open_index(hub: Any, embedder: str | None, rerank_engine: Any = None) -> Any
         return None
     from mlxlocal.agents.rerank import ChatReranker
     from mlxlocal.agents.tool_index import ToolIndex
-    from mlxlocal.engine.embedding import open_embedder
+    from mlxlocal.embeddings import open_embedder
 
     return ToolIndex(hub.tools, open_embedder(embedder) if embedder else None,
                      reranker=ChatReranker(rerank_engine) if rerank_engine is not None else None)
@@ -274,7 +273,7 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
         engine_options = {"max_num_seqs": 1, **(engine_options or {})}
         try:
             with console.status(f"loading {model}…"):
-                engine = open_engine_with(load(model), engine_options)
+                engine = open_engine(load(model), **engine_options)
                 index = (open_index(hub, tool_embedder, engine if rerank_tools else None)
                          if max_tools is not None else None)
         except MlxLocalError as e:
@@ -321,7 +320,7 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
         return 2
     with hub:
         try:
-            engine = open_engine_with(load(model), {**(engine_options or {}), "max_num_seqs": 1})
+            engine = open_engine(load(model), **{**(engine_options or {}), "max_num_seqs": 1})
             index = (open_index(hub, tool_embedder, engine if rerank_tools else None)
                      if max_tools is not None else None)
         except MlxLocalError as e:

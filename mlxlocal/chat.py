@@ -31,8 +31,7 @@ from rich.text import Text
 
 from mlxlocal.compaction import CompactionPolicy
 from mlxlocal.compaction.spans import ConversationSpans
-from mlxlocal.engine import Engine, GenerationStats, SamplingParams
-from mlxlocal.engine.spec_options import open_engine_with, speculation_of
+from mlxlocal.engine import Engine, GenerationStats, SamplingParams, open_engine, speculation_of
 from mlxlocal.errors import ContextLengthError, MlxLocalError
 from mlxlocal.units import human_bytes
 
@@ -406,7 +405,7 @@ class ChatRepl:
 
         try:
             with self.console.status(f"loading {arg}…"):
-                engine = open_engine_with(load(arg), self.engine_options)
+                engine = open_engine(load(arg), **self.engine_options)
         except MlxLocalError as e:
             return self.error(f"{e} (still using {self.engine.info.name})")
         except Exception as e:  # a failed switch must not end the chat
@@ -501,7 +500,7 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
     engine_options = {"max_num_seqs": 1, **(engine_options or {})}
     try:
         with console.status(f"loading {model}…"):
-            engine = open_engine_with(load(model), engine_options)
+            engine = open_engine(load(model), **engine_options)
     except MlxLocalError as e:
         console.print(f"error: {e}", style="bold red", markup=False, highlight=False)
         return 1

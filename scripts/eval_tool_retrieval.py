@@ -133,7 +133,7 @@ def main() -> int:
     tools, queries = load_set()
     embedder = None
     if args.embed_model:
-        from mlxlocal.engine.embedding import open_embedder
+        from mlxlocal.embeddings import open_embedder
 
         embedder = open_embedder(args.embed_model)
     if args.record:

@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 from server_util import running_server
 from typer.testing import CliRunner
 
-from mlxlocal.engine.embedding import (
+from mlxlocal.embeddings import (
     EmbeddingEngine,
     is_embedding_spec,
     minilm_package_dir,

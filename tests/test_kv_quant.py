@@ -432,7 +432,7 @@ def test_paged_perplexity_scores_as_mlx_lm_caches_do(models):
     """The pools path with no bits scores as the model's own cache does (so the --kv-bits
     delta is the quantization's alone), and with bits as mlx-lm's QuantizedKVCache does, for
     a native and an mlx-lm-path model."""
-    from mlxlocal.quant.kv_perplexity import PagedScorer
+    from mlxlocal.engine import PagedScorer
 
     for which in ("native", "mlx_lm"):
         loaded = load_from_dir(models[which])

@@ -65,7 +65,7 @@ def slow_embedder(budget_server, monkeypatch):
     """The served embedding model with each batch's forward slowed to 50 ms, so a request of
     64 batches runs for seconds (the tiny encoder itself takes under a millisecond). Batches
     give way to the normal client's chats for 50 ms at most (5 s in the server)."""
-    from mlxlocal.engine import embedding
+    from mlxlocal import embeddings as embedding
 
     monkeypatch.setattr(embedding, "YIELD_S", 0.05)
     url, app, _, bert = budget_server
@@ -119,7 +119,7 @@ def test_embeddings_queue_is_bounded_and_tokens_budgeted(budget_server, slow_emb
 
 
 def test_embedding_shutdown_stops_between_batches(tmp_path):
-    from mlxlocal.engine.embedding import open_embedder
+    from mlxlocal.embeddings import open_embedder
     from mlxlocal.errors import EmbeddingCancelled
 
     engine = open_embedder(build_tiny_bert(tmp_path / "bert"))
@@ -134,7 +134,7 @@ def test_embedding_shutdown_stops_between_batches(tmp_path):
 
 
 def test_embedding_batches_are_token_bounded_and_give_way_to_chat(tmp_path):
-    from mlxlocal.engine import embedding
+    from mlxlocal import embeddings as embedding
 
     batches = embedding._batches([[1] * 300] * 3 + [[1] * 10] * 200, 32)
     assert [len(b) for b in batches] == [3, 32, 32, 32, 32, 32, 32, 8]  # 3 x 300 <= 1024 < 4 x 300

@@ -118,7 +118,7 @@ def test_tokenizer_check_names_the_token_that_differs(tiny_model, swapped_ids_mo
 
 
 def test_self_draft_shares_the_targets_weights_and_a_draft_loads_once(tiny_model, tmp_path):
-    from mlxlocal.engine.spec_options import SpeculationChoice
+    from mlxlocal.engine import SpeculationChoice
 
     self_draft = SpeculationChoice("draft", str(tiny_model))
     first, reloaded = load_from_dir(tiny_model), load_from_dir(tiny_model)  # e.g. after a keep_alive unload
@@ -173,11 +173,10 @@ def test_prompt_lookup_json_fields_and_greedy_output(tiny_model):
 # --- chat /stats ----------------------------------------------------------------------------
 def test_chat_stats_show_acceptance(tiny_model):
     from mlxlocal.chat import ChatRepl
-    from mlxlocal.engine import SamplingParams
-    from mlxlocal.engine.spec_options import SpeculationChoice, open_engine_with
+    from mlxlocal.engine import SamplingParams, SpeculationChoice, open_engine
 
     options = {"max_num_seqs": 1, "speculative": SpeculationChoice("draft", str(tiny_model), 2)}
-    engine = open_engine_with(load_from_dir(tiny_model), options)
+    engine = open_engine(load_from_dir(tiny_model), **options)
     try:
         out = io.StringIO()
         repl = ChatRepl(engine, Console(file=out, width=300), params=SamplingParams(max_tokens=12, ignore_eos=True),

@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_util import running_server
 
-from mlxlocal.engine.spec_options import SpeculationChoice
+from mlxlocal.engine import SpeculationChoice
 from mlxlocal.server import ServerConfig
 from mlxlocal.server.banner import banner_text
 

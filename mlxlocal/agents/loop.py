@@ -45,8 +45,7 @@ from mlxlocal.agents.pruning import (
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
 from mlxlocal.compaction import CompactionPolicy
 from mlxlocal.compaction.spans import ConversationSpans
-from mlxlocal.engine import GenerationStats, Grammar, SamplingParams
-from mlxlocal.engine.contract import Engine
+from mlxlocal.engine import Engine, GenerationStats, Grammar, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.parse import OutputParser, new_call_id, starts_in_reasoning

@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from mlxlocal.agents.types import ToolInfo
-from mlxlocal.engine import SamplingParams
-from mlxlocal.engine.contract import Engine
+from mlxlocal.engine import Engine, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.formats import regex, with_reasoning

@@ -5,7 +5,7 @@ tokens a turn; a search over them picks the few the current sub-task needs. Two 
 
 1. Recall, over the whole catalog: BM25 (bm25s) on each tool's document (its name split into
    words, server, description, parameter names and descriptions, annotation title) plus
-   dense cosine similarity with an embedder (optional; mlxlocal.engine.embedding), fused by
+   dense cosine similarity with an embedder (optional; mlxlocal.embeddings), fused by
    min-max normalised score fusion. Measured against reciprocal rank fusion on the fixture
    set with all-MiniLM-L6-v2 (scripts/eval_tool_retrieval.py), score fusion kept more of the
    dense ranking's lead where BM25 has no evidence (a query sharing no word with any tool

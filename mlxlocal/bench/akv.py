@@ -34,7 +34,7 @@ from mlxlocal.bench.common import log
 from mlxlocal.bench.scenarios import SYSTEM_SENTENCES, TOOLS
 from mlxlocal.compaction import CompactionPolicy
 from mlxlocal.compaction.spans import ConversationSpans
-from mlxlocal.engine.base import REPLY_MARKER
+from mlxlocal.engine import REPLY_MARKER
 
 MODES = ("standard", "akv_drop", "akv_drop_reposition", "text")
 PLACEHOLDER = "[tool output removed from the context: call the tool again if it is needed]"

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any
 
-from mlxlocal.engine.embedding import DEFAULT_EMBED_MODEL, open_embedder
+from mlxlocal.embeddings import DEFAULT_EMBED_MODEL, open_embedder
 
 _WORDS = ("search the files for a function that reads the configuration and returns the model name "
           "then send an email to the team about the failing build on the main branch with the logs "

@@ -157,7 +157,7 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
             decode = statistics.fmean(r["per_stream_decode_tps"] for r in ours)
         weights, comm = loaded.info.weights.total_bytes, 0.0
         if getattr(loaded, "shard", None) is not None:  # under a launch: each rank's share, plus the links
-            from mlxlocal.engine.parallel import cluster_report
+            from mlxlocal.engine import cluster_report
 
             out["cluster"] = cluster = cluster_report(loaded, batch)
             weights, comm = cluster["weight_bytes"][0], cluster["comm_s_per_step"]
@@ -185,8 +185,7 @@ def kernels_used(loaded, d: dict, batch: int, scenario: str | None, concurrency:
                  kv: dict | None) -> dict:
     """Which path each decode op takes at the bench's largest batch (decided, and on Metal
     compiled and measured, before any timed run), with the mode and the choice cache file."""
-    from mlxlocal.engine import EngineConfig, kernel_plan
-    from mlxlocal.engine.kernels import kernel_status
+    from mlxlocal.engine import EngineConfig, kernel_plan, kernel_status
 
     seqs = max(batch, concurrency or (d["concurrency"] if scenario in ("concurrent", "sessions") else 1))
     return dict(kernel_status(), plan=kernel_plan(loaded, EngineConfig(max_num_seqs=seqs, **(kv or {}))))

@@ -79,7 +79,7 @@ def kernel_lines(k: dict) -> list[str]:
 
 
 def kernel_table(k: dict, title: str = "decode ops: path per op and shape") -> Table | None:
-    from mlxlocal.engine.kernels import describe_plan
+    from mlxlocal.engine import describe_plan
 
     if not k["plan"]:
         return None

@@ -85,20 +85,18 @@ def _run(engine, prompts: list[list[int]], params) -> dict:
 
 def speculative_bench(loaded, choice, *, gen_tokens: int, batches: tuple[int, ...] = (1,), repeats: int = 3,
                       warmup: int = 1) -> dict[str, Any]:
-    """choice: the SpeculationChoice (engine/spec_options.py) the speculative engine runs with."""
-    from mlxlocal.engine import SamplingParams, open_engine
-    from mlxlocal.engine.base import EngineBase
-    from mlxlocal.engine.spec_options import open_engine_with
+    """choice: the SpeculationChoice (mlxlocal.engine) the speculative engine runs with."""
+    from mlxlocal.engine import SamplingParams, open_engine, prompt_encoder
 
     top = max(batches)
-    chat = EngineBase(loaded)
+    chat = prompt_encoder(loaded)
     ids = prompt_ids(chat, chat.context_length - gen_tokens - choice.num_draft_tokens - 1)
     # Room for every stream's prompt, reply and a verify step's drafts.
     kv = top * (max(len(p) for p in ids.values()) + gen_tokens + choice.num_draft_tokens + 32)
     plain = open_engine(loaded, prefix_cache=False, max_num_seqs=top, kv_tokens=kv)
     spec = None
     try:
-        spec = open_engine_with(loaded, dict(prefix_cache=False, max_num_seqs=top, kv_tokens=kv, speculative=choice))
+        spec = open_engine(loaded, prefix_cache=False, max_num_seqs=top, kv_tokens=kv, speculative=choice)
         params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True, temperature=0)
         rows = []
         for b in batches:

@@ -99,7 +99,7 @@ def _main() -> None:
     if os.environ.get("MLX_RANK", "0") != "0":
         # A rank other than 0 of a launch (mlx.launch, launch-cluster): no front end of its
         # own, it repeats rank 0's steps on its shard of the model until rank 0 exits.
-        from mlxlocal.engine.parallel import follower_main
+        from mlxlocal.engine import follower_main
 
         sys.exit(follower_main())
     try:

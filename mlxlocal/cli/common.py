@@ -156,7 +156,7 @@ def speculation(draft_model: Optional[str], prompt_lookup: bool, num_draft_token
     """--draft-model / --prompt-lookup / --num-draft-tokens -> a SpeculationChoice (an engine
     option, put in `options` as "speculative" when given) or None; exits 2 naming the options
     when they do not go together."""
-    from mlxlocal.engine.spec_options import DEFAULT_DRAFT_TOKENS, SpeculationChoice
+    from mlxlocal.engine import DEFAULT_DRAFT_TOKENS, SpeculationChoice
 
     if draft_model is not None and prompt_lookup:
         fail("--draft-model and --prompt-lookup: give one drafter, not both", 2)

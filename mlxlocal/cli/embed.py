@@ -1,4 +1,4 @@
-"""`mlxlocal embed`: sentence embeddings from a BERT-family encoder (mlxlocal.engine.embedding)."""
+"""`mlxlocal embed`: sentence embeddings from a BERT-family encoder (mlxlocal.embeddings)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def embed(
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Inputs per forward"),
 ) -> None:
     """Embed texts with a sentence-embedding model; over-long inputs are truncated and reported."""
-    from mlxlocal.engine.embedding import open_embedder
+    from mlxlocal.embeddings import open_embedder
     from mlxlocal.errors import InputTooLongError
 
     inputs = list(texts or [])

@@ -79,9 +79,7 @@ def generate(
     num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
-    from mlxlocal.engine import KVPrecisionError
-    from mlxlocal.engine.base import EngineBase
-    from mlxlocal.engine.spec_options import open_engine_with
+    from mlxlocal.engine import KVPrecisionError, open_engine, prompt_encoder
     from mlxlocal.source.loader import load
 
     if prompt is None or prompt == "-":
@@ -99,7 +97,7 @@ def generate(
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens, options)
     try:
         loaded = load(model)
-        prompts = EngineBase(loaded)
+        prompts = prompt_encoder(loaded)
         if no_chat_template:
             text = (system + "\n\n" + prompt) if system else prompt
             ids = prompts.encode_text(text)
@@ -113,7 +111,7 @@ def generate(
         # One request: a pool just big enough for it (and a verify step's drafted tokens), unless
         # told otherwise.
         options.setdefault("kv_tokens", len(ids) + max_tokens + (spec.num_draft_tokens if spec else 0))
-        engine = open_engine_with(loaded, {"max_num_seqs": 1, **options})
+        engine = open_engine(loaded, **{"max_num_seqs": 1, **options})
         pieces: list[str] = []
         tokens: list[int] = []
         stats = None

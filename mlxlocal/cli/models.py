@@ -195,8 +195,7 @@ def print_kernel_paths(loaded) -> None:
     """Which path each decode op takes at the default engine settings (warm-up: on a Mac the
     kernels are compiled and, under auto, unknown shapes measured now)."""
     from mlxlocal.bench.report import kernel_lines, kernel_table
-    from mlxlocal.engine import EngineConfig, kernel_plan
-    from mlxlocal.engine.kernels import kernel_status
+    from mlxlocal.engine import EngineConfig, kernel_plan, kernel_status
 
     cfg = EngineConfig()
     k = dict(kernel_status(), plan=kernel_plan(loaded, cfg))

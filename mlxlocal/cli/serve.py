@@ -95,7 +95,7 @@ def serve(
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
     from mlxlocal.agents.pruning import parse_max_tools
     from mlxlocal.compaction.policy import parse_policy
-    from mlxlocal.engine.embedding import is_embedding_spec
+    from mlxlocal.embeddings import is_embedding_spec
     from mlxlocal.server import ServerConfig
     from mlxlocal.server.banner import run_server
     from mlxlocal.server.registry import assign_names

@@ -130,7 +130,7 @@ def _index(catalog, embed_model: Optional[str], model: Optional[str], stage1_onl
     embedder = reranker = None
     try:
         if embed_model:
-            from mlxlocal.engine.embedding import open_embedder
+            from mlxlocal.embeddings import open_embedder
 
             embedder = open_embedder(embed_model)
         if model and not stage1_only:  # stage 1 alone never asks the model: do not load it

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxlocal.engine.types import CacheEdit
+from mlxlocal.engine import CacheEdit
 
 Span = tuple[int, int]
 

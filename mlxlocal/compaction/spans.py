@@ -41,8 +41,7 @@ from typing import Any
 
 from mlxlocal.compaction.plan import PlanError, Span, think_span, to_edits
 from mlxlocal.compaction.policy import CompactionPolicy
-from mlxlocal.engine.base import REPLY_MARKER
-from mlxlocal.engine.types import CacheEdit
+from mlxlocal.engine import REPLY_MARKER, CacheEdit
 
 
 def _render(engine, messages: list[dict], tools: list[dict] | None, kwargs: dict,

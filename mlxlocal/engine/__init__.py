@@ -10,16 +10,25 @@ from __future__ import annotations
 from mlxlocal.cache import KVPools
 from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.cache.quantized import KVPrecisionError
+from mlxlocal.engine.base import REPLY_MARKER, EngineBase
 from mlxlocal.engine.config import EngineConfig
 from mlxlocal.engine.contract import STATS_KEYS, Engine, EngineSession
 from mlxlocal.engine.handle import EngineDeadError, RequestHandle
-from mlxlocal.engine.kernels import kernel_plan
-from mlxlocal.engine.paged import CapacityError, PagedEngine
-from mlxlocal.engine.parallel import cluster_problem
+from mlxlocal.engine.kernels import describe_plan, kernel_plan, kernel_status
+from mlxlocal.engine.paged import CapacityError, PagedEngine, QueueFullError
+from mlxlocal.engine.parallel import cluster_problem, cluster_report, follower_main
 from mlxlocal.engine.profile import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
 from mlxlocal.engine.runner import NotPageable, make_runner
+from mlxlocal.engine.scoring import PagedScorer
 from mlxlocal.engine.simple import SimpleEngine
+from mlxlocal.engine.spec_options import (
+    DEFAULT_DRAFT_TOKENS,
+    SpeculationChoice,
+    SpeculationError,
+    speculation_of,
+)
 from mlxlocal.engine.types import (
+    MAX_STOP_STRINGS,
     CacheEdit,
     Chunk,
     GenerationStats,
@@ -31,19 +40,37 @@ from mlxlocal.errors import EngineOptionError
 from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
-    "EVAL_PHASES", "HOST_PHASES", "PHASES", "STATS_KEYS", "CacheEdit", "CapacityError", "Chunk", "Engine", "EngineConfig", "EngineDeadError", "EngineSession",
-    "GenerationStats", "Grammar", "KVPrecisionError", "PagedEngine", "RequestHandle", "SamplingParams", "SimpleEngine", "SpeculativeConfig", "StepProfile", "cluster_problem", "engine_kind",
-    "kernel_plan", "kv_bytes_per_token",
-    "open_engine",
+    "CacheEdit", "CapacityError", "Chunk", "DEFAULT_DRAFT_TOKENS", "EVAL_PHASES", "Engine",
+    "EngineConfig", "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats",
+    "Grammar", "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "NotPageable", "PHASES",
+    "PagedEngine", "PagedScorer", "QueueFullError", "REPLY_MARKER", "RequestHandle", "STATS_KEYS",
+    "SamplingParams", "SimpleEngine", "SpeculationChoice", "SpeculationError", "SpeculativeConfig",
+    "StepProfile", "cluster_problem", "cluster_report", "describe_plan", "engine_kind",
+    "follower_main", "kernel_plan", "kernel_status", "kv_bytes_per_token", "open_engine",
+    "prompt_encoder", "speculation_of",
 ]
 
 
 def open_engine(loaded: LoadedModel, **config) -> Engine:
     """The engine for a loaded model; keyword arguments are EngineConfig fields.
 
-    Every model whose cache the paged engine can hold runs on it; the rest (a cache type
-    it does not know) on the one-sequence dense engine, with the reason in `paged_reason`.
+    A SpeculationChoice under "speculative" (what --draft-model / --prompt-lookup ask for) is
+    resolved for this model first; the engine's refusal of it (a model on the dense engine, a
+    draft vocabulary it cannot verify) is then a SpeculationError, said as one line.
     """
+    choice = config.get("speculative")
+    if not isinstance(choice, SpeculationChoice):
+        return _open(loaded, config)
+    spec = choice.config_for(loaded)
+    try:
+        return _open(loaded, {**config, "speculative": spec})
+    except ValueError as e:
+        raise SpeculationError(f"{loaded.info.name}: speculative decoding ({choice.describe()}): {e}") from None
+
+
+def _open(loaded: LoadedModel, config: dict) -> Engine:
+    """Every model whose cache the paged engine can hold runs on it; the rest (a cache type
+    it does not know) on the one-sequence dense engine, with the reason in `paged_reason`."""
     try:
         runner = make_runner(loaded)
     except NotPageable as e:
@@ -73,6 +100,12 @@ def kv_bytes_per_token(loaded: LoadedModel, group_size: int = 64) -> dict[str, i
         except ValueError as e:
             out[label] = str(e)
     return out
+
+
+def prompt_encoder(loaded: LoadedModel) -> EngineBase:
+    """Prompt encoding (encode_chat / encode_text / decode) for a loaded model without an
+    engine: to size one for its prompt before its KV pools are allocated."""
+    return EngineBase(loaded)
 
 
 def engine_kind(loaded: LoadedModel) -> str:

@@ -1,10 +1,11 @@
 """What a front end's --draft-model / --prompt-lookup / --num-draft-tokens ask for, made into
 the engine's SpeculativeConfig for a loaded target model.
 
-The CLI, the chat REPL, the agent loop, the server's registry and bench open engines through
-`open_engine_with(loaded, options)`: a `SpeculationChoice` in the options is resolved for that
-target (the draft loaded once and kept for later targets: chat's /model, the server's reloads
-after keep_alive), its tokenizer checked against the target's before any engine starts.
+The CLI, the chat REPL, the agent loop, the server's registry and bench pass a
+`SpeculationChoice` to `open_engine(loaded, speculative=...)` (the package's), which resolves
+it for that target (the draft loaded once and kept for later targets: chat's /model, the
+server's reloads after keep_alive), its tokenizer checked against the target's before any
+engine starts.
 """
 
 from __future__ import annotations
@@ -67,22 +68,6 @@ class SpeculationChoice:
 class SpeculationError(ModelLoadError):
     """Speculative decoding asked of a model that cannot do it (the dense engine, a draft the
     engine refuses): said when the engine opens, as one line, like a load error."""
-
-
-def open_engine_with(loaded: LoadedModel, options: dict):
-    """open_engine(loaded, **options) with a SpeculationChoice under "speculative" made into
-    the engine's SpeculativeConfig for this model. The engine's refusal of speculation (a
-    model on the dense engine, a draft vocabulary it cannot verify) is a SpeculationError."""
-    from mlxlocal.engine import open_engine
-
-    choice = options.get("speculative")
-    if not isinstance(choice, SpeculationChoice):
-        return open_engine(loaded, **options)
-    config = choice.config_for(loaded)
-    try:
-        return open_engine(loaded, **{**options, "speculative": config})
-    except ValueError as e:
-        raise SpeculationError(f"{loaded.info.name}: speculative decoding ({choice.describe()}): {e}") from None
 
 
 def speculation_of(options: dict) -> SpeculationChoice | None:

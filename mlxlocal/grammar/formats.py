@@ -8,7 +8,7 @@ import json
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import any_to_lark
 
-from mlxlocal.engine.types import Grammar
+from mlxlocal.engine import Grammar
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.schema import compile_checked
 

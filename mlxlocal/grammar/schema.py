@@ -37,7 +37,7 @@ import jsonschema
 from jsonschema.validators import validator_for
 from llguidance import LLMatcher
 
-from mlxlocal.engine.types import Grammar
+from mlxlocal.engine import Grammar
 from mlxlocal.grammar.errors import GrammarError
 
 # A request's schema at most (a 400 naming the field beyond): OpenAI's structured outputs

@@ -42,7 +42,7 @@ from typing import Any
 
 from llguidance import LLMatcher, regex_to_lark
 
-from mlxlocal.engine.types import Grammar
+from mlxlocal.engine import Grammar
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.formats import with_reasoning
 from mlxlocal.grammar.schema import strict_schema

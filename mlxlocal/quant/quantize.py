@@ -236,13 +236,12 @@ def perplexity(loaded, text: str, seq_len: int = 512, batch_size: int = 8,
                on_batch: Callable[[int, int], None] | None = None, kv_bits: int | None = None,
                kv_group_size: int = 64) -> PerplexityResult:
     """With kv_bits, the windows run through the paged engine's pools quantized as the engine
-    stores them (quant/kv_perplexity.py); else through the model's own dense cache."""
+    stores them (engine/scoring.py); else through the model's own dense cache."""
     ids = loaded.tokenizer.encode(text)
     data = perplexity_windows(ids, seq_len)
     forward = lambda batch: loaded.model(batch, loaded.make_cache())  # noqa: E731
     if kv_bits is not None:
-        from mlxlocal.engine.runner import NotPageable
-        from mlxlocal.quant.kv_perplexity import PagedScorer
+        from mlxlocal.engine import NotPageable, PagedScorer
 
         try:
             forward = PagedScorer(loaded, min(batch_size, data.shape[0]), data.shape[1] - 1, kv_bits,

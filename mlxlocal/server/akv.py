@@ -26,7 +26,7 @@ from fastapi import Request
 
 from mlxlocal.compaction import DropPlan, PlanError, parse_drop_message, parse_reposition, to_edits
 from mlxlocal.compaction.spans import message_spans, think_spans
-from mlxlocal.engine.types import CacheEdit
+from mlxlocal.engine import CacheEdit
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.validation import tokenize
 

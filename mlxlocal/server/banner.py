@@ -13,8 +13,7 @@ from rich.text import Text
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxlocal import __version__
-from mlxlocal.engine import Engine
-from mlxlocal.engine.spec_options import speculation_of
+from mlxlocal.engine import Engine, speculation_of
 from mlxlocal.server.app import ServerConfig, create_app
 from mlxlocal.server.registry import ModelRegistry
 from mlxlocal.units import human_bytes

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 
-from mlxlocal.engine import Chunk, SamplingParams
-from mlxlocal.engine.types import GenerationStats
+from mlxlocal.engine import Chunk, GenerationStats, SamplingParams
 from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
 from mlxlocal.server import generation
 from mlxlocal.server.akv import CacheUse

@@ -24,8 +24,7 @@ import json
 from typing import Any
 
 from mlxlocal import grammar
-from mlxlocal.engine import SamplingParams
-from mlxlocal.engine.types import Grammar
+from mlxlocal.engine import Grammar, SamplingParams
 from mlxlocal.grammar.parse import starts_in_reasoning
 from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError

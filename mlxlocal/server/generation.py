@@ -11,8 +11,14 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from mlxlocal.engine import CapacityError, Chunk, Engine, EngineDeadError, SamplingParams
-from mlxlocal.engine.paged import QueueFullError
+from mlxlocal.engine import (
+    CapacityError,
+    Chunk,
+    Engine,
+    EngineDeadError,
+    QueueFullError,
+    SamplingParams,
+)
 from mlxlocal.errors import ContextLengthError, NonFiniteLogitsError
 from mlxlocal.server import akv, lanes
 from mlxlocal.server.errors import RETRY_AFTER, APIError

@@ -27,8 +27,7 @@ from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
 from mlxlocal import __version__
-from mlxlocal.engine import EngineDeadError, SamplingParams
-from mlxlocal.engine.types import MAX_STOP_STRINGS
+from mlxlocal.engine import MAX_STOP_STRINGS, EngineDeadError, SamplingParams
 from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
 from mlxlocal.server import embeddings_api, generation
 from mlxlocal.server.errors import APIError

@@ -14,10 +14,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxlocal.engine import Engine, cluster_problem
-from mlxlocal.engine.base import in_own_thread
-from mlxlocal.engine.spec_options import open_engine_with, speculation_of
+from mlxlocal.engine import Engine, cluster_problem, open_engine, speculation_of
 from mlxlocal.errors import MlxLocalError
+from mlxlocal.mlx_thread import in_own_thread
 from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.model_cards import capabilities_of
@@ -162,7 +161,7 @@ class ServedModel:
 
 @dataclass
 class ServedEmbedder:
-    """An embedding model (engine/embedding.py): served by /v1/embeddings, /api/embed and the
+    """An embedding model (mlxlocal/embeddings.py): served by /v1/embeddings, /api/embed and the
     MCP `embed` tool, never by the chat routes. Small, so it stays loaded (no keep_alive)."""
 
     name: str
@@ -269,7 +268,7 @@ class ModelRegistry:
         e = self.find_embedder(name)
         async with e.lock:
             if e.engine is None:
-                from mlxlocal.engine.embedding import open_embedder
+                from mlxlocal.embeddings import open_embedder
 
                 try:
                     e.engine = await asyncio.to_thread(in_own_thread, open_embedder, e.spec)
@@ -284,7 +283,7 @@ class ModelRegistry:
 
         # On a thread of its own that clears its MLX streams: a pooled one would keep them
         # to interpreter exit, where MLX may abort the process.
-        return in_own_thread(lambda: open_engine_with(load(spec), self.engine_options))
+        return in_own_thread(lambda: open_engine(load(spec), **self.engine_options))
 
     def make_room(self, engine: Engine, need: int, keep: Any = None) -> list:
         """Idle sessions on `engine` to free (reset them) before a request that needs `need`

@@ -18,7 +18,7 @@ grammar's optional form); without strict tools auto is left unconstrained.
 
 from __future__ import annotations
 
-from mlxlocal.engine.types import Grammar
+from mlxlocal.engine import Grammar
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.parse import starts_in_reasoning
 from mlxlocal.grammar.tools import tool_calls

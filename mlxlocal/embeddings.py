@@ -33,7 +33,6 @@ import mlx.core as mx
 import numpy as np
 
 from mlxlocal import heap
-from mlxlocal.engine.base import WORKER_STREAM
 from mlxlocal.errors import (
     EmbeddingBusyError,
     EmbeddingCancelled,
@@ -42,6 +41,7 @@ from mlxlocal.errors import (
     ModelNotFoundError,
     TokenBudgetError,
 )
+from mlxlocal.mlx_thread import WORKER_STREAM
 from mlxlocal.models import bert
 
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
