@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -300,35 +299,46 @@ def test_serve_under_mlx_launch_answers_openai(tiny_model):
         assert r.choices[0].message.content == json.loads(one.stdout)["text"] and r.usage.completion_tokens == 8
 
 
-def _stream_until_error(client, tiny_model: Path) -> tuple[float, str]:
-    stream = client.chat.completions.create(model=tiny_model.name, max_tokens=4000, temperature=0, stream=True,
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> Path:
+    """The tiny qwen3 with an 8k context: a 4000-token stream outlasts the follower's loss (at
+    512 tokens the stream could end before the signal landed, and nothing was lost)."""
+    return build_tiny(tmp_path_factory.mktemp("long") / "qwen3",
+                      dict(FAMILY_CONFIGS["qwen3"], max_position_embeddings=8192), template=TEMPLATES["qwen3"])
+
+
+def _stream_until_error(client, model: Path, lose) -> tuple[float, str]:
+    """Streams until the server ends the stream with an error; `lose()` runs on the first chunk."""
+    stream = client.chat.completions.create(model=model.name, max_tokens=4000, temperature=0, stream=True,
                                             messages=[{"role": "user", "content": "go on"}],
                                             extra_body={"ignore_eos": True})
     t0 = time.monotonic()
     with pytest.raises(openai.APIError) as e:
-        for _ in stream:
-            pass
+        for i, _ in enumerate(stream):
+            if i == 0:
+                lose()
+                t0 = time.monotonic()
     return time.monotonic() - t0, str(e.value)
 
 
 @pytest.mark.parametrize("how,split", [("killed", []), ("stopped", []), ("killed", ["--pp"])])
-def test_a_lost_rank_ends_requests_and_health_says_why(tiny_model, how, split):
+def test_a_lost_rank_ends_requests_and_health_says_why(long_model, how, split):
     """launch-cluster serve (heads, or --pp layers): a follower killed (its sockets close) or
     stopped (SIGSTOP: nothing closes, as when a link drops) mid-stream ends that stream with the
     reason within seconds; /health then answers 503 with it and later requests fail within
     seconds (nothing hangs)."""
     launcher = [PYTHON, "-m", "mlxlocal", "launch-cluster", "-n", "2", *split, "--"]
     reason = "a rank of the cluster is gone" if how == "killed" else "did not answer within 3 s"
-    with served(tiny_model, launcher, MLXLOCAL_CLUSTER_TIMEOUT="3") as (base, follower):
-        client, _ = ask(base, tiny_model)
-        threading.Timer(0.5, os.kill, (follower, signal.SIGKILL if how == "killed" else signal.SIGSTOP)).start()
-        seconds, error = _stream_until_error(client, tiny_model)
+    with served(long_model, launcher, MLXLOCAL_CLUSTER_TIMEOUT="3") as (base, follower):
+        client, _ = ask(base, long_model)
+        lose = lambda: os.kill(follower, signal.SIGKILL if how == "killed" else signal.SIGSTOP)  # noqa: E731
+        seconds, error = _stream_until_error(client, long_model, lose)
         assert reason in error and seconds < 30, (seconds, error)
         health = httpx.get(base + "/health", timeout=5)
         assert health.status_code == 503 and reason in health.json()["reason"]
         t0 = time.monotonic()
         with pytest.raises(openai.InternalServerError, match=reason):
-            ask(base, tiny_model)
+            ask(base, long_model)
         assert time.monotonic() - t0 < 20
         if how == "stopped":
             os.kill(follower, signal.SIGKILL)
