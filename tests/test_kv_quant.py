@@ -24,8 +24,8 @@ from mlxlocal.cache import KVPools, KVShape, StepBatch
 from mlxlocal.cli import app
 from mlxlocal.engine import (
     CacheEdit,
-    CapacityError,
     EngineConfig,
+    OutOfCapacity,
     PagedEngine,
     SamplingParams,
     open_engine,
@@ -392,7 +392,7 @@ def test_same_memory_holds_more_blocks_and_sequences(native):
     # One long request: refused unquantized, served at 8 bits in the same memory.
     long = [(i * 7 + 3) % 300 for i in range(300)]
     fp = engine(native, kv_blocks=None, kv_memory=budget)
-    with pytest.raises(CapacityError):
+    with pytest.raises(OutOfCapacity):
         fp.submit(long, SamplingParams(max_tokens=4))
     fp.shutdown()
     # Four concurrent sequences of 4 blocks each: preempted unquantized, all resident at 4 bits.

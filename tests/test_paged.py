@@ -14,7 +14,7 @@ from engine_util import assert_no_leak, idle
 from mlx_lm.generate import generate_step
 
 from mlxlocal.cache import BlockManager, OutOfBlocks, RadixCache
-from mlxlocal.engine import CapacityError, PagedEngine, SamplingParams, open_engine
+from mlxlocal.engine import OutOfCapacity, PagedEngine, SamplingParams, open_engine
 from mlxlocal.source.loader import load_from_dir
 
 BS = 16
@@ -484,7 +484,7 @@ def test_async_stream(make_engine):
 # --- 11. errors -------------------------------------------------------------------------------------
 def test_capacity_error_at_submit(make_engine):
     eng = make_engine(kv_blocks=2)
-    with pytest.raises(CapacityError):
+    with pytest.raises(OutOfCapacity):
         eng.submit(prompt_of(40), greedy_params(4))
     assert len(tokens_of(eng.submit(prompt_of(20), greedy_params(4)))) == 4
 

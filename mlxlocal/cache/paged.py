@@ -41,6 +41,8 @@ class KVPools:
     quantized as they are written and dequantized as they are read.
     """
 
+    editable = True  # cache edits move rows; a cluster's mirrored pools refuse them
+
     def __init__(self, shapes: list[KVShape], num_blocks: int, block_size: int, dtype: mx.Dtype,
                  windowed: list[bool] | None = None, window_blocks: int = 0,
                  bits: int | None = None, group_size: int = 64):

@@ -13,9 +13,10 @@ from mlxlocal.cache.quantized import KVPrecisionError
 from mlxlocal.engine.base import REPLY_MARKER, EngineBase
 from mlxlocal.engine.config import EngineConfig
 from mlxlocal.engine.contract import STATS_KEYS, Engine, EngineSession
-from mlxlocal.engine.handle import EngineDeadError, RequestHandle
+from mlxlocal.engine.errors import EngineDeadError, OutOfCapacity, QueueFull, SessionBusy
+from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.kernels import describe_plan, kernel_plan, kernel_status
-from mlxlocal.engine.paged import CapacityError, PagedEngine, QueueFullError
+from mlxlocal.engine.paged import PagedEngine
 from mlxlocal.engine.parallel import cluster_problem, cluster_report, follower_main
 from mlxlocal.engine.profile import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
 from mlxlocal.engine.runner import NotPageable, make_runner
@@ -40,14 +41,14 @@ from mlxlocal.errors import EngineOptionError
 from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
-    "CacheEdit", "CapacityError", "Chunk", "DEFAULT_DRAFT_TOKENS", "EVAL_PHASES", "Engine",
-    "EngineConfig", "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats",
-    "Grammar", "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "NotPageable", "PHASES",
-    "PagedEngine", "PagedScorer", "QueueFullError", "REPLY_MARKER", "RequestHandle", "STATS_KEYS",
-    "SamplingParams", "SimpleEngine", "SpeculationChoice", "SpeculationError", "SpeculativeConfig",
-    "StepProfile", "cluster_problem", "cluster_report", "describe_plan", "engine_kind",
-    "follower_main", "kernel_plan", "kernel_status", "kv_bytes_per_token", "open_engine",
-    "prompt_encoder", "speculation_of",
+    "CacheEdit", "Chunk", "DEFAULT_DRAFT_TOKENS", "EVAL_PHASES", "Engine", "EngineConfig",
+    "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats", "Grammar",
+    "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "NotPageable", "OutOfCapacity",
+    "PHASES", "PagedEngine", "PagedScorer", "QueueFull", "REPLY_MARKER", "RequestHandle",
+    "STATS_KEYS", "SamplingParams", "SessionBusy", "SimpleEngine", "SpeculationChoice",
+    "SpeculationError", "SpeculativeConfig", "StepProfile", "cluster_problem", "cluster_report",
+    "describe_plan", "engine_kind", "follower_main", "kernel_plan", "kernel_status",
+    "kv_bytes_per_token", "open_engine", "prompt_encoder", "speculation_of",
 ]
 
 

@@ -18,7 +18,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_step_tokens: int = 512  # per-step token budget: decodes + one prefill chunk
     prefix_cache: bool = True
-    max_waiting: int = 256  # requests queued beyond this are refused (QueueFullError)
+    max_waiting: int = 256  # requests queued beyond this are refused (QueueFull)
     speculative: SpeculativeConfig | None = None  # draft tokens and verify them in one forward
     kv_bits: int | None = None  # 8 or 4: K/V stored quantized in the pools (None: model dtype)
     kv_group_size: int = 64  # elements sharing one scale and bias in quantized K/V

@@ -13,16 +13,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from mlxlocal.engine.errors import EngineDeadError
 from mlxlocal.engine.types import Chunk
-from mlxlocal.errors import MlxLocalError
 
 # How often a waiting consumer checks that its engine still runs: the engine wakes its
 # consumers itself when it stops, so this only bounds a wait if that never happens.
 LIVENESS_POLL_S = 0.5
-
-
-class EngineDeadError(MlxLocalError):
-    """The engine has stopped (a fault, or shutdown): it serves no more requests (HTTP 503)."""
 
 
 def _done(item: Chunk | BaseException) -> bool:

@@ -19,47 +19,39 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from mlxlocal.cache import BlockManager, KVPools
+from mlxlocal.cache import BlockManager
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine import constraint, sampling
 from mlxlocal.engine import edits as cache_edits
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.config import EngineConfig, size_pools
-from mlxlocal.engine.handle import EngineDeadError, Outbox, RequestHandle
+from mlxlocal.engine.errors import EngineDeadError, OutOfCapacity, QueueFull
+from mlxlocal.engine.handle import Outbox, RequestHandle
 from mlxlocal.engine.kernels import warm_up
 from mlxlocal.engine.output import Output
 from mlxlocal.engine.profile import StepProfile
 from mlxlocal.engine.reuse import PrefixReuse
-from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, make_runner
+from mlxlocal.engine.runner import Runner, make_runner
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
 from mlxlocal.engine.speculative import ModelDrafter, Speculator
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
-from mlxlocal.errors import FatalEngineError, MlxLocalError, NonFiniteLogitsError
+from mlxlocal.errors import FatalEngineError, NonFiniteLogitsError
 from mlxlocal.source.loader import LoadedModel
 
 log = logging.getLogger("mlxlocal.engine")
 
 
-class CapacityError(MlxLocalError):
-    """A request that cannot fit the KV pool even when it runs alone."""
-
-
-class QueueFullError(MlxLocalError):
-    """Too many requests waiting: the caller should retry later (HTTP 429)."""
-
-
 class PagedEngine(EngineBase):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
-                 runner: NativeRunner | MlxLmRunner | None = None):
+                 runner: Runner | None = None):
         super().__init__(loaded)
         self.config = cfg = config or EngineConfig()
         self.runner = runner = runner or make_runner(loaded)
-        if hasattr(runner, "on_lost"):  # tensor parallel: ranks that stop answering stop the engine
-            runner.on_lost = self._die
+        runner.on_lost = self._die  # tensor parallel: ranks that stop answering stop the engine
         bs = cfg.block_size
         spec = cfg.speculative
         drafter = ModelDrafter(spec.draft, loaded) if spec is not None and spec.method == "draft" else None
@@ -67,8 +59,7 @@ class PagedEngine(EngineBase):
         self.num_blocks, window_blocks, window = size.num_blocks, size.window_blocks, size.window
         windowed = [w is not None for w in runner.windows]
         q = dict(bits=cfg.kv_bits, group_size=cfg.kv_group_size)
-        new_pools = getattr(runner, "new_pools", KVPools)  # tensor parallel: pools that tell the followers
-        self.pools = new_pools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks, **q)
+        self.pools = runner.new_pools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks, **q)
         self.blocks = BlockManager(self.num_blocks, bs, cfg.prefix_cache)
         self.windows = WindowBlocks(window_blocks, bs, window) if window else None
         snapshots = None
@@ -125,12 +116,12 @@ class PagedEngine(EngineBase):
         constraint = self.constraint(params)
         need = -(-(peak + 1) // self.config.block_size)
         if need > self.num_blocks:
-            raise CapacityError(
+            raise OutOfCapacity(
                 f"prompt of {len(prompt)} tokens needs {need} KV blocks; the pool holds "
                 f"{self.num_blocks} (raise --kv-cache-memory)"
             )
         if self._queued >= self.config.max_waiting:
-            raise QueueFullError(f"{self._queued} requests are already waiting (limit {self.config.max_waiting})")
+            raise QueueFull(f"{self._queued} requests are already waiting (limit {self.config.max_waiting})")
         if self.dead_reason is not None:
             raise self._dead_error()
         if session is not None:
@@ -167,7 +158,7 @@ class PagedEngine(EngineBase):
         if any(self.pools.windowed) or self.runner.recurrent:
             raise ValueError("cache edits are not supported for models with sliding-window or recurrent "
                              f"layers ({self.info.name}): their state cannot drop a span")
-        if not getattr(self.pools, "editable", True):
+        if not self.pools.editable:
             raise ValueError("cache edits are not supported under tensor parallelism (--tp)")
         if any(e.reposition for e in edits) and self._rotator is None:
             self._rotator = cache_edits.Rotator(self.runner.model)
@@ -230,7 +221,7 @@ class PagedEngine(EngineBase):
                 log.warning("engine thread still busy after %.1f s; failing its requests", timeout)
         # Idempotent; if the thread is stuck in a long step it stops at its next loop turn.
         self._die("the engine was shut down")
-        if (thread is None or not thread.is_alive()) and hasattr(self.runner, "close"):
+        if thread is None or not thread.is_alive():
             self.runner.close()  # tensor parallel: the followers' loops end too
 
     def _dead_error(self) -> EngineDeadError:

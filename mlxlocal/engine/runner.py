@@ -11,6 +11,8 @@ boundaries for hybrid SSM models.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -116,10 +118,50 @@ def step_inputs(seqs: list[Sequence], starts: list[int], n: int) -> mx.array:
     return mx.array([s.tokens[p : p + n] for s, p in zip(seqs, starts)])
 
 
-class NativeRunner:
+class Runner(Protocol):
+    """What the paged engine drives: one forward over the paged pools per step. The last
+    three members are the cluster's: a leader runner (parallel.py, pipeline.py) mirrors its
+    pools to the followers and stops the engine through `on_lost` when a rank stops answering."""
+
+    model: Any
+    shapes: list[KVShape]
+    windows: list[int | None]
+    dtype: mx.Dtype
+    recurrent: bool  # hybrid models: per-sequence states, snapshotted at block boundaries
+    state_bytes: int  # one sequence's recurrent state (0 without)
+    snapshots: StateSnapshots | None  # set by the engine, which knows the memory budget
+
+    def forward(self, pools: KVPools, seqs: list[Sequence], n: int) -> mx.array: ...
+
+    def run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], inputs: mx.array,
+            every: bool = False) -> mx.array: ...
+
+    def state(self, seqs: list[Sequence]) -> list[mx.array]: ...
+
+    on_lost: Callable[[str], None] | None
+
+    def new_pools(self, *args, **kwargs) -> KVPools: ...
+
+    def close(self) -> None: ...
+
+
+class OneRank:
+    """The cluster members of a runner on one process: plain pools, nobody to lose."""
+
+    on_lost: Callable[[str], None] | None = None
+
+    def new_pools(self, *args, **kwargs) -> KVPools:
+        return KVPools(*args, **kwargs)
+
+    def close(self) -> None:
+        pass
+
+
+class NativeRunner(OneRank):
     """Our own models: each layer attends straight from the pools (paged attention)."""
 
     recurrent = False
+    state_bytes = 0
     snapshots: StateSnapshots | None = None
 
     def __init__(self, model, shapes: list[KVShape], windows: list[int | None]):
@@ -143,7 +185,7 @@ class NativeRunner:
         return []
 
 
-class MlxLmRunner:
+class MlxLmRunner(OneRank):
     """mlx-lm's model code on the paged pools; recurrent layers' states held per sequence."""
 
     def __init__(self, model, layout: CacheLayout):
@@ -215,7 +257,7 @@ def layer_windows(mc) -> list[int | None]:
     return [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
 
 
-def make_runner(loaded) -> NativeRunner | MlxLmRunner:
+def make_runner(loaded) -> Runner:
     """The runner for a loaded model; raises NotPageable when its cache cannot be paged."""
     mc = loaded.model_config
     kind = loaded.shard.plan.kind if getattr(loaded, "shard", None) is not None else None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from mlxlocal.engine.errors import SessionBusy
+
 
 def common_prefix(held: list[int], prompt: list[int]) -> int:
     """Leading tokens `held` shares with `prompt`, at most len(prompt) - 1."""
@@ -34,7 +36,7 @@ class Session(ABC):
     def claim(self) -> None:
         """Start a turn: a session runs one request at a time."""
         if self.busy:
-            raise ValueError("this session is already generating")
+            raise SessionBusy()
         self.busy = True
 
     @abstractmethod

@@ -18,7 +18,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.constraint import Constraint, allowed_tokens
-from mlxlocal.engine.handle import EngineDeadError, RequestHandle
+from mlxlocal.engine.errors import EngineDeadError
+from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.output import Output
 from mlxlocal.engine.sampling import Sampler, mask_logprobs
 from mlxlocal.engine.session import Session, common_prefix

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from mlxlocal.engine import (
-    CapacityError,
     Chunk,
     Engine,
     EngineDeadError,
-    QueueFullError,
+    OutOfCapacity,
+    QueueFull,
     SamplingParams,
+    SessionBusy,
 )
 from mlxlocal.errors import ContextLengthError, NonFiniteLogitsError
 from mlxlocal.server import akv, lanes
@@ -25,7 +26,6 @@ from mlxlocal.server.errors import RETRY_AFTER, APIError
 from mlxlocal.server.metrics import Metrics
 
 log = logging.getLogger("mlxlocal.server")
-BUSY = "this session is already generating"  # Session.claim's refusal
 
 
 def _busy(session_id: str) -> APIError:
@@ -54,7 +54,7 @@ def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyn
         try:
             handle = engine.submit(prompt, params, loop=loop, **extra)
         except ValueError as e:
-            if not edits or cache.field is not None or session is not None and BUSY in str(e):
+            if not edits or cache.field is not None or isinstance(e, SessionBusy):
                 raise
             # The server's --kv-compact policy on a model or engine that cannot edit its cache
             # (the engine says why): the request runs uncompacted rather than failing.
@@ -62,13 +62,13 @@ def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyn
             handle = engine.submit(prompt, params, loop=loop, **({"session": session} if session is not None else {}))
     except ContextLengthError as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
-    except QueueFullError as e:
+    except QueueFull as e:
         raise APIError(429, f"server busy: {e}; retry later", headers={"Retry-After": RETRY_AFTER}) from None
-    except CapacityError as e:
+    except OutOfCapacity as e:
         raise APIError(400, str(e)) from None
+    except SessionBusy:  # a second request raced to the same session
+        raise _busy(cache.session_id) from None
     except ValueError as e:
-        if session is not None and BUSY in str(e):  # a second request raced to the same session
-            raise _busy(cache.session_id) from None
         field = cache.field if cache is not None and edits else None
         raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
     except EngineDeadError as e:  # the registry restarts it on the next request
