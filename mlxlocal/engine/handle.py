@@ -10,7 +10,7 @@ import asyncio
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
 from mlxlocal.engine.errors import EngineDeadError
@@ -50,7 +50,7 @@ class Outbox:
 
     def post(self, handle: RequestHandle) -> None:
         with self._lock:
-            if not handle._posted:
+            if not handle._posted and handle._loop is not None:  # outboxes serve loop handles only
                 handle._posted = True
                 self._due.setdefault(handle._loop, []).append(handle)
 
@@ -101,6 +101,7 @@ class RequestHandle:
         if self._outbox is not None:
             self._outbox.post(self)
             return
+        assert self._loop is not None  # a handle without a loop has its queue (_out)
         try:  # no outbox (a worker thread per request): wake the loop now
             self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the consumer's event loop is closed: nobody reads this
@@ -151,7 +152,7 @@ class RequestHandle:
             if not done:  # the consumer walked away: free the request's resources
                 self.cancel()
 
-    async def batches(self, idle: float | None = None) -> AsyncIterator[list[Chunk] | None]:
+    async def batches(self, idle: float | None = None) -> AsyncGenerator[list[Chunk] | None, None]:
         """The chunks, as lists: all that arrived by each wake-up (one engine step's, unless
         the loop fell behind). With `idle`, also None each time none came for `idle` seconds
         (a front end's cue for a keep-alive while the prompt prefills)."""
@@ -185,7 +186,7 @@ class RequestHandle:
                             quiet_since = clock()
                             yield None
                         continue
-                batch = []
+                batch: list[Chunk] = []
                 for item in items:
                     if isinstance(item, BaseException):
                         if batch:  # what came before the error first
@@ -201,7 +202,7 @@ class RequestHandle:
             if not done:
                 self.cancel()
 
-    async def astream(self, idle: float | None = None) -> AsyncIterator[Chunk | None]:
+    async def astream(self, idle: float | None = None) -> AsyncGenerator[Chunk | None, None]:
         """batches(), one chunk at a time."""
         batches = self.batches(idle)
         try:
