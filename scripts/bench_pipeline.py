@@ -20,9 +20,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mlxlocal.distributed.channel import world  # noqa: E402
+from mlxlocal.distributed.follower import Follower  # noqa: E402
 from mlxlocal.engine import SamplingParams, open_engine  # noqa: E402
-from mlxlocal.engine.parallel import Follower  # noqa: E402
-from mlxlocal.models.parallel import world  # noqa: E402
 from mlxlocal.source.loader import load  # noqa: E402
 
 

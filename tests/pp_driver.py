@@ -16,9 +16,10 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mlxlocal.distributed.channel import world  # noqa: E402
+from mlxlocal.distributed.follower import Follower  # noqa: E402
+from mlxlocal.distributed.tensor import weight_bytes  # noqa: E402
 from mlxlocal.engine import SamplingParams, SpeculativeConfig, open_engine  # noqa: E402
-from mlxlocal.engine.parallel import Follower  # noqa: E402
-from mlxlocal.models.parallel import weight_bytes, world  # noqa: E402
 from mlxlocal.source.loader import load  # noqa: E402
 
 OUT = None  # this rank's lines, in a file of its own: mlx.launch's relay of stdout may cut lines

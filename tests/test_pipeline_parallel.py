@@ -17,9 +17,9 @@ import pytest
 from cluster_util import mlx_launch
 from conftest import FAMILY_CONFIGS, build_tiny
 
+from mlxlocal.distributed.stages import PipelinePlan
 from mlxlocal.errors import ModelLoadError
 from mlxlocal.models.config import parse_config
-from mlxlocal.models.pipeline import PipelinePlan
 from mlxlocal.weights.safetensors import SKIP, load_tensors
 
 REPO = Path(__file__).resolve().parents[1]

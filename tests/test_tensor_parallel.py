@@ -24,10 +24,10 @@ import pytest
 from cluster_util import mlx_launch
 from conftest import BASE, FAMILY_CONFIGS, TEMPLATES, build_tiny
 
-from mlxlocal.cluster import free_ports
+from mlxlocal.distributed.processes import free_ports
+from mlxlocal.distributed.tensor import TensorPlan
 from mlxlocal.errors import ModelLoadError
 from mlxlocal.models.config import parse_config
-from mlxlocal.models.parallel import TensorPlan
 
 # Real ranks are subprocesses: out of the quick subset; the plan tests below are quick but tiny.
 pytestmark = pytest.mark.slow

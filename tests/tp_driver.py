@@ -1,6 +1,6 @@
 """Run by tests/test_tensor_parallel.py under `mlx.launch -n N`: rank 0 drives a tensor-parallel
 engine and checks it against the same model loaded whole (tp=1) in the same process; the other
-ranks follow it (engine/parallel.py). Prints one JSON line per model on rank 0.
+ranks follow it (mlxlocal/distributed). Prints one JSON line per model on rank 0.
 
   python tests/tp_driver.py MODEL_DIR [MODEL_DIR ...]
 """
@@ -15,7 +15,7 @@ import threading
 from mlx.utils import tree_flatten
 
 if os.environ.get("MLX_RANK", "0") != "0":
-    from mlxlocal.engine.parallel import follower_main
+    from mlxlocal.distributed.follower import follower_main
 
     sys.exit(follower_main())
 

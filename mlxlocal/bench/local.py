@@ -157,7 +157,7 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
             decode = statistics.fmean(r["per_stream_decode_tps"] for r in ours)
         weights, comm = loaded.info.weights.total_bytes, 0.0
         if getattr(loaded, "shard", None) is not None:  # under a launch: each rank's share, plus the links
-            from mlxlocal.engine import cluster_report
+            from mlxlocal.distributed import cluster_report
 
             out["cluster"] = cluster = cluster_report(loaded, batch)
             weights, comm = cluster["weight_bytes"][0], cluster["comm_s_per_step"]

@@ -80,8 +80,8 @@ def main() -> None:
     try:
         _main()
     finally:
-        if "mlxlocal.models.parallel" in sys.modules:  # rank 0 of a launch: the followers exit too
-            if not sys.modules["mlxlocal.models.parallel"].release():
+        if "mlxlocal.distributed.channel" in sys.modules:  # rank 0 of a launch: the followers exit too
+            if not sys.modules["mlxlocal.distributed.channel"].release():
                 # A rank is gone or stuck: a thread of ours may wait in a collective forever,
                 # so end now, with the command's own exit status.
                 ending = sys.exc_info()[1]
@@ -99,7 +99,7 @@ def _main() -> None:
     if os.environ.get("MLX_RANK", "0") != "0":
         # A rank other than 0 of a launch (mlx.launch, launch-cluster): no front end of its
         # own, it repeats rank 0's steps on its shard of the model until rank 0 exits.
-        from mlxlocal.engine import follower_main
+        from mlxlocal.distributed import follower_main
 
         sys.exit(follower_main())
     try:

@@ -1,6 +1,6 @@
 """`mlxlocal launch-cluster`: one mlxlocal command as N ranks (tensor parallel over them).
 
-The logic lives in mlxlocal.cluster; this module is the command's options and errors."""
+The logic lives in mlxlocal.distributed (processes.py); this module is the command's options and errors."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         hostfile: Optional[str] = typer.Option(None, "--hostfile", help="mlx.launch hostfile (several machines)"),
         python: Optional[str] = typer.Option(None, "--python", help="Python to run the ranks with"),
     ) -> None:
-        from mlxlocal import cluster
+        from mlxlocal import distributed as cluster
 
         argv = list(ctx.args)
         if not argv:

@@ -218,7 +218,7 @@ def _native_only(loaded, option: str) -> None:
 
 def tp_rows(loaded, n: int) -> list[tuple[str, str]]:
     """`show --tp N`: what each rank holds (the plan the ranks load by) and its weight bytes."""
-    from mlxlocal.models.parallel import shard_report
+    from mlxlocal.distributed import shard_report
 
     _native_only(loaded, "--tp")
     total = sum(r["weight_bytes"] for r in shard_report(loaded.model, loaded.model_config, 1))
@@ -234,7 +234,7 @@ def tp_rows(loaded, n: int) -> list[tuple[str, str]]:
 
 def pp_rows(loaded, n: int) -> list[tuple[str, str]]:
     """`show --pp N`: each stage's layers (rank 0 also the embeddings and the head) and bytes."""
-    from mlxlocal.models.pipeline import stage_report
+    from mlxlocal.distributed import stage_report
 
     _native_only(loaded, "--pp")
     rows = stage_report(loaded.model, loaded.model_config, n)

@@ -17,7 +17,6 @@ from mlxlocal.engine.errors import EngineDeadError, OutOfCapacity, QueueFull, Se
 from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.kernels import describe_plan, kernel_plan, kernel_status
 from mlxlocal.engine.paged import PagedEngine
-from mlxlocal.engine.parallel import cluster_problem, cluster_report, follower_main
 from mlxlocal.engine.profile import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
 from mlxlocal.engine.runner import NotPageable, make_runner
 from mlxlocal.engine.scoring import PagedScorer
@@ -46,8 +45,8 @@ __all__ = [
     "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "NotPageable", "OutOfCapacity",
     "PHASES", "PagedEngine", "PagedScorer", "QueueFull", "REPLY_MARKER", "RequestHandle",
     "STATS_KEYS", "SamplingParams", "SessionBusy", "SimpleEngine", "SpeculationChoice",
-    "SpeculationError", "SpeculativeConfig", "StepProfile", "cluster_problem", "cluster_report",
-    "describe_plan", "engine_kind", "follower_main", "kernel_plan", "kernel_status",
+    "SpeculationError", "SpeculativeConfig", "StepProfile", "cluster_report",
+    "describe_plan", "engine_kind", "kernel_plan", "kernel_status",
     "kv_bytes_per_token", "open_engine", "prompt_encoder", "speculation_of",
 ]
 

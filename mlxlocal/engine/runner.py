@@ -260,15 +260,8 @@ def layer_windows(mc) -> list[int | None]:
 def make_runner(loaded) -> Runner:
     """The runner for a loaded model; raises NotPageable when its cache cannot be paged."""
     mc = loaded.model_config
-    kind = loaded.shard.plan.kind if getattr(loaded, "shard", None) is not None else None
-    if kind == "pipeline":
-        from mlxlocal.engine.pipeline import PipelineLeaderRunner  # imports this module
-
-        return PipelineLeaderRunner(loaded)
-    if kind is not None:
-        from mlxlocal.engine.parallel import LeaderRunner, MlxLmLeaderRunner  # imports this module
-
-        return LeaderRunner(loaded) if kind == "tensor" else MlxLmLeaderRunner(loaded)
+    if loaded.shard is not None:  # rank 0 of a cluster: the runner its plan leads with
+        return loaded.shard.plan.leader(loaded)
     if loaded.info.native:
         shapes = KVPools.uniform(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
         return NativeRunner(loaded.model, shapes, layer_windows(mc))

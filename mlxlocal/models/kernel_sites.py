@@ -46,5 +46,5 @@ def projection_sites(model: nn.Module, rows: range, dtype: mx.Dtype) -> list[tup
 
 def attention_heads(model: nn.Module) -> list[tuple[int, int]]:
     """(query heads, head dim of the queries) per attention layer of a native model that this
-    process holds (a pipeline stage holds a range; the others are emptied: models/pipeline.py)."""
+    process holds (a pipeline stage holds a range; the others are emptied: distributed/stages.py)."""
     return [(layer.self_attn.n_heads, layer.self_attn.head_dim) for layer in model.layers if "self_attn" in layer]

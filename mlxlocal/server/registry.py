@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxlocal.engine import Engine, cluster_problem, open_engine, speculation_of
+from mlxlocal.distributed import cluster_problem
+from mlxlocal.engine import Engine, open_engine, speculation_of
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.mlx_thread import in_own_thread
 from mlxlocal.server import lanes

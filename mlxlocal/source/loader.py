@@ -40,7 +40,7 @@ class ModelInfo:
 class Shard:
     """This process's part of a tensor-parallel model: its plan and its group."""
 
-    plan: Any  # models.parallel.TensorPlan
+    plan: Any  # distributed/: TensorPlan, MlxLmPlan or PipelinePlan (its leader())
     group: Any  # mx.distributed.Group
     model: int = 0  # the id rank 0's messages name this model by
 
@@ -125,9 +125,10 @@ def _tensor_parallel(config: dict[str, Any], config_path: str, tp: int, awq_gptq
     """The shard to load for `tp` ranks (None for 1); refuses models it cannot split."""
     if tp == 1:
         return None
+    from mlxlocal.distributed.channel import world
+    from mlxlocal.distributed.tensor import MlxLmPlan, TensorPlan
     from mlxlocal.models import mlx_lm_shardable
     from mlxlocal.models.config import parse_config
-    from mlxlocal.models.parallel import MlxLmPlan, TensorPlan, world
 
     if awq_gptq:
         raise ModelLoadError(f"{config_path}: --tp cannot split AWQ/GPTQ packings; convert the model first")
@@ -142,10 +143,10 @@ def _tensor_parallel(config: dict[str, Any], config_path: str, tp: int, awq_gptq
 
 
 def _pipeline_parallel(config: dict[str, Any], config_path: str, pp: int) -> Shard:
-    """This rank's layers of `pp` pipeline stages (models/pipeline.py)."""
+    """This rank's layers of `pp` pipeline stages (distributed/stages.py)."""
+    from mlxlocal.distributed.channel import world
+    from mlxlocal.distributed.stages import PipelinePlan
     from mlxlocal.models.config import parse_config
-    from mlxlocal.models.parallel import world
-    from mlxlocal.models.pipeline import PipelinePlan
 
     if not is_native(config.get("model_type")):
         raise ModelLoadError(f"{config_path}: --pp needs a native model (llama, mistral, qwen2, qwen3); "
@@ -167,7 +168,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     if kind == "pipeline":  # a stage: its layers only
         shard.plan.prune(model)
     elif kind == "tensor":
-        from mlxlocal.models.parallel import shard_model
+        from mlxlocal.distributed.tensor import shard_model
 
         shard_model(model, shard.plan, shard.group)
     if hasattr(model, "sanitize"):
@@ -176,7 +177,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     model.eval()
     _load_weights_strict(model, weights, path)
     if kind == "mlx_lm":
-        model.shard(shard.group)  # mlx-lm's own tensor-parallel split (models.parallel.MlxLmPlan)
+        model.shard(shard.group)  # mlx-lm's own tensor-parallel split (distributed.tensor.MlxLmPlan)
     mx.eval(model.parameters())
     # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
     # graphs built on this thread's stream.
@@ -246,10 +247,10 @@ def load(spec: str, tp: int | None = None, pp: int | None = None) -> LoadedModel
 
     `tp`: tensor-parallel ranks; None means every rank of the launch this process is part of
     (1 when not launched). With tp > 1 this is rank 0's shard, and the other ranks are told to
-    load theirs (they follow rank 0: engine/parallel.py).
-    `pp`: pipeline stages (layer ranges, engine/pipeline.py); None means MLXLOCAL_PP under a
+    load theirs (they follow rank 0: distributed/follower.py).
+    `pp`: pipeline stages (layer ranges, distributed/pipeline.py); None means MLXLOCAL_PP under a
     launch (launch-cluster --pp N sets it), else 1; not combined with tp > 1."""
-    from mlxlocal.models.parallel import announce_load, launched, world
+    from mlxlocal.distributed.channel import announce_load, launched, world
     from mlxlocal.source import hub  # imported here: huggingface_hub is slow to import
 
     if pp is None:  # launch-cluster --pp N (or MLXLOCAL_PP under mlx.launch): pipeline stages

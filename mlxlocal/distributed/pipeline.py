@@ -1,6 +1,6 @@
 """Pipeline-parallel serving: each rank runs its layers, hidden states pass along the ring.
 
-Rank 0 leads as under tensor parallelism (engine/parallel.py): it owns the scheduler, the
+Rank 0 leads as under tensor parallelism (leader.py): it owns the scheduler, the
 prefix cache and sampling, and announces each forward on the Channel before running it; its
 pools and block copies are mirrored the same way (MirroredPools). A pipeline `run` message
 carries the step plan only (starts, block tables, the micro-batch split, the input length and
@@ -21,10 +21,10 @@ import time
 import mlx.core as mx
 
 from mlxlocal.cache import KVPools, KVShape, PagedLayerView
-from mlxlocal.engine.parallel import LeaderRunner, _Rows, step_message
+from mlxlocal.distributed.channel import Channel
+from mlxlocal.distributed.leader import LeaderRunner, _Rows, step_message
+from mlxlocal.distributed.stages import PipelinePlan, embed, head, run_layers
 from mlxlocal.engine.runner import layer_windows, step_batch
-from mlxlocal.models.parallel import Channel
-from mlxlocal.models.pipeline import PipelinePlan, embed, head, run_layers
 
 
 def stage_layout(loaded) -> tuple[list[KVShape], list[int | None]]:

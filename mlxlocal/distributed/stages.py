@@ -39,6 +39,12 @@ class PipelinePlan:
     stop: int
     total: int
 
+    def leader(self, loaded):
+        """Rank 0's runner: the first stage, which also embeds and samples."""
+        from mlxlocal.distributed.pipeline import PipelineLeaderRunner
+
+        return PipelineLeaderRunner(loaded)
+
     @staticmethod
     def of(cfg: ModelConfig, rank: int, size: int) -> PipelinePlan:
         n = cfg.num_hidden_layers
