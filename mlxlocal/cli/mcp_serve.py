@@ -115,7 +115,7 @@ def _load_error(e: BaseException) -> str | None:
     from mlxlocal.server.errors import APIError
 
     seen = set()
-    stack = [e]
+    stack: list[BaseException | None] = [e]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
