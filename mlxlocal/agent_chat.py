@@ -149,7 +149,8 @@ def new_policy(servers: list[ServerConfig], hub: Any) -> RuleOfTwo:
 # --- the REPL -------------------------------------------------------------------------------
 def _loop_proxy(name: str) -> property:
     """An AgentRepl attribute kept on its ToolLoop, read and written through."""
-    return property(lambda self: getattr(self.loop, name), lambda self, v: setattr(self.loop, name, v))
+    return property(lambda self: getattr(self.loop, name),
+                    lambda self, v: setattr(self.loop, name, v))
 
 
 class AgentRepl(ChatRepl):

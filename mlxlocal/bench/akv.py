@@ -227,8 +227,8 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
                 ids = prompt + generated
             conv = conv + [call, trace.results[k]]
             reply_at = len(conv) - 2
-        final = dict(session_cached_len=session.cached_len, session_dropped_len=session.dropped_len,
-                     engine=engine.stats())
+        final: dict[str, Any] = dict(session_cached_len=session.cached_len,
+                                     session_dropped_len=session.dropped_len, engine=engine.stats())
     finally:
         engine.shutdown()
     return dict(mode=mode, policy=policy[mode].describe() if mode in policy else None, steps=rows,

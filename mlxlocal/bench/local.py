@@ -163,7 +163,8 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
             weights, comm = cluster["weight_bytes"][0], cluster["comm_s_per_step"]
             kv_token //= cluster["ranks"]
             cluster["comm_fraction"] = comm * decode if decode else None
-        roof = decode_roofline(detect_bandwidth(bandwidth), weights, kv_token, prompt_tokens + gen_tokens / 2, decode, comm)
+        roof = decode_roofline(detect_bandwidth(bandwidth), weights, kv_token,
+                               prompt_tokens + gen_tokens / 2, decode, comm)
         out["roofline"] = roof.as_dict()
     if ref is not None:
         out["mlx_lm"] = summarize(theirs)

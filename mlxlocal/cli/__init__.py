@@ -58,7 +58,8 @@ def version() -> None:
 
     metal = mx.metal.is_available()
     mlx_version = mx.__version__  # type: ignore[attr-defined]  # mlx.core's stubs omit it
-    print(f"mlxlocal {__version__}\nmlx {mlx_version} ({'Metal' if metal else 'CPU backend'})\nmlx-lm {mlx_lm.__version__}")
+    print(f"mlxlocal {__version__}\nmlx {mlx_version} ({'Metal' if metal else 'CPU backend'})"
+          f"\nmlx-lm {mlx_lm.__version__}")
 
 
 # Registration order is the order `mlxlocal --help` lists the commands in.
