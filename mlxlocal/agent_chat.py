@@ -147,6 +147,12 @@ def new_policy(servers: list[ServerConfig], hub: Any) -> RuleOfTwo:
 
 
 # --- the REPL -------------------------------------------------------------------------------
+def _loop_proxy(name: str) -> property:
+    """An AgentRepl attribute kept on its ToolLoop, read and written through."""
+    return property(lambda self: getattr(self.loop, name),
+                    lambda self, v: setattr(self.loop, name, v))
+
+
 class AgentRepl(ChatRepl):
     """The chat REPL with the tool loop behind each turn. The conversation (messages, token
     ids, session, system prompt, sampling) lives in the ToolLoop; the properties below let
@@ -161,17 +167,13 @@ class AgentRepl(ChatRepl):
                              compact=kw.get("compact"))
         super().__init__(engine, console, **kw)
 
-    def _proxy(name: str) -> property:  # noqa: N805 (a helper run at class creation)
-        return property(lambda self: getattr(self.loop, name), lambda self, v: setattr(self.loop, name, v))
-
-    engine = _proxy("engine")
-    messages = _proxy("messages")
-    ids = _proxy("ids")
-    session = _proxy("session")
-    system = _proxy("system")
-    params = _proxy("params")
-    spans = _proxy("spans")
-    del _proxy
+    engine = _loop_proxy("engine")
+    messages = _loop_proxy("messages")
+    ids = _loop_proxy("ids")
+    session = _loop_proxy("session")
+    system = _loop_proxy("system")
+    params = _loop_proxy("params")
+    spans = _loop_proxy("spans")
 
     def reset(self) -> None:
         super().reset()

@@ -347,6 +347,8 @@ class McpHub:
             return stdio_client(params, errlog=server.errlog)
         # The SDK's documented way to send headers: our own client (its default timeouts:
         # 30 s to connect/write, 300 s read for long SSE streams; calls have their own bound).
+        if config.url is None:  # config.py gives every server a command or a url
+            raise ValueError(f"server {config.name!r} has neither a command nor a url")
         http = httpx2.AsyncClient(headers=config.headers or {}, timeout=httpx2.Timeout(30.0, read=300.0))
         stack.push_async_exit(http)
         return streamable_http_client(config.url, http_client=http)
@@ -461,8 +463,8 @@ def _b64_size(data: str) -> int:
 
 def _describe(exc: BaseException) -> str:
     """An exception as one line; anyio wraps task failures in (nested) exception groups."""
-    while getattr(exc, "exceptions", None):  # BaseExceptionGroup (a builtin only from 3.11)
-        exc = exc.exceptions[0]
+    while inner := getattr(exc, "exceptions", None):  # BaseExceptionGroup (builtin from 3.11)
+        exc = inner[0]
     if isinstance(exc, MCPError):
         return exc.message
     text = str(exc).strip() or type(exc).__name__

@@ -148,6 +148,7 @@ class ToolSelection:
         """Choose the prompt's tools for a new user turn; True when the list changed."""
         if not self.pruning:
             return False
+        assert self.max_tools is not None  # self.pruning is False without a limit
         self.query = " ".join(p for p in (user_text.strip(), previous_answer.strip()[:CONTEXT_CHARS]) if p)
         ranked = self.index().rank(self.query, self.max_tools)
         top = [tool_id for tool_id, _ in ranked if tool_id in self.tools][: self.max_tools]

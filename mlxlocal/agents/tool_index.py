@@ -188,6 +188,8 @@ class ToolIndex:
         return np.asarray(self._bm25.get_scores(tokens), dtype=np.float32)
 
     def _query_vector(self, query: str) -> np.ndarray:
+        if self.embedder is None:
+            raise ValueError("dense scoring needs an embedder")
         return np.asarray(self.embedder.embed([query], normalize=True), dtype=np.float32)[0]
 
     def dense_scores(self, query: str, q: np.ndarray | None = None, fld: str = "doc") -> np.ndarray:

@@ -202,15 +202,16 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
             else:
                 prompt = spans.prompt(engine, conv, ids, reply_at, AKV_TOOLS)
                 edits = spans.edits(conv)
-            extra = {"edits": edits} if edits is not None else {}
             stats, blocks = None, 0
             t0 = time.perf_counter()
-            for chunk in engine.generate(prompt, params, session=session, **extra):
+            for chunk in engine.generate(prompt, params, session=session, edits=edits):
                 if chunk.stats is not None:
                     stats = chunk.stats
                 if chunk.token is not None or chunk.stats is not None:
                     blocks = max(blocks, engine.stats()["blocks_used"])
             wall = time.perf_counter() - t0
+            if stats is None:  # the contract: a finished stream's last chunk carries the stats
+                raise RuntimeError("the engine's stream ended without its stats")
             peak_blocks = max(peak_blocks, blocks)
             attended = stats.prompt_tokens - stats.dropped_tokens
             rows.append(dict(step=k + 1, prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
@@ -226,8 +227,8 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
                 ids = prompt + generated
             conv = conv + [call, trace.results[k]]
             reply_at = len(conv) - 2
-        final = dict(session_cached_len=session.cached_len, session_dropped_len=session.dropped_len,
-                     engine=engine.stats())
+        final: dict[str, Any] = dict(session_cached_len=session.cached_len,
+                                     session_dropped_len=session.dropped_len, engine=engine.stats())
     finally:
         engine.shutdown()
     return dict(mode=mode, policy=policy[mode].describe() if mode in policy else None, steps=rows,

@@ -147,7 +147,7 @@ def _base_url(url: str) -> str:
     return u
 
 
-async def measure_endpoint(url: str, model: str, concurrency: int = 1, requests: int = 10,
+async def measure_endpoint(url: str, model: str | None, concurrency: int = 1, requests: int = 10,
                            prompt_tokens: int = 128, gen_tokens: int = 64,
                            prompt_file: str | None = None, api_key: str | None = None,
                            tokenizer: str | None = None, vary_prompts: bool = True,
@@ -229,8 +229,8 @@ async def measure_endpoint(url: str, model: str, concurrency: int = 1, requests:
     ok = [r for r in records if r.status == "ok"]
     accs = [r.account for r in ok if r.account is not None]
     itls = [g for a in accs for g in a.itls]
-    tpots = [a.tpot(r.completion_tokens) for r, a in zip(ok, accs)]
-    tpots = [t for t in tpots if t is not None]
+    tpot_or_none = [a.tpot(r.completion_tokens) for r, a in zip(ok, accs)]
+    tpots = [t for t in tpot_or_none if t is not None]
     total_out = sum(r.completion_tokens or 0 for r in ok)
     total_in = sum(r.prompt_tokens or 0 for r in ok)
     out_events = sum(len(a.output_times) for a in accs)
@@ -293,7 +293,7 @@ async def measure_endpoint(url: str, model: str, concurrency: int = 1, requests:
     }
 
 
-def run_endpoint_bench(url: str, model: str, concurrency: int = 1, requests: int = 10,
+def run_endpoint_bench(url: str, model: str | None, concurrency: int = 1, requests: int = 10,
                        prompt_tokens: int = 128, gen_tokens: int = 64, prompt_file: str | None = None,
                        as_json: bool = False, plot: str | None = None, api_key: str | None = None,
                        tokenizer: str | None = None, *, vary_prompts: bool = True,

@@ -36,12 +36,12 @@ def served_model(url: str, model: str | None) -> str:
                 f"{url}: no --model given and GET /v1/models failed ({e})"
             ) from e
         return model
-    ids = [i for i in ids if isinstance(i, str)]
-    if model is not None and (model in ids or not ids):
+    names = [i for i in ids if isinstance(i, str)]
+    if model is not None and (model in names or not names):
         return model
-    if not ids:
+    if not names:
         raise EndpointBenchError(f"{url}: no --model given and /v1/models lists none")
-    return ids[0]
+    return names[0]
 
 
 def compare_endpoints(

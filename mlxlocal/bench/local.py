@@ -83,7 +83,7 @@ class MlxLmRunner:
     def __init__(self, path: str):
         import mlx_lm
 
-        self.model, self.tokenizer = mlx_lm.load(path)
+        self.model, self.tokenizer = mlx_lm.load(path)[:2]  # no config: return_config=False
 
     def run(self, prompt: list[int], gen_tokens: int) -> dict:
         import mlx.core as mx
@@ -147,11 +147,11 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
     )
     out["mlxlocal"]["aggregate"] = batch > 1
     if mc is not None:
-        kv = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                DTYPE_BYTES.get(loaded.info.dtype, 2))
+        kv_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                                      DTYPE_BYTES.get(loaded.info.dtype, 2))
         pool = engine.kv_pool
         if pool.get("kv_bits"):  # quantized K/V: what the pool holds per token, scales included
-            kv = pool["bytes"] // (pool["blocks"] * pool["block_size"])
+            kv_token = pool["bytes"] // (pool["blocks"] * pool["block_size"])
         decode = out["mlxlocal"]["decode_tps"]["mean"]
         if batch > 1:  # the bound is per stream: compare the per-stream rate
             decode = statistics.fmean(r["per_stream_decode_tps"] for r in ours)
@@ -161,9 +161,10 @@ def speed_bench(loaded, *, prompt_tokens: int, gen_tokens: int, batch: int = 1, 
 
             out["cluster"] = cluster = cluster_report(loaded, batch)
             weights, comm = cluster["weight_bytes"][0], cluster["comm_s_per_step"]
-            kv //= cluster["ranks"]
+            kv_token //= cluster["ranks"]
             cluster["comm_fraction"] = comm * decode if decode else None
-        roof = decode_roofline(detect_bandwidth(bandwidth), weights, kv, prompt_tokens + gen_tokens / 2, decode, comm)
+        roof = decode_roofline(detect_bandwidth(bandwidth), weights, kv_token,
+                               prompt_tokens + gen_tokens / 2, decode, comm)
         out["roofline"] = roof.as_dict()
     if ref is not None:
         out["mlx_lm"] = summarize(theirs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
+from typing import Any
 
 from mlxlocal.bench.common import log, random_prompt, run_streams
 from mlxlocal.engine import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
@@ -62,7 +63,8 @@ class _Marks:
     """Phase starts, (name, time), while on; a step starts at each "schedule"."""
 
     def __init__(self) -> None:
-        self.on, self.marks = False, []
+        self.on = False
+        self.marks: list[tuple[str, float]] = []
 
     def __call__(self, name: str) -> None:
         if self.on:
@@ -125,11 +127,11 @@ def _timed_mlx_lm(marks: _Marks):
     import mlx_lm.generate  # noqa: F401  (the package's `generate` attribute is the function)
 
     gen = sys.modules["mlx_lm.generate"]
-    gen.mx = _TimedMx(mx, marks)
+    gen.mx = _TimedMx(mx, marks)  # type: ignore[attr-defined]  # a module global of mlx-lm's
     try:
         yield
     finally:
-        gen.mx = mx
+        gen.mx = mx  # type: ignore[attr-defined]  # (ModuleType declares no attributes)
 
 
 def mlx_lm_steps(model, prompts: list[list[int]], gen_tokens: int) -> list[dict]:
@@ -138,7 +140,7 @@ def mlx_lm_steps(model, prompts: list[list[int]], gen_tokens: int) -> list[dict]
     from mlx_lm.generate import BatchGenerator, generate_step
 
     marks = _Marks()
-    timed = _TimedModel(model, marks)
+    timed: Any = _TimedModel(model, marks)  # duck-types the nn.Module mlx-lm's signatures name
     keep: list[bool] = []
     with _timed_mlx_lm(marks):
         if len(prompts) == 1:
@@ -214,7 +216,7 @@ def profile_bench(
         import mlx_lm
 
         log(f"loading {loaded.info.path} with mlx_lm.load ...")
-        ref, _ = mlx_lm.load(str(loaded.info.path))
+        ref = mlx_lm.load(str(loaded.info.path))[0]  # the model; no tokenizer needed
     ours: dict[int, list[dict]] = {b: [] for b in batches}
     theirs: dict[int, list[dict]] = {b: [] for b in batches}
     order: list[str] = []
@@ -236,7 +238,7 @@ def profile_bench(
         engine.shutdown()
     rows = []
     for b in batches:
-        row = dict(batch=b, mlxlocal=_median_runs(ours[b]), mlxlocal_runs=ours[b])
+        row: dict[str, Any] = dict(batch=b, mlxlocal=_median_runs(ours[b]), mlxlocal_runs=ours[b])
         if ref is not None:
             row.update(mlx_lm=_median_runs(theirs[b]), mlx_lm_runs=theirs[b])
             a, m = row["mlxlocal"].get("host"), row["mlx_lm"].get("host")

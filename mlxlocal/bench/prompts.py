@@ -118,7 +118,7 @@ class TokenCounter:
     """Counts tokens when the server reports no usage: a transformers tokenizer if one loads
     (the `tokenizer` argument, else the model name from local files only), else chars / 4."""
 
-    def __init__(self, tokenizer: str | None, model: str):
+    def __init__(self, tokenizer: str | None, model: str | None):
         self.spec, self.model = tokenizer, model
         self._tok: Any = None
         self._tried = False

@@ -104,6 +104,8 @@ def _engine_turn(engine, ids: list[int], max_tokens: int) -> dict:
             tokens.append(c.token)
         if c.stats is not None:
             stats = c.stats
+    if first is None or stats is None:
+        raise RuntimeError("the engine's stream ended without a token or its stats")
     return dict(ttft_s=first - t0, cached_tokens=stats.cached_tokens, prompt_tokens=len(ids), tokens=tokens)
 
 
@@ -162,7 +164,7 @@ def agent_scenario(loaded, *, system_tokens: int, turns: int = 6, max_tokens: in
         import mlx_lm
 
         log(f"loading {loaded.info.path} with mlx_lm.load ...")
-        ref_model, _ = mlx_lm.load(str(loaded.info.path))
+        ref_model = mlx_lm.load(str(loaded.info.path))[0]  # the model alone
     kv = 2 * (len(trace[-1]) + max_tokens) + 256
     runs: dict[str, list[list[dict]]] = {m: [] for m in modes + (["mlx_lm"] if ref_model else [])}
     order: list[str] = []
@@ -179,11 +181,14 @@ def agent_scenario(loaded, *, system_tokens: int, turns: int = 6, max_tokens: in
             # prompt cache among them: the same machine state for all, turn by turn.
             names = modes + (["mlx_lm"] if theirs is not None else [])
             rot = names[r % len(names):] + names[: r % len(names)]
-            rep = {m: [] for m in names}
+            rep: dict[str, list[dict]] = {m: [] for m in names}
             for ids in trace:
                 for m in rot:
-                    rep[m].append(theirs.turn(ids, max_tokens) if m == "mlx_lm"
-                                  else _engine_turn(engines[m], ids, max_tokens))
+                    if m == "mlx_lm":
+                        assert theirs is not None  # "mlx_lm" is among the names only with theirs
+                        rep[m].append(theirs.turn(ids, max_tokens))
+                    else:
+                        rep[m].append(_engine_turn(engines[m], ids, max_tokens))
                     order.append(m)
         finally:
             for e in engines.values():
@@ -266,7 +271,7 @@ def concurrent_scenario(loaded, *, concurrency: int, prompt_tokens: int, gen_tok
         import mlx_lm
 
         log(f"loading {loaded.info.path} with mlx_lm.load ...")
-        ref, _ = mlx_lm.load(str(loaded.info.path))
+        ref = mlx_lm.load(str(loaded.info.path))[0]  # the model; no tokenizer needed
     engine = open_engine(loaded, prefix_cache=False, max_num_seqs=max(concurrency, 1),
                          kv_tokens=concurrency * (prompt_tokens + gen_tokens + 32))
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True, temperature=0)

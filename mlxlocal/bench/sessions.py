@@ -85,6 +85,8 @@ def run_ours(loaded, prompts: list[list[int]], gen_tokens: int, vocab: int) -> d
                     first = time.perf_counter()
                 if ch.stats is not None:
                     stats = ch.stats
+            if first is None or stats is None:
+                raise RuntimeError("the second turn's stream ended without a token or its stats")
             ttft.append(first - t1)
             cached.append(stats.cached_tokens)
         peak = int(mx.get_peak_memory())
@@ -121,6 +123,8 @@ def run_mlx_lm(model, prompts: list[list[int]], gen_tokens: int, vocab: int) -> 
         for _ in generate_step(mx.array(ids[common:]), model, prompt_cache=cache,
                                max_tokens=gen_tokens, sampler=greedy):
             first = first or time.perf_counter()
+        if first is None:
+            raise RuntimeError("mlx-lm's second turn generated no token")
         ttft.append(first - t1)
         cached.append(common)
     peak = int(mx.get_peak_memory())
@@ -150,7 +154,7 @@ def sessions_scenario(loaded, *, sessions: int, prompt_tokens: int, gen_tokens: 
         import mlx_lm
 
         log(f"loading {loaded.info.path} with mlx_lm.load ...")
-        ref, _ = mlx_lm.load(str(loaded.info.path))
+        ref = mlx_lm.load(str(loaded.info.path))[0]  # the model; no tokenizer needed
     small = [q[:32] for q in prompts[:2]]
     for _ in range(warmup):
         run_ours(loaded, small, 2, vocab)

@@ -57,7 +57,9 @@ def version() -> None:
     import mlx_lm
 
     metal = mx.metal.is_available()
-    print(f"mlxlocal {__version__}\nmlx {mx.__version__} ({'Metal' if metal else 'CPU backend'})\nmlx-lm {mlx_lm.__version__}")
+    mlx_version = mx.__version__  # type: ignore[attr-defined]  # mlx.core's stubs omit it
+    print(f"mlxlocal {__version__}\nmlx {mlx_version} ({'Metal' if metal else 'CPU backend'})"
+          f"\nmlx-lm {mlx_lm.__version__}")
 
 
 # Registration order is the order `mlxlocal --help` lists the commands in.

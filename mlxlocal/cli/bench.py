@@ -5,7 +5,7 @@ built-ins. The package calls register(app)."""
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -152,7 +152,7 @@ def bench(
 ) -> None:
     err = Console(stderr=True, soft_wrap=True)
 
-    def fail(msg: str, code: int = 2) -> None:
+    def fail(msg: str, code: int = 2) -> NoReturn:
         err.print(f"[bold red]error:[/] {msg}", highlight=False)
         raise typer.Exit(code)
 

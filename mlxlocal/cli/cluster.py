@@ -45,10 +45,17 @@ def register(app: typer.Typer) -> None:
             fail("give either -n N (ranks on this machine) or --hostfile FILE", 2)
         if ranks is not None and ranks < 2:
             fail(f"-n must be at least 2 (got {ranks})", 2)
-        if pp:  # read by every rank's loader (models are split by layers)
-            try:
-                os.environ["MLXLOCAL_PP"] = str(ranks or cluster.hosts_in(hostfile))
-            except ValueError as e:
-                fail(str(e), 2)
-        code = cluster.run_local(ranks, argv, python) if ranks else cluster.run_hosts(hostfile, argv, python)
+        # MLXLOCAL_PP under --pp: read by every rank's loader (models are split by layers)
+        if ranks is None:
+            assert hostfile is not None  # exactly one of -n and --hostfile (checked above)
+            if pp:
+                try:
+                    os.environ["MLXLOCAL_PP"] = str(cluster.hosts_in(hostfile))
+                except ValueError as e:
+                    fail(str(e), 2)
+            code = cluster.run_hosts(hostfile, argv, python)
+        else:
+            if pp:
+                os.environ["MLXLOCAL_PP"] = str(ranks)
+            code = cluster.run_local(ranks, argv, python)
         raise typer.Exit(code)

@@ -6,7 +6,7 @@ convert on models), never on the package."""
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -16,7 +16,7 @@ err = Console(stderr=True, soft_wrap=True)  # never break a path across lines
 MODEL_HELP = "Local HF-layout directory, catalog alias (models.toml), Hugging Face repo id, or synthetic:NAME"
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
     raise typer.Exit(code)
 
@@ -125,6 +125,7 @@ def duration_option(text: str, option: str, positive: bool = False) -> float:
         seconds = parse_duration(text)
     except APIError as e:
         fail(e.message.replace("keep_alive", option), 2)
+    assert seconds is not None  # parse_duration gives None only for None, and text is a str
     if positive and not seconds > 0:
         fail(f"{option}: must be a positive duration (or -1: never)", 2)
     return seconds

@@ -115,18 +115,18 @@ def _load_error(e: BaseException) -> str | None:
     from mlxlocal.server.errors import APIError
 
     seen = set()
-    stack = [e]
+    stack: list[BaseException | None] = [e]
     while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
+        cur = stack.pop()
+        if cur is None or id(cur) in seen:
             continue
-        seen.add(id(e))
-        if isinstance(e, APIError):
-            return e.message
-        if isinstance(e, MlxLocalError):
-            return str(e)
-        stack.extend(getattr(e, "exceptions", ()) or ())
-        stack.extend([e.__cause__, e.__context__])
+        seen.add(id(cur))
+        if isinstance(cur, APIError):
+            return cur.message
+        if isinstance(cur, MlxLocalError):
+            return str(cur)
+        stack.extend(getattr(cur, "exceptions", ()) or ())
+        stack.extend([cur.__cause__, cur.__context__])
     return None
 
 

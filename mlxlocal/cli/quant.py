@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -23,7 +23,7 @@ err = Console(stderr=True, soft_wrap=True)
 MODEL_HELP = "Local HF-layout directory, catalog alias, Hugging Face repo id, or synthetic:NAME"
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
     raise typer.Exit(1)
 

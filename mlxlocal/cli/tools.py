@@ -97,7 +97,11 @@ def rank(
         fail("--k must be at least 1", 2)
     try:
         catalog = load_tools_file(tools)
-        texts = [query] if query is not None else _queries_file(queries)
+        if query is not None:
+            texts = [query]
+        else:
+            assert queries is not None  # exactly one of --query and --queries (checked above)
+            texts = _queries_file(queries)
     except PolicyInputError as e:
         fail(escape(str(e)), 2)
     if query is not None and not query.strip():
