@@ -65,10 +65,8 @@ class Output:
         for token in tokens:
             self.detok.add_token(token)
         text, hit = self.stops.feed(self.detok.last_segment)
-        if hit:
-            self._stopped = True
-            return Chunk(text), "stop"
-        return Chunk(text), None
+        self._stopped = self._stopped or hit
+        return Chunk(text, written=tuple(tokens)), "stop" if hit else None
 
     def finish(self, reason: str, cause: str | None = None) -> Chunk:
         """The last chunk: held-back text (unless a stop string matched) and the stats."""

@@ -237,3 +237,6 @@ class Chunk:
     stats: GenerationStats | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # Ids the engine wrote after the last token unsampled (a thinking budget's think-end
+    # marker, in a chunk without a token): not output, but in the context the model saw.
+    written: tuple[int, ...] = ()
