@@ -535,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         compact = parse_policy(args.kv_compact)
     except ValueError as e:
         parser.error(str(e))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed,
-                            think_budget=args.thinking_budget)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
+                            seed=args.seed, think_budget=args.thinking_budget)
     try:
         params.validate()
     except ValueError as e:

@@ -56,17 +56,20 @@ def test_chat_completions(served):
     # Without a budget the model thinks to max_tokens.
     del body["thinking_budget"]
     out = post(url, "/v1/chat/completions", body, tok).json()
-    assert out["choices"][0]["finish_reason"] == "length" and not out["choices"][0]["message"]["content"]
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"]["content"]
 
 
 def test_responses(served):
     url, model, tok = served
-    body = {"model": model, "input": "think hard", "max_output_tokens": MAX, "thinking_budget": BUDGET}
+    body = {"model": model, "input": "think hard", "max_output_tokens": MAX,
+            "thinking_budget": BUDGET}
     r = post(url, "/v1/responses", body, tok)
     assert r.status_code == 200, r.text
     out = r.json()
     reasoning, message = out["output"]
-    assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"].rstrip() == THOUGHTS
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["content"][0]["text"].rstrip() == THOUGHTS
     assert message["type"] == "message" and message["content"][0]["text"] == "Done"
     assert out["status"] == "completed" and out["usage"]["output_tokens"] == output_tokens(tok)
 
@@ -89,12 +92,16 @@ def test_ollama(served, path):
 BAD = [0, -3, 2**31, 1.5, "8", True, [16]]
 
 
+PATHS = ["/v1/chat/completions", "/v1/responses", "/api/chat", "/api/generate"]
+
+
 @pytest.mark.parametrize("bad", BAD)
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/api/chat", "/api/generate"])
+@pytest.mark.parametrize("path", PATHS)
 def test_bad_budgets_are_400s(served, path, bad):
     url, model, _ = served
     if path.startswith("/api/"):
-        body = {"model": model, "stream": False, "options": {"num_predict": 4, "thinking_budget": bad}}
+        options = {"num_predict": 4, "thinking_budget": bad}
+        body = {"model": model, "stream": False, "options": options}
         body.update({"messages": ASK} if path == "/api/chat" else {"prompt": "hi"})
         where = "options.thinking_budget"
     else:

@@ -42,13 +42,14 @@ def thinking_prompt(engine, open_block: bool = True) -> list[int]:
 
 def generate(engine, prompt, session=None, **kw):
     x = ids(engine, "x")[0]
-    return list(engine.generate(prompt, SamplingParams(logit_bias={x: 100.0}, ignore_eos=True, **kw),
-                                session=session))
+    params = SamplingParams(logit_bias={x: 100.0}, ignore_eos=True, **kw)
+    return list(engine.generate(prompt, params, session=session))
 
 
 def run(engine, prompt, session=None, **kw):
     chunks = generate(engine, prompt, session, **kw)
-    return "".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None], chunks[-1].stats
+    tokens = [c.token for c in chunks if c.token is not None]
+    return "".join(c.text for c in chunks), tokens, chunks[-1].stats
 
 
 @pytest.mark.parametrize("name", ["paged", "dense", "lookup"])
@@ -80,7 +81,8 @@ def test_the_answer_follows_the_marker(name, request):
         return [c.top_logprobs[1:] for c in chunks if c.token is not None]
     after, expected = runners_up(budgeted)[5:], runners_up(fresh)
     assert [[t for t, _ in top] for top in after] == [[t for t, _ in top] for top in expected]
-    assert [v for top in after for _, v in top] == pytest.approx([v for top in expected for _, v in top], abs=1e-3)
+    values = [v for top in expected for _, v in top]
+    assert [v for top in after for _, v in top] == pytest.approx(values, abs=1e-3)
     # Before the marker: other states, other runners-up (the check above can tell).
     assert runners_up(budgeted)[:5] != expected[:5]
 
@@ -92,9 +94,10 @@ def test_the_dense_cache_holds_the_marker(dense):
     _, tokens, _ = run(dense, prompt, session, max_tokens=8, think_budget=3)
     history = prompt + [x] * 3 + ids(dense, CLOSE) + [x] * 5
     turn = history + ids(dense, " and then")
-    reused = list(dense.generate(turn, SamplingParams(max_tokens=6, ignore_eos=True), session=session))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reused = list(dense.generate(turn, params, session=session))
     assert reused[-1].stats.cached_tokens == len(history) - 1
-    fresh = list(dense.generate(turn, SamplingParams(max_tokens=6, ignore_eos=True)))
+    fresh = list(dense.generate(turn, params))
     assert [c.token for c in reused] == [c.token for c in fresh]
 
 
@@ -102,7 +105,8 @@ def test_the_dense_cache_holds_the_marker(dense):
 def test_no_marker_without_an_open_block_or_under_the_budget(name, request):
     engine = request.getfixturevalue(name)
     # No think block open: the budget has nothing to close.
-    assert run(engine, thinking_prompt(engine, open_block=False), max_tokens=12, think_budget=4)[0] == "x" * 12
+    closed = thinking_prompt(engine, open_block=False)
+    assert run(engine, closed, max_tokens=12, think_budget=4)[0] == "x" * 12
     # The reply ends before the budget does.
     assert run(engine, thinking_prompt(engine), max_tokens=6, think_budget=6)[0] == "x" * 6
     # No budget: thinks to the end.
@@ -112,8 +116,8 @@ def test_no_marker_without_an_open_block_or_under_the_budget(name, request):
 def test_batched_requests_keep_their_own_budgets(paged):
     prompt = thinking_prompt(paged)
     x = ids(paged, "x")[0]
-    handles = [paged.submit(prompt, SamplingParams(max_tokens=16, think_budget=b, logit_bias={x: 100.0},
-                                                   ignore_eos=True)) for b in (3, None, 9)]
+    handles = [paged.submit(prompt, SamplingParams(max_tokens=16, think_budget=b, ignore_eos=True,
+                                                   logit_bias={x: 100.0})) for b in (3, None, 9)]
     texts = ["".join(c.text for c in h) for h in handles]
     assert texts == ["x" * 3 + CLOSE + "x" * 13, "x" * 16, "x" * 9 + CLOSE + "x" * 7]
 

@@ -106,7 +106,8 @@ class EngineBase:
             self._grammars = GrammarTokenizers(self.tokenizer, self.vocab_size or len(self.tokenizer.vocab))
         return self._grammars
 
-    def think_budget(self, params: SamplingParams, prompt: list[int], room: int) -> ThinkBudget | None:
+    def think_budget(self, params: SamplingParams, prompt: list[int],
+                     room: int) -> ThinkBudget | None:
         """The request's thinking budget (None without one); `room`: the context it may fill."""
         if params.think_budget is None:
             return None

@@ -95,6 +95,7 @@ class PagedEngine(EngineBase):
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
         # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
         self._inflight: list = []
+        self._wrote = False  # _write ran: this step's sampled tokens may be stale (step())
         self.profile: StepProfile | None = None  # set: step() times its phases (bench --profile)
 
     # --- front-end API (any thread) ----------------------------------------------
@@ -425,8 +426,10 @@ class PagedEngine(EngineBase):
             prof.wait(previous)
         self._inflight = sampled
         self._take(previous)
-        # Sampled before the engine wrote tokens after its predecessor (think marker): stale.
-        self._inflight = [e for e in sampled if e[0].status is Status.FINISHED or len(e[0].tokens) == e[0].num_computed]
+        if self._wrote:  # a think marker was written after a token whose successor is sampled
+            self._wrote = False  # here: that successor is stale, dropped; the marker is fed next
+            self._inflight = [e for e in sampled if e[0].status is Status.FINISHED
+                              or len(e[0].tokens) == e[0].num_computed]
         for seq, token, _, src, _ in self._inflight:
             if seq.status is not Status.FINISHED:
                 seq.pending, seq.pending_from = token, src
@@ -567,14 +570,17 @@ class PagedEngine(EngineBase):
             seq.emit(chunk)
         if finish is not None:
             self._finish(seq, finish)
-        elif chunk is not None and seq.think is not None and (close := seq.think.after(token, seq.out.generated)):
-            self._write(seq, close)
+        elif chunk is not None and seq.think is not None:
+            close = seq.think.after(token, seq.out.generated)
+            if close:
+                self._write(seq, close)
 
     def _write(self, seq: Sequence, tokens: tuple[int, ...]) -> None:
         """Write tokens after the last one, unsampled and not counted (a thinking budget's
         think-end marker); the next step feeds them, then sampling goes on."""
         chunk, finish, cause = seq.think.write(seq.out, tokens)
         if chunk is not None:
+            self._wrote = True
             seq.tokens.extend(tokens)
             seq.written += len(tokens)
             seq.emit(chunk)

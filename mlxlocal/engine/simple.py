@@ -301,14 +301,16 @@ class SimpleEngine(EngineBase):
             self.tokens_out += 1
             cancelled = cancel is not None and cancel.is_set()
             # A thinking budget's marker: fed with this token, its text after this chunk.
-            close = think.after(token, out.generated) if think is not None and finish is None else None
+            close = think.after(token, out.generated) if think and finish is None else None
             written = None
             if close and not cancelled:
                 written, finish, cause = think.write(out, close)
                 close = close if written is not None else None
             if finish is None and not cancelled:
                 # Queue the next step before handing this token out, so the device keeps working.
-                feed = mx.concatenate([y.reshape(1), mx.array(close, y.dtype)]) if close else y.reshape(1)
+                feed = y.reshape(1)
+                if close:
+                    feed = mx.concatenate([feed, mx.array(close, y.dtype)])
                 history.extend(close or ())
                 next_y, next_lse = sample(self._forward(feed, cache), history)
                 mx.async_eval(next_y, next_lse)

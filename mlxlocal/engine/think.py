@@ -6,8 +6,8 @@ sequence instead of the next sampled token, and decoding goes on in the same req
 marker is prompt for what follows, not output: it is not counted in completion_tokens nor
 against max_tokens, and its text reaches the caller in a chunk without a token.
 The budget counts from the first generated token (exact when the reply opens with its
-think block); it is checked once, at the budget. A request with a grammar ignores it: the grammar
-bounds its think block itself (grammar.formats.with_reasoning).
+think block); it is checked once, at the budget. A request with a grammar ignores it: the
+grammar bounds its think block itself (grammar.formats.with_reasoning).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def think_markers(tokenizer: Any) -> ThinkMarkers | None:
     """The tokenizer's think markers as ids; None for a model without a think block."""
     if not getattr(tokenizer, "has_thinking", False):
         return None
-    start_text, end_text = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    start_text = getattr(tokenizer, "think_start", None)
+    end_text = getattr(tokenizer, "think_end", None)
     if not start_text or not end_text:
         return None
     start = getattr(tokenizer, "think_start_tokens", None)
