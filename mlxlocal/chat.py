@@ -444,6 +444,7 @@ class ChatRepl:
                                                   **extra):
                     if chunk.token is not None:
                         generated.append(chunk.token)
+                    generated += chunk.written  # a thinking budget's marker: the model saw it
                     if chunk.text:
                         view.add(chunk.text)
                     if chunk.stats is not None:
@@ -521,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", "-m", required=True)
     parser.add_argument("--system")
     parser.add_argument("--max-tokens", "-n", type=int, default=1024)
+    parser.add_argument("--thinking-budget", type=int)
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
@@ -533,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         compact = parse_policy(args.kv_compact)
     except ValueError as e:
         parser.error(str(e))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
+                            seed=args.seed, think_budget=args.thinking_budget)
     try:
         params.validate()
     except ValueError as e:

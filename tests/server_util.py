@@ -90,3 +90,25 @@ def steered_output(next_token):
         yield
     finally:
         sampling.Sampler.__call__, sampling.sample_batch = original, original_batch
+
+
+@contextmanager
+def thinks_until_stopped(tokenizer, answer: str):
+    """The model opens a think block and never closes it itself; once the think-end
+    marker is in its history, it answers `answer` and stops."""
+    def ids(text):
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    (start,), (end,), x = ids("<think>"), ids("</think>"), ids("x")[0]
+    reply, gap = ids(answer) + [min(tokenizer.eos_token_ids)], len(ids("\n\n"))
+
+    def next_token(history: list[int]) -> int:
+        if start not in history:
+            return start
+        if end not in history:
+            return x
+        k = len(history) - history.index(end) - 1 - gap
+        return reply[min(max(k, 0), len(reply) - 1)]
+
+    with steered_output(next_token):
+        yield

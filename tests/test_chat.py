@@ -402,6 +402,34 @@ def test_ctrl_c_during_decode_keeps_the_partial_reply(kind, engine, simple_engin
     assert kept - 1 <= now.cached <= kept < now.prompt and len(repl.messages) == 4
 
 
+def test_thinking_budget_closes_the_block_and_keeps_the_marker(engine):
+    """--thinking-budget: the engine closes the think block in the same reply; the kept ids
+    hold the marker it wrote, so the next turn reuses the whole conversation."""
+    from server_util import thinks_until_stopped
+
+    repl, out = make_repl(engine)
+    repl.params = SamplingParams(max_tokens=40, think_budget=8)
+    done = len(engine.tokenizer.encode("Done", add_special_tokens=False))
+    marker = len(engine.tokenizer.encode("\n</think>\n\n", add_special_tokens=False))
+    with thinks_until_stopped(engine.tokenizer, "Done"):
+        repl.turn("think hard")
+        kept = len(repl.ids)
+        repl.turn("and now?")
+    first, second = footers(out)
+    assert first.reply == 8 + done and first.finish == "stop"  # the marker is not counted
+    assert repl.messages[1]["content"] == "<think>" + "x" * 7 + "\n</think>\n\nDone"
+    assert kept == first.prompt + first.reply + marker
+    assert second.cached == kept
+
+
+def test_thinking_budget_option_is_checked(capsys):
+    from mlxlocal.chat import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "unused", "--thinking-budget", "0"])
+    assert e.value.code == 2 and "think_budget" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "mistral"])
 def test_each_template_reuses_the_whole_conversation(family, tiny_models):
     eng = open_engine(load_from_dir(tiny_models[family]), max_num_seqs=1)

@@ -90,6 +90,11 @@ def test_bad_sampling_options(home, args, words):
     assert all(w in out.stderr for w in words)
 
 
+def test_bad_thinking_budget_in_chat(home):
+    out = mlxlocal("chat", "--model", "synthetic:tiny", "--thinking-budget", "0", home=home)
+    assert out.returncode == 2 and "think_budget" in out.stderr, out.stderr
+
+
 def test_unknown_model_names_the_options(home):
     out = mlxlocal("generate", "--model", "no-such-model", "--prompt", "hi", home=home)
     assert out.returncode == 1

@@ -15,12 +15,11 @@ from __future__ import annotations
 import copy
 import json
 import re
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from server_util import steered_output
+from server_util import thinks_until_stopped
 
 FIXTURE = Path(__file__).parent / "fixtures" / "claude_code_first_request.json"
 CONTEXT = 65536
@@ -148,28 +147,6 @@ def test_whole_fixture_replay_stream(big_server):
     body["max_tokens"] = 4
     usage = replay(url, body)
     assert usage["start"]["input_tokens"] == count_tokens(url, body)
-
-
-@contextmanager
-def thinks_until_stopped(tokenizer, answer: str):
-    """The model opens a think block and never closes it itself; once the think-end
-    marker is in its history, it answers `answer` and stops."""
-    def ids(text):
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
-    (start,), (end,), x = ids("<think>"), ids("</think>"), ids("x")[0]
-    reply, gap = ids(answer) + [min(tokenizer.eos_token_ids)], len(ids("\n\n"))
-
-    def next_token(history: list[int]) -> int:
-        if start not in history:
-            return start
-        if end not in history:
-            return x
-        k = len(history) - history.index(end) - 1 - gap
-        return reply[min(max(k, 0), len(reply) - 1)]
-
-    with steered_output(next_token):
-        yield
 
 
 def test_thinking_budget_closes_the_think_block(big_server):

@@ -39,12 +39,14 @@ ROUTES: dict[str, dict] = {
 _OPENAI = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
            "presence_penalty", "seed", "max_tokens", "n", "logit_bias"]
 _OLLAMA = [f"options.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
-                                    "frequency_penalty", "presence_penalty", "seed", "num_predict", "num_ctx")]
+                                    "frequency_penalty", "presence_penalty", "seed", "num_predict", "num_ctx",
+                                    "thinking_budget")]
 # Every numeric field each dialect reads (keep_alive is left out: 0 unloads the model).
 FIELDS: dict[str, list[str]] = {
-    "/v1/chat/completions": [*_OPENAI, "max_completion_tokens", "top_logprobs"],
+    "/v1/chat/completions": [*_OPENAI, "max_completion_tokens", "top_logprobs", "thinking_budget"],
     "/v1/completions": [*_OPENAI, "logprobs", "best_of"],
-    "/v1/responses": ["temperature", "top_p", "max_output_tokens", "top_logprobs", "max_tool_calls"],
+    "/v1/responses": ["temperature", "top_p", "max_output_tokens", "top_logprobs", "max_tool_calls",
+                      "thinking_budget"],
     "/v1/messages": ["temperature", "top_p", "top_k", "max_tokens", "thinking.budget_tokens"],
     "/api/chat": _OLLAMA,
     "/api/generate": _OLLAMA,

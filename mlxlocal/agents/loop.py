@@ -380,6 +380,7 @@ class ToolLoop:
         for chunk in self.engine.generate(prompt, params, session=self.session, cancel=cancel, **extra):
             if chunk.token is not None:
                 generated.append(chunk.token)
+            generated += chunk.written  # a thinking budget's marker: the model saw it
             events = parser.feed(chunk.text) if chunk.text else []
             if chunk.stats is not None:
                 stats = chunk.stats
@@ -425,9 +426,11 @@ class ToolLoop:
         key = (opened, tuple(_names(self.callable) or ()))
         if key not in self._grammars:
             try:
-                # Thinking gets at most half the reply, as the server allows before a forced call.
+                # Thinking gets the budget or else at most half the reply, as the server allows
+                # before a forced call (with a grammar, the engine leaves the budget to it).
+                think = self.params.think_budget or max(1, self.params.max_tokens // 2)
                 self._grammars[key] = tool_calls(self.engine.tokenizer, self.callable, None, "tools", opened,
-                                                 True, max(1, self.params.max_tokens // 2), optional=True)
+                                                 True, think, optional=True)
             except GrammarError as e:  # a family or schema the grammar cannot express: the hub still validates
                 self._grammars[key] = None
                 self.grammar_note = f"tool calls are checked after generation only: {e}"

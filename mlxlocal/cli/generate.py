@@ -221,6 +221,8 @@ MAX_TOOLS_HELP = ("With more MCP tools than this, the prompt offers the top K fo
                   "called before and a search_tools tool that finds more; 0 or all: every tool")
 TOOL_EMBEDDER_HELP = ("Embedding model (e.g. minilm) for the tool index's dense stage besides BM25 "
                       "(default: BM25 only)")
+THINKING_BUDGET_HELP = ("A think block still open after this many tokens of a reply is closed "
+                        "and the model answers (default: no budget)")
 RERANK_HELP = ("The chat model itself re-ranks the tool index's top 20 at each user turn (one short "
                "constrained generation per turn)")
 
@@ -229,6 +231,8 @@ def chat(
     model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
     max_tokens: int = typer.Option(1024, "--max-tokens", "-n"),
+    thinking_budget: Optional[int] = typer.Option(None, "--thinking-budget",
+                                                  help=THINKING_BUDGET_HELP),
     temp: float = typer.Option(0.0, "--temp"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
@@ -264,6 +268,7 @@ def chat(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        think_budget=thinking_budget,
     )
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
     kernels_mode(kernels)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxlocal.engine.constraint import Constraint, GrammarTokenizers
+from mlxlocal.engine.think import ThinkBudget, ThinkMarkers, think_markers
 from mlxlocal.engine.types import SamplingParams
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.mlx_thread import WORKER_STREAM  # noqa: F401  (the engines' stream)
@@ -20,6 +21,7 @@ class EngineBase:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self._grammars: GrammarTokenizers | None = None
+        self._think: tuple[ThinkMarkers | None] | None = None
 
     @property
     def info(self) -> ModelInfo:
@@ -103,6 +105,15 @@ class EngineBase:
         if self._grammars is None:
             self._grammars = GrammarTokenizers(self.tokenizer, self.vocab_size or len(self.tokenizer.vocab))
         return self._grammars
+
+    def think_budget(self, params: SamplingParams, prompt: list[int],
+                     room: int) -> ThinkBudget | None:
+        """The request's thinking budget (None without one); `room`: the context it may fill."""
+        if params.think_budget is None:
+            return None
+        if self._think is None:
+            self._think = (think_markers(self.tokenizer),)
+        return ThinkBudget.start(self._think[0], params, prompt, self.decode, room)
 
     def constraint(self, params: SamplingParams) -> Constraint | None:
         """The request's grammar matcher (None without a grammar); compiling it here, on the

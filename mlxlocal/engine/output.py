@@ -58,6 +58,16 @@ class Output:
             return chunk, "stop"
         return chunk, "length" if self.generated >= self.max_tokens else None
 
+    def write(self, tokens) -> tuple[Chunk, str | None]:
+        """Tokens the engine writes into the output unsampled (a thinking budget's marker):
+        their text, in a chunk without a token; not counted as generated. "stop" when a stop
+        string matched in it."""
+        for token in tokens:
+            self.detok.add_token(token)
+        text, hit = self.stops.feed(self.detok.last_segment)
+        self._stopped = self._stopped or hit
+        return Chunk(text, written=tuple(tokens)), "stop" if hit else None
+
     def finish(self, reason: str, cause: str | None = None) -> Chunk:
         """The last chunk: held-back text (unless a stop string matched) and the stats."""
         tail, stopped = "", self._stopped

@@ -95,6 +95,7 @@ class PagedEngine(EngineBase):
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
         # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
         self._inflight: list = []
+        self._wrote = False  # _write ran: this step's sampled tokens may be stale (step())
         self.profile: StepProfile | None = None  # set: step() times its phases (bench --profile)
 
     # --- front-end API (any thread) ----------------------------------------------
@@ -139,6 +140,7 @@ class PagedEngine(EngineBase):
             seq.edit = cache_edits.EditState.start(prompt, edits)
         seq.handle.seq = seq
         seq.constraint = constraint
+        seq.think = self.think_budget(params, prompt, self.context_length - kept)
         try:
             self._post(("submit", seq))
         except EngineDeadError:
@@ -424,7 +426,11 @@ class PagedEngine(EngineBase):
             prof.wait(previous)
         self._inflight = sampled
         self._take(previous)
-        for seq, token, _, src, _ in sampled:
+        if self._wrote:  # a think marker was written after a token whose successor is sampled
+            self._wrote = False  # here: that successor is stale, dropped; the marker is fed next
+            self._inflight = [e for e in sampled if e[0].status is Status.FINISHED
+                              or len(e[0].tokens) == e[0].num_computed]
+        for seq, token, _, src, _ in self._inflight:
             if seq.status is not Status.FINISHED:
                 seq.pending, seq.pending_from = token, src
         if verify:  # drafts checked in one forward; the accepted tokens handed out now
@@ -564,6 +570,22 @@ class PagedEngine(EngineBase):
             seq.emit(chunk)
         if finish is not None:
             self._finish(seq, finish)
+        elif chunk is not None and seq.think is not None:
+            close = seq.think.after(token, seq.out.generated)
+            if close:
+                self._write(seq, close)
+
+    def _write(self, seq: Sequence, tokens: tuple[int, ...]) -> None:
+        """Write tokens after the last one, unsampled and not counted (a thinking budget's
+        think-end marker); the next step feeds them, then sampling goes on."""
+        chunk, finish, cause = seq.think.write(seq.out, tokens)
+        if chunk is not None:
+            self._wrote = True
+            seq.tokens.extend(tokens)
+            seq.written += len(tokens)
+            seq.emit(chunk)
+        if finish is not None:
+            self._finish(seq, finish, cause)
 
     def _finish(self, seq: Sequence, reason: str, cause: str | None = None) -> None:
         if seq.constraint is not None:

@@ -50,6 +50,8 @@ class Sequence:
     constraint: Any = None  # engine.constraint.Constraint: the request's grammar, if any
     edit: Any = None  # engine.edits.EditState: a request with cache edits (AKV), else None
     spec: Any = None  # engine.speculative.SpecState: its draft length and lookup index, if it speculates
+    think: Any = None  # engine.think.ThinkBudget: the request's thinking budget, if any
+    written: int = 0  # tokens the engine wrote after the prompt unsampled (think): not output
 
     def __post_init__(self):
         if not self.tokens:
@@ -65,7 +67,7 @@ class Sequence:
 
     @property
     def num_generated(self) -> int:
-        return len(self.tokens) - len(self.prompt)
+        return len(self.tokens) - len(self.prompt) - self.written
 
     @property
     def remaining(self) -> int:

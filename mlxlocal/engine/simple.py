@@ -246,6 +246,7 @@ class SimpleEngine(EngineBase):
         out = Output(self.tokenizer.detokenizer, params, set(self.tokenizer.eos_token_ids), len(prompt),
                      min(params.max_tokens, self.context_length - len(prompt)))
         stats = out.stats
+        think = self.think_budget(params, prompt, self.context_length - len(prompt))
         stats.cached_tokens = session.reuse(prompt)
         self.tokens_in += len(prompt)
         self.prefix_hit_tokens += stats.cached_tokens
@@ -284,6 +285,7 @@ class SimpleEngine(EngineBase):
         history = list(prompt)  # prompt + generated, grown in place: the sampler's penalties read it
         y, lse = sample(self._forward(mx.array(todo, mx.uint32), cache), history)
         mx.async_eval(y, lse)
+        cause = None
         while True:
             token = int(y.item())
             if not math.isfinite(lse.item()):
@@ -298,16 +300,28 @@ class SimpleEngine(EngineBase):
             history.append(token)
             self.tokens_out += 1
             cancelled = cancel is not None and cancel.is_set()
+            # A thinking budget's marker: fed with this token, its text after this chunk.
+            close = think.after(token, out.generated) if think and finish is None else None
+            written = None
+            if close and not cancelled:
+                written, finish, cause = think.write(out, close)
+                close = close if written is not None else None
             if finish is None and not cancelled:
                 # Queue the next step before handing this token out, so the device keeps working.
-                next_y, next_lse = sample(self._forward(y.reshape(1), cache), history)
+                feed = y.reshape(1)
+                if close:
+                    feed = mx.concatenate([feed, mx.array(close, y.dtype)])
+                history.extend(close or ())
+                next_y, next_lse = sample(self._forward(feed, cache), history)
                 mx.async_eval(next_y, next_lse)
-                session.tokens.append(token)
+                session.tokens += [token, *(close or ())]
             yield chunk
+            if written is not None:
+                yield written
             if finish is not None or cancelled:
                 finish = "cancelled" if cancelled and finish != "stop" else finish
                 break
             y, lse = next_y, next_lse
         if constraint is not None:
             stats.grammar_complete = constraint.complete
-        yield out.finish(finish)
+        yield out.finish(finish, cause)

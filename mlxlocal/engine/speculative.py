@@ -317,7 +317,9 @@ class Speculator:
                 seq.num_computed = start if rewind else start + 1 + e
                 lp = logprob_arrays(asked, mx.array([tok]), logprobs[i, e : e + 1]) if asked is not None else []
                 accept(seq, tok, lp)
-                if seq.status is Status.FINISHED:
+                # Finished, or the engine wrote tokens after this one (a thinking budget's
+                # marker): the drafts after it are not the sequence's any more.
+                if seq.status is Status.FINISHED or len(seq.tokens) > start + 2 + e:
                     break
 
     def _uniforms(self, seqs: list[Sequence], n: int) -> tuple[mx.array, mx.array]:

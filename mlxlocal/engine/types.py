@@ -115,6 +115,9 @@ class SamplingParams:
     grammar: Grammar | None = None
     # False: this request decodes one token per step even on an engine that speculates.
     speculative: bool = True
+    # A think block still open after this many generated tokens is closed: the engine writes
+    # the model's think-end marker and decoding goes on (engine/think.py). None: no budget.
+    think_budget: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of its range.
@@ -148,6 +151,7 @@ class SamplingParams:
         # mx.random.key takes the seed as a uint64; kept below 2**63 so it is also a valid int64.
         integer("seed", 0, 2**63, "2**63", optional=True)
         integer("logprobs", 0, MAX_TOP_LOGPROBS + 1, str(MAX_TOP_LOGPROBS + 1), optional=True)
+        integer("think_budget", 1, 2**31, "2**31", optional=True)
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -233,3 +237,6 @@ class Chunk:
     stats: GenerationStats | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # Ids the engine wrote after the last token unsampled (a thinking budget's think-end
+    # marker, in a chunk without a token): not output, but in the context the model saw.
+    written: tuple[int, ...] = ()

@@ -116,8 +116,8 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
                                             forced[0] if forced else None, ids, params.max_tokens, parallel,
                                             think_budget=thinking.budget)
         if params.grammar is not None:
-            # The thinking budget goes into the grammar: the engine's own budget (events.py)
-            # would restart the constrained reply after a think-end marker the grammar has not seen.
+            # The thinking budget goes into the grammar: the engine's own budget would write a
+            # think-end marker the grammar has not seen.
             thinking = replace(thinking, budget=None)
     if params is not None:
         check_params(params, _NAMES, engine, ids)
@@ -257,8 +257,9 @@ async def messages(request: Request):
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors; when
     # streaming, from submit on they are error events (the response starts at once: keep-alives).
     stream = bool(body.get("stream", False))
-    parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
-                               think_budget=None if constraint is not None else thinking.budget, cache=use,
+    # The engine closes the think block at the budget; a grammar bounds the block itself.
+    params.think_budget = thinking.budget if params.grammar is None else None
+    parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
                                keepalive=stream_keepalive(request) if stream else None, flushes=stream)
     events = _events(engine, ids, params, thinking, parsed)
 

@@ -20,7 +20,7 @@ events: a streaming router frames all it wrote since the last one as one write (
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -116,73 +116,14 @@ async def _rest(first: Item, chunks: AsyncIterator[Item]) -> AsyncIterator[Item]
 
 
 async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
-                      tools: list[dict] | None, metrics: Metrics, think_budget: int | None = None,
-                      cache: CacheUse | None = None,
+                      tools: list[dict] | None, metrics: Metrics, cache: CacheUse | None = None,
                       keepalive: float | None = None, flushes: bool = False) -> AsyncIterator[StreamEvent]:
     """`open_chunks`, parsed into events (see the module docstring; `flushes`: a Flush after
-    each wake-up's). With `think_budget`, a think block still open after that many generated
-    tokens is closed (`_budgeted`)."""
+    each wake-up's). A thinking budget (params.think_budget) is the engine's: the think-end
+    marker it writes comes as text without a token, so the answer after it is content."""
     parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning(engine, ids))
-    if think_budget is None or not parser.think_end or think_budget >= params.max_tokens:
-        chunks = await open_chunks(request, engine, ids, params, metrics, cache, keepalive)
-        return parse_chunks(chunks, parser, flushes)
-    budgeted = replace(params, max_tokens=think_budget)
-    first = await open_chunks(request, engine, ids, budgeted, metrics, cache, keepalive)
-    rest = _budgeted(request, engine, ids, params, metrics, parser, first, cache, keepalive)
-    return parse_chunks(rest, parser, flushes)
-
-
-async def _budgeted(request: Request, engine, ids: list[int], params: SamplingParams, metrics: Metrics,
-                    parser: OutputParser, first: AsyncIterator[Item], cache: CacheUse | None = None,
-                    keepalive: float | None = None) -> AsyncIterator[Item]:
-    """A thinking budget: the request runs with max_tokens = budget first. If that cut it
-    (not a stop, not the context) the request goes on as a second one over prompt +
-    generated ids (a prefix-cache hit), with the think-end marker written in between when
-    the parser is still inside the think block, which is what the model would have written
-    (the parser gets the marker as text, so the answer after it is content). The caller
-    sees one request: one Finish, stats of both (usage of the first prompt).
-
-    Exact when the model starts thinking at its first token (templates that open the think
-    block); a reply that thinks after some text gets its budget counted from the start."""
-    generated, last = [], None
-    try:
-        async for batch in first:
-            if not isinstance(batch, Waiting):
-                generated += [chunk.token for chunk in batch if chunk.token is not None]
-                if batch[-1].finish_reason is not None:
-                    last = batch[-1]
-                    stats = last.stats
-                    if last.finish_reason != "length" or stats is None or stats.truncated_by != "max_tokens":
-                        yield batch  # not cut by the budget: the reply as it is
-                        return
-                    # Its text and token; the parser reads them now.
-                    yield batch[:-1] + [replace(last, finish_reason=None, stats=None)]
-                    break
-            yield batch
-    finally:
-        await first.aclose()  # cancels it if our consumer stopped early
-    if last is None:
-        return
-    extra: list[int] = []
-    if parser.state == "reasoning":
-        close = f"\n{parser.think_end}\n\n"
-        extra = list(engine.tokenizer.encode(close, add_special_tokens=False))
-        yield [Chunk(close)]  # no token: the marker is prompt for the second part, not output
-    # The same session and edits (all inside `ids`): the second part continues the first.
-    rest = await open_chunks(request, engine, ids + generated + extra,
-                             replace(params, max_tokens=params.max_tokens - len(generated)), metrics, cache,
-                             keepalive)
-    try:
-        async for batch in rest:
-            if not isinstance(batch, Waiting) and batch[-1].stats is not None:
-                chunk = batch[-1]
-                batch = batch[:-1] + [replace(chunk, stats=replace(
-                    chunk.stats, prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
-                    dropped_tokens=stats.dropped_tokens, repositioned_tokens=stats.repositioned_tokens,
-                    ttft_s=stats.ttft_s, completion_tokens=stats.completion_tokens + chunk.stats.completion_tokens))]
-            yield batch
-    finally:
-        await rest.aclose()
+    chunks = await open_chunks(request, engine, ids, params, metrics, cache, keepalive)
+    return parse_chunks(chunks, parser, flushes)
 
 
 class _Trim:

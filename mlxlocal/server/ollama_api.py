@@ -31,6 +31,7 @@ from mlxlocal.server.validation import (
     stop_strings,
     string,
     text_bytes,
+    thinking_budget,
     tokenize,
 )
 
@@ -61,7 +62,8 @@ def sampling_params(options: Any, context_length: int) -> SamplingParams:
     [1e-8, 1] (Ollama lets 0 through; here it is refused rather than guessed at), top_k at most
     the vocabulary (checked with the prompt), seed in [0, 2**63) or negative for a random one.
     num_ctx is the model's context here (the KV pool is shared): other values are ignored.
-    options.speculative (extension): false opts out of the server's speculative decoding.
+    options.speculative (extension): false opts out of the server's speculative decoding;
+    options.thinking_budget (extension): a think block open after that many tokens is closed.
     """
     if options is None:
         options = {}
@@ -88,6 +90,7 @@ def sampling_params(options: Any, context_length: int) -> SamplingParams:
         seed=seed if seed is None or seed >= 0 else None,  # Ollama: -1 is a random seed
         stop=stop_strings(options.get("stop"), "options.stop"),
         speculative=speculative(options, "options.speculative"),
+        think_budget=thinking_budget(options, "options.thinking_budget"),
     )
     check_params(params, _NAMES)
     return params
@@ -313,7 +316,7 @@ async def chat(request: Request):
         params = sampling_params(body.get("options"), engine.context_length)
         sure = text_bytes(*(msg["content"] for msg in messages if msg["role"] != "assistant"))
         ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools)
-        await formats.constrain(params, constraint, engine, ids)
+        await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
         check_params(params, {**_NAMES, "prompt": "messages"}, engine, ids)
     except BaseException:
         release(m)
@@ -360,7 +363,7 @@ async def generate(request: Request):
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             ids = await tokenize(engine, text_bytes(prompt, system), "prompt", engine.encode_chat, messages)
-        await formats.constrain(params, constraint, engine, ids)
+        await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
         check_params(params, {**_NAMES, "prompt": "prompt"}, engine, ids)
     except BaseException:
         release(m)

@@ -66,6 +66,7 @@ from mlxlocal.server.validation import (
     speculative,
     stop_strings,
     text_bytes,
+    thinking_budget,
     tokenize,
 )
 
@@ -373,13 +374,15 @@ async def _prepare_chat(req: ChatCompletionRequest, request: Request):
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
              "logprobs": "top_logprobs", "prompt": "messages"}
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
+    params.think_budget = thinking_budget(req.model_extra)
     engine = await request.app.state.registry.engine(req.model)
     ids, use = await encode_messages(request, engine, req.model, messages, tools, "messages", cache, origins)
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    # With a grammar, the budget bounds its think block (the engine's then stands aside).
     params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
-                                        req.parallel_tool_calls is not False)
-    await formats.constrain(params, constraint, engine, ids)
+                                        req.parallel_tool_calls is not False, params.think_budget)
+    await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
     check_params(params, names, engine, ids)
     return engine, ids, params, tools, use
 

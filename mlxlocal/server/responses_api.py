@@ -90,6 +90,7 @@ from mlxlocal.server.validation import (
     check_params,
     sized_list,
     speculative,
+    thinking_budget,
 )
 
 log = logging.getLogger("mlxlocal.server")
@@ -399,15 +400,16 @@ async def create_response(req: ResponsesRequest, request: Request):
     params = SamplingParams(max_tokens=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
                             temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p,
-                            speculative=speculative(req.model_extra))
+                            speculative=speculative(req.model_extra),
+                            think_budget=thinking_budget(req.model_extra))
     check_params(params, names)
     constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
     messages = place_system_turns(messages, engine.tokenizer, origins)
     ids, use = await encode_messages(request, engine, req.model, messages, tools, "input", cache, origins)
     params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
-                                        req.parallel_tool_calls is not False)
-    await formats.constrain(params, constraint, engine, ids)
+                                        req.parallel_tool_calls is not False, params.think_budget)
+    await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
     check_params(params, names, engine, ids)
     events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
                                keepalive=stream_keepalive(request) if req.stream else None, flushes=req.stream)

@@ -162,6 +162,17 @@ def speculative(obj: dict | None, where: str = "speculative") -> bool:
     return boolean(obj or {}, "speculative", True, where)
 
 
+def thinking_budget(obj: dict | None, where: str = "thinking_budget") -> int | None:
+    """The thinking budget, an extension field (/v1/messages has thinking.budget_tokens):
+    "thinking_budget": N closes a think block still open after N generated tokens, and the
+    reply goes on (SamplingParams.think_budget; Ollama: options.thinking_budget). Absent or
+    null: none; on a model without a think block it changes nothing."""
+    v = number(obj or {}, "thinking_budget", None, where, integer=True)
+    if v is not None and not 1 <= v < 2**31:
+        raise APIError(400, f"{where}: must be an integer in [1, 2**31), got {v!r}", param=where)
+    return v
+
+
 def string(obj: dict, key: str, where: str | None = None, required: bool = False) -> str | None:
     v = obj.get(key)
     where = where or key
