@@ -13,9 +13,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxlocal.errors import ModelLoadError
-from mlxlocal.source.chat_format import ChatFormat, chat_format_of
 from mlxlocal.models import build_model, is_native, quantize_for_checkpoint
 from mlxlocal.models.config import ModelConfig, read_config_file
+from mlxlocal.source.chat_format import ChatFormat, chat_format_of
 from mlxlocal.weights import WeightsReport, load_model_weights
 
 
