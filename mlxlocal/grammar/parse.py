@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlxlocal.engine import ChatFormat
+if TYPE_CHECKING:
+    from mlxlocal.engine import ChatFormat
 
 
 @dataclass

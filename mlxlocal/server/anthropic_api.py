@@ -102,10 +102,10 @@ async def prepare(request: Request, body: dict, params: SamplingParams | None = 
     messages = convert_messages(body, thinking_turns_kept(body), origins)
     tools = await prune_tools(request, convert_tools(body, messages), messages, "/v1/messages")
     engine = await registry.engine(model)
-    messages = place_system_turns(messages, engine.tokenizer, origins)
+    messages = place_system_turns(messages, engine.chat_format, origins)
     # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
     sure = text_bytes(*(m["content"] for m in messages if m["role"] in ("system", "user", "tool")))
-    kwargs = thinking.template_kwargs(getattr(engine.tokenizer, "chat_template", None))
+    kwargs = thinking.template_kwargs(engine.chat_format.chat_template)
     ids, use = await akv.encode(request, engine, model, cache, messages, origins, tools, "messages", sure,
                                 template_kwargs=kwargs, check_length=params is not None)
     if params is not None:

@@ -458,8 +458,7 @@ async def show(request: Request):
     if m.info is None:  # never loaded: load it to read what it is
         engine = await registry.engine(name)
     info = m.info
-    tok = engine.tokenizer if engine is not None else None
-    template = getattr(tok, "chat_template", None) or ""
+    template = (engine.chat_format.chat_template if engine is not None else None) or ""
     capabilities = m.capabilities or ["completion"]
     arch = info.model_type
     model_info = {"general.architecture": arch, "general.parameter_count": info.n_params,

@@ -478,8 +478,7 @@ async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: S
 async def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        tok = engine.tokenizer
-        vocab = len(getattr(tok, "_tokenizer", tok))
+        vocab = engine.chat_format.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",

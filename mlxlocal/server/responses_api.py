@@ -405,7 +405,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     check_params(params, names)
     constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
     engine = await request.app.state.registry.engine(req.model)
-    messages = place_system_turns(messages, engine.tokenizer, origins)
+    messages = place_system_turns(messages, engine.chat_format, origins)
     ids, use = await encode_messages(request, engine, req.model, messages, tools, "input", cache, origins)
     params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
                                         req.parallel_tool_calls is not False, params.think_budget)
