@@ -26,7 +26,7 @@ class ChatFormat:
 
     # The Hugging Face chat template (a dict of named templates for some older tokenizers),
     # None without one: encode_chat then writes "role: content" lines.
-    chat_template: str | dict[str, str] | None = None
+    chat_template: str | dict[str, str] | None = field(default=None, repr=False)
     # Tool calls between these markers, read back by mlx-lm's parser for the family.
     has_tool_calling: bool = False
     tool_call_start: str | None = None
