@@ -113,7 +113,7 @@ class EngineBase:
         if params.think_budget is None:
             return None
         if self._think is None:
-            self._think = (think_markers(self.tokenizer),)
+            self._think = (think_markers(self.chat_format),)
         return ThinkBudget.start(self._think[0], params, prompt, self.decode, room)
 
     def constraint(self, params: SamplingParams) -> Constraint | None:
