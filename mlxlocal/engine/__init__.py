@@ -42,7 +42,8 @@ from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
     "CacheEdit", "ChatFormat", "Chunk", "DEFAULT_DRAFT_TOKENS", "EVAL_PHASES", "Engine",
-    "EngineConfig", "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats", "Grammar",
+    "EngineConfig", "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats",
+    "Grammar",
     "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "NotPageable", "OutOfCapacity",
     "PHASES", "PagedEngine", "PagedScorer", "QueueFull", "REPLY_MARKER", "RequestHandle",
     "STATS_KEYS", "SamplingParams", "SessionBusy", "SimpleEngine", "SpeculationChoice",

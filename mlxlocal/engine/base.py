@@ -104,7 +104,8 @@ class EngineBase:
     @property
     def grammars(self) -> GrammarTokenizers:
         if self._grammars is None:
-            self._grammars = GrammarTokenizers(self.chat_format, self.vocab_size or len(self.tokenizer.vocab))
+            vocab = self.vocab_size or len(self.tokenizer.vocab)
+            self._grammars = GrammarTokenizers(self.chat_format, vocab)
         return self._grammars
 
     def think_budget(self, params: SamplingParams, prompt: list[int],

@@ -47,8 +47,9 @@ class GrammarTokenizers:
         with self._lock:
             if self._ll is None:  # under the lock: built once
                 # The turn's own end token: a grammar's end is where the model's reply ends.
-                eos = self._format.eos_token_id
-                self._ll = llguidance.hf.from_tokenizer(self._format.hf, n_vocab=self.vocab, eos_token=eos)
+                fmt = self._format
+                self._ll = llguidance.hf.from_tokenizer(fmt.hf, n_vocab=self.vocab,
+                                                        eos_token=fmt.eos_token_id)
             return self._ll
 
     def compile(self, grammar: Grammar) -> Constraint:

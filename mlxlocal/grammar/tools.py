@@ -4,8 +4,8 @@ tool_choice "required" or a named tool (OpenAI chat and Responses, Anthropic any
 enforced by letting the model write only what its chat template taught it to write for a
 call: the text grammar/parse.py's OutputParser turns back into tool calls (markers from the
 model's ChatFormat, mlx-lm's tool parser for the family). Each call's arguments are
-constrained by the tool's `parameters` JSON schema: fully for `strict` tools, for the others as far as
-llguidance implements the schema (at worst to a JSON object). After the last call the
+constrained by the tool's `parameters` JSON schema: fully for `strict` tools, for the others
+as far as llguidance implements the schema (at worst to a JSON object). After the last call the
 grammar is complete and the engine ends the reply (EOS).
 
 Formats, by mlx-lm tool parser (what is generated):

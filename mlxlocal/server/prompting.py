@@ -45,7 +45,7 @@ def renders_later_system(fmt: ChatFormat) -> bool:
     key = template if isinstance(template, str) else repr(template)
     if key not in _LATER_SYSTEM:
         try:
-            text = fmt.render([{"role": r, "content": t} for r, t in _PROBE], add_generation_prompt=True)
+            text = fmt.render([{"role": r, "content": t} for r, t in _PROBE])
         except Exception:  # the template's raise_exception: roles must alternate, and the like
             text = ""
         marks = [t for _, t in _PROBE[1:]]
