@@ -63,10 +63,10 @@ def variants(sessions: dict, client: str) -> tuple[dict, dict, dict, dict]:
 
 
 def prompt_ids(tokenizer, client: str, body: dict) -> list[int]:
-    """The prompt as the route renders it (anthropic_api.prepare, responses_api.create_response)."""
+    """The prompt as the routes render it (their ChatRequests through pipeline.prepare)."""
     if client == "claude_code":
         messages = convert_messages(body)
-        tools = convert_tools(body, messages)
+        tools = convert_tools(body)
     else:
         messages, tools = input_messages(body["input"], None), chat_tools(body["tools"])[0]
     messages = place_system_turns(messages, chat_format_of(tokenizer))

@@ -1,8 +1,6 @@
-"""Chat messages -> prompt ids, shared by the OpenAI-style routers (chat completions and
-responses): tool-call arguments as templates expect them, tool_choice as tools and a system
-hint (the forced call's grammar: tool_choice.py), system turns where the client put them
-(`place_system_turns`), and the templated prompt tokenized off the event loop with the early
-length check."""
+"""Chat messages as templates take them, for every dialect (through pipeline.py): tool-call
+arguments as templates expect them, tool_choice as tools and a system hint (the forced call's
+grammar: tool_choice.py), and system turns where the client put them (`place_system_turns`)."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 from mlxlocal.server import akv
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.tool_choice import require_call
-from mlxlocal.server.validation import text_bytes
 
 if TYPE_CHECKING:
     from mlxlocal.engine import ChatFormat
@@ -100,14 +97,3 @@ def apply_tool_choice(tools: list[dict] | None, choice: str | None, name: str | 
             raise APIError(400, f"{where} names function '{name}', which is not in tools", param=where)
         require_call(messages, name)
     return tools
-
-
-async def encode_messages(request, engine, model: str, messages: list[dict], tools: list[dict] | None, where: str,
-                          cache: akv.CacheRequest | None = None,
-                          origins: akv.Origins | None = None) -> tuple[list[int], akv.CacheUse]:
-    """The chat template over `messages` (and tools), tokenized on a worker thread; text that
-    cannot fit the context is refused before the template runs (a 400 on `where`). Also
-    what the request asks of the KV cache (session, edits: akv.encode)."""
-    # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
-    sure = text_bytes(*(m["content"] for m in messages if m["role"] != "assistant"))
-    return await akv.encode(request, engine, model, cache, messages, origins, tools, where, sure)
