@@ -173,13 +173,15 @@ def _edits_with_spans(engine, messages, tools, template_kwargs, plan: DropPlan):
     return ids, to_edits(plan, spans, thinks)
 
 
-async def encode(request: Request, engine, model: str, req: CacheRequest | None, messages: list[dict],
+async def encode(request: Request | None, engine, model: str, req: CacheRequest | None, messages: list[dict],
                  origins: Origins | None, tools: list[dict] | None, where: str, sure: int,
                  template_kwargs: dict | None = None, check_length: bool = True) -> tuple[list[int], CacheUse]:
     """The prompt ids (as encode_chat makes them, on a worker thread after the early length
     check) and what generation.run needs for the request's cache."""
     use = CacheUse(model, req.session_id if req is not None else None)
-    plan, policy = None, getattr(request.app.state.config, "kv_compact", None)
+    # The server's --kv-compact policy; a request from outside HTTP (the MCP tools) has none.
+    config = request.app.state.config if request is not None else None
+    plan, policy = None, getattr(config, "kv_compact", None)
     if req is not None and req.explicit:
         try:
             plan = _plan(req, origins or Origins(), messages)

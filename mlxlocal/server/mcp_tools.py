@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 from mlxlocal import __version__
 from mlxlocal.engine import MAX_STOP_STRINGS, EngineDeadError, SamplingParams
 from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
-from mlxlocal.server import embeddings_api, generation
+from mlxlocal.server import embeddings_api, generation, pipeline
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import Finish, parse_chunks
 from mlxlocal.server.model_cards import client_names
@@ -211,10 +211,10 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
         turns = [m.model_dump() for m in messages]
         params, names = _params("messages", max_tokens, temperature, top_p, top_k, seed, stop)
         kwargs = None if thinking is None else {"enable_thinking": thinking}
+        chat_request = pipeline.ChatRequest(model or registry.models[0].name, "mcp chat", turns, params, names,
+                                            template_kwargs=kwargs)
         try:
-            ids = await tokenize(engine, text_bytes(*(m.content for m in messages)), "messages",
-                                 engine.encode_chat, turns, None, template_kwargs=kwargs)
-            check_params(params, names, engine, ids)
+            ids = (await pipeline.prepare(None, chat_request, engine)).ids
         except APIError as e:
             raise _tool_error(e) from None
         parts: dict[str, list[str]] = {"content": [], "reasoning": []}

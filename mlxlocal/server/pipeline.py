@@ -68,14 +68,16 @@ class Prepared:
     stream: bool
 
 
-async def prepare(request: Request, chat: ChatRequest, engine: Engine | None = None) -> Prepared:
-    """`engine`: one the router already holds (Ollama's keep-alive accounting), else the
-    registry loads the request's model."""
+async def prepare(request: Request | None, chat: ChatRequest, engine: Engine | None = None) -> Prepared:
+    """`engine`: one the router already holds (Ollama's keep-alive accounting, the MCP tools),
+    else the registry loads the request's model. `request` None: not over HTTP (the MCP
+    tools): no tool pruning, no server cache policy."""
     choice = chat.tool_choice
     mode = None if choice.name is not None else choice.mode
     tools = apply_tool_choice(chat.tools, mode, choice.name, chat.messages, choice.param)
     tools = await prune_tools(request, tools, chat.messages, chat.route)
     if engine is None:
+        assert request is not None, "prepare needs the request's app or an engine"
         engine = await request.app.state.registry.engine(chat.model)
     messages = place_system_turns(chat.messages, engine.chat_format, chat.origins)
     # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.

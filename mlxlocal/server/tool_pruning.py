@@ -89,9 +89,12 @@ def select(tools: list[dict], messages: list[dict], max_tools: int) -> tuple[lis
 
 
 async def prune_tools(request: Any, tools: list[dict] | None, messages: list[dict], where: str) -> list[dict] | None:
-    """The tools to render for this request under `--max-tools` (app.state.config.max_tools)."""
+    """The tools to render for this request under `--max-tools` (app.state.config.max_tools);
+    a request from outside HTTP (`request` None: the MCP tools) offers no tools."""
+    if not tools:
+        return tools
     max_tools = getattr(request.app.state.config, "max_tools", None)
-    if not tools or max_tools is None or len(tools) <= max_tools:
+    if max_tools is None or len(tools) <= max_tools:
         return tools
     # The index (BM25, maybe embeddings) is CPU work: off the event loop.
     kept, dropped = await asyncio.to_thread(select, tools, messages, max_tools)
