@@ -157,17 +157,17 @@ def build_trace(engine, steps: int, system_tokens: int, budget: int) -> Trace:
 def reply_ids(engine, before: list[dict[str, Any]], message: dict[str, Any]) -> list[int]:
     """The ids a model would generate for `message` (an assistant reply) after `before`:
     the template's rendering of it between the generation prompt and the end of turn."""
-    tok = engine.tokenizer
-    head = tok.apply_chat_template(before, tools=AKV_TOOLS, add_generation_prompt=True, tokenize=False)
-    full = tok.apply_chat_template(before + [message], tools=AKV_TOOLS, add_generation_prompt=False, tokenize=False)
-    marked = tok.apply_chat_template(before + [{"role": "assistant", "content": REPLY_MARKER}], tools=AKV_TOOLS,
-                                     add_generation_prompt=False, tokenize=False)
+    fmt = engine.chat_format
+    head = fmt.render(before, AKV_TOOLS, add_generation_prompt=True)
+    full = fmt.render(before + [message], AKV_TOOLS, add_generation_prompt=False)
+    marked = fmt.render(before + [{"role": "assistant", "content": REPLY_MARKER}], AKV_TOOLS,
+                        add_generation_prompt=False)
     end = marked.partition(REPLY_MARKER)[2]
     if full.startswith(head) and full.endswith(end):
         text = full[len(head):len(full) - len(end)]
     else:  # a template that renders earlier turns differently: the call as plain JSON
         text = json.dumps(message["tool_calls"][0]["function"])
-    return list(tok.encode(text, add_special_tokens=False))
+    return fmt.encode(text)
 
 
 def text_view(messages: list[dict[str, Any]], keep: int) -> list[dict[str, Any]]:

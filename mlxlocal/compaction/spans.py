@@ -377,12 +377,4 @@ def _template_text(engine: Any, messages: Messages, tools: list[dict] | None, ge
 
 
 def _decoder(engine: Any) -> Callable[[list[int]], str]:
-    tok = engine.tokenizer
-
-    def decode(ids: list[int]) -> str:
-        try:  # special tokens as text, spaces untouched: the template's text, character for character
-            return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        except TypeError:
-            return engine.decode(ids)
-
-    return decode
+    return engine.chat_format.decode_verbatim

@@ -46,7 +46,6 @@ class EngineSession(Protocol):
 
 @runtime_checkable
 class Engine(Protocol):
-    tokenizer: Any
     # The chat template, tool-call and think markers, special tokens: typed, read at load.
     chat_format: ChatFormat
     # Why the engine stopped for good (then every request raises EngineDeadError), or None.

@@ -41,7 +41,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from mlxlocal.engine import Chunk, SamplingParams
+from mlxlocal.engine import ChatFormat, Chunk, SamplingParams
 from mlxlocal.server import akv, formats, model_cards, pipeline
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import (
@@ -260,13 +260,13 @@ def _error_event(e: BaseException) -> str:
 class _TokenText:
     """Token id -> text (cached), for logprobs."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.cache = tokenizer, {}
+    def __init__(self, fmt: ChatFormat):
+        self.fmt, self.cache = fmt, {}
 
     def __call__(self, token: int) -> str:
         text = self.cache.get(token)
         if text is None:
-            text = self.cache[token] = self.tokenizer.decode([token])
+            text = self.cache[token] = self.fmt.decode([token])
         return text
 
 
@@ -376,7 +376,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     ready = await pipeline.prepare(request, _chat_request(req, request, constraint))
     events = await pipeline.run(request, ready)
     meta = {"id": _new_id("chatcmpl"), "created": int(time.time()), "model": req.model}
-    text_of = _TokenText(ready.engine.tokenizer)
+    text_of = _TokenText(ready.engine.chat_format)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream_response(_chat_stream(events, meta, ready.params, include_usage, text_of))
@@ -520,7 +520,7 @@ async def completions(req: CompletionRequest, request: Request):
     chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics,
                                keepalive=stream_keepalive(request) if req.stream else None)
     meta = {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": req.model}
-    text_of = _TokenText(engine.tokenizer)
+    text_of = _TokenText(engine.chat_format)
     want_logprobs = params.logprobs is not None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -57,6 +57,14 @@ class ChatFormat:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def decode_verbatim(self, ids: list[int]) -> str:
+        """Special tokens as text, spaces untouched: the template's text, character for
+        character (a tokenizer without those switches decodes as usual)."""
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except TypeError:
+            return self.decode(ids)
+
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                add_generation_prompt: bool = True, **template_kwargs: Any) -> Any:
         """The chat template applied to `messages` as text (whatever the template returns)."""
