@@ -294,7 +294,7 @@ def test_run_refuses_an_unusable_config(agent_model, tmp_path):
 
 
 def test_chat_repl_lists_tools_and_asks(engine, config, world, monkeypatch):
-    from mlxlocal.agent_chat import AgentRepl
+    from mlxlocal.repl.agent import AgentRepl
 
     out = io.StringIO()
     mail = call("web__send_email", to="a@b.example", subject="s", body="b")
