@@ -103,4 +103,4 @@ class Conversation:
         no ids, a new session. ValueError, and nothing changed, when it is not one."""
         system, messages = parse_saved(data)
         self.reset()
-        self.system, self.messages = system, list(messages)
+        self.system, self.messages = system, messages  # parse_saved made new dicts
