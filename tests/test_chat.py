@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -486,8 +487,9 @@ def test_encode_continuation_falls_back(tiny_models):
     # is no longer a prefix of the longer chat, so the caller must encode all of it again.
     assert mistral.encode_continuation(messages, [{"role": "user", "content": "more"}]) is None
     assert mistral.encode_continuation(messages[1:], [{"role": "user", "content": "more"}]) is not None
-    plain = EngineBase(load_from_dir(tiny_models["qwen3"]))
-    plain.tokenizer._tokenizer.chat_template = None
+    loaded = load_from_dir(tiny_models["qwen3"])
+    loaded.chat_format = replace(loaded.chat_format, chat_template=None)  # as a template-less model's
+    plain = EngineBase(loaded)
     assert plain.encode_continuation(messages[1:], [{"role": "user", "content": "more"}]) is None
 
 

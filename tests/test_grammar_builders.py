@@ -9,6 +9,7 @@ import pytest
 from llguidance import LLMatcher
 
 from mlxlocal import grammar
+from mlxlocal.engine import ChatFormat, chat_format_of
 from mlxlocal.grammar import GrammarError
 
 P = "response_format.json_schema.schema"
@@ -162,7 +163,7 @@ def test_json_object_regex_lark_gbnf_choice(tok):
 def test_with_reasoning_constrains_only_the_answer(tok, tiny_model):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    wrapper = load_tokenizer(tiny_model)
+    wrapper = chat_format_of(load_tokenizer(tiny_model))
     assert wrapper.has_thinking
     g = grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, P)
     opt = grammar.with_reasoning(g, wrapper, starts_in_reasoning=False)
@@ -188,8 +189,7 @@ def test_with_reasoning_constrains_only_the_answer(tok, tiny_model):
 
 
 def test_with_reasoning_leaves_models_without_thinking_alone():
-    class Plain:
-        has_thinking = False
-
     g = grammar.regex("a+", "regex")
-    assert grammar.with_reasoning(g, Plain(), True) is g
+    assert grammar.with_reasoning(g, ChatFormat(has_thinking=False), True) is g
+    # Markers that are not token ids of their own leave it alone too.
+    assert grammar.with_reasoning(g, ChatFormat(has_thinking=True, think_start="<think>"), True) is g

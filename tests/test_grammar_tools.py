@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from llguidance import LLMatcher
 
+from mlxlocal.engine import ChatFormat, chat_format_of
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.parse import OutputParser
 from mlxlocal.grammar.tools import MAX_CALLS, family, tool_calls
@@ -47,21 +49,16 @@ TOOLS = [WEATHER, SEARCH, ALARM]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-class Family:
-    """A tokenizer seen as another family: the given attributes replace the wrapped one's
-    (markers, tool parser, template), everything else is the real tokenizer."""
-
-    def __init__(self, tokenizer, **attrs):
-        self._tok, self._attrs = tokenizer, attrs
-
-    def __getattr__(self, name):
-        return self._attrs[name] if name in self._attrs else getattr(self._tok, name)
+def Family(fmt: ChatFormat, **attrs) -> ChatFormat:  # noqa: N802 - reads as the family it poses as
+    """A tokenizer's format seen as another family: the given fields replace its own
+    (markers, tool parser, template), everything else is the real tokenizer's."""
+    return replace(fmt, **attrs)
 
 
 @pytest.fixture(scope="module")
-def toks(tmp_path_factory) -> dict:
-    """Tokenizers per format: the synthetic chatml (json_tools), llama3 (no markers) and
-    mistral (v0.3 JSON list) ones, and the chatml one posing as other JSON-bodied families."""
+def toks(tmp_path_factory) -> dict[str, ChatFormat]:
+    """Chat formats per format: the synthetic chatml (json_tools), llama3 (no markers) and
+    mistral (v0.3 JSON list) tokenizers', and chatml's posing as other JSON-bodied families."""
     from mlx_lm.tokenizer_utils import load
     from mlx_lm.tool_parsers import glm47, kimi_k2, longcat, pythonic, qwen3_coder
 
@@ -71,7 +68,7 @@ def toks(tmp_path_factory) -> dict:
     for name in ("chatml", "llama3", "mistral"):
         path = tmp_path_factory.mktemp(name)
         write_tokenizer(Path(path), 384, name)
-        out[name] = load(Path(path))
+        out[name] = chat_format_of(load(Path(path)))
     chatml = out["chatml_thinking"] = out["chatml"]
     # The formats' tests run without a think block (test_a_think_block_* have theirs).
     out["chatml"] = Family(chatml, has_thinking=False)
@@ -92,8 +89,8 @@ def toks(tmp_path_factory) -> dict:
 _LL: dict[int, object] = {}
 
 
-def ll_tokenizer(tok):
-    hf = tok._tokenizer if hasattr(tok, "_tokenizer") else tok._tok._tokenizer
+def ll_tokenizer(tok: ChatFormat):
+    hf = tok.hf
     if id(hf) not in _LL:
         _LL[id(hf)] = llguidance.hf.from_tokenizer(hf, eos_token=sorted(tok.eos_token_ids)[0])
     return _LL[id(hf)]
@@ -108,7 +105,7 @@ def matcher(tok, grammar) -> LLMatcher:
 def accepts(tok, grammar, text: str) -> bool:
     """The whole text is allowed and then the reply may end (EOS)."""
     m = matcher(tok, grammar)
-    ids = list(tok.encode(text, add_special_tokens=False))
+    ids = tok.encode(text)
     return m.consume_tokens(ids) and not m.is_error() and m.consume_token(sorted(tok.eos_token_ids)[0])
 
 
@@ -278,7 +275,7 @@ def _random_walk(tok, grammar, seed: int, limit: int = 3000) -> list[int]:
     out: list[int] = []
     for _ in range(limit):
         bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = np.flatnonzero(bits[:len(tok._tokenizer) if hasattr(tok, "_tokenizer") else 384])
+        allowed = np.flatnonzero(bits[:tok.vocab_size])
         assert len(allowed), m.get_error()
         token = int(rng.choice(list(allowed)))
         if token == eos:
@@ -307,7 +304,7 @@ def test_a_thinking_budget_closes_the_block(toks):
     grammar = tool_calls(tok, [WEATHER], None, "tool_choice", starts_in_reasoning=True, max_think_tokens=5)
     text = tok.decode(_random_walk(tok, grammar, 0))
     thought, sep, rest = text.partition("</think>")
-    assert sep and len(tok.encode(thought, add_special_tokens=False)) <= 6, text
+    assert sep and len(tok.encode(thought)) <= 6, text
     assert {n for n, _ in parse(tok, rest)} == {"get_weather"}
 
 

@@ -49,3 +49,10 @@ def test_a_front_end_importing_an_engine_module_fails_lint(source):
 def test_the_package_itself_passes():
     assert "TID251" not in lint("from mlxlocal.engine import open_engine, SamplingParams\n",
                                 "mlxlocal/server/example.py")
+
+
+def test_every_name_the_engine_door_lists_is_there():
+    """`__all__` is the contract's index: a name moved out of the engine must leave it too."""
+    import mlxlocal.engine as door
+
+    assert [n for n in door.__all__ if not hasattr(door, n)] == []

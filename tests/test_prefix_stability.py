@@ -21,6 +21,7 @@ import httpx
 import pytest
 from server_util import running_server
 
+from mlxlocal.engine import chat_format_of
 from mlxlocal.server import ServerConfig
 from mlxlocal.server.akv import Origins
 from mlxlocal.server.anthropic_request import convert_messages, convert_tools
@@ -62,13 +63,13 @@ def variants(sessions: dict, client: str) -> tuple[dict, dict, dict, dict]:
 
 
 def prompt_ids(tokenizer, client: str, body: dict) -> list[int]:
-    """The prompt as the route renders it (anthropic_api.prepare, responses_api.create_response)."""
+    """The prompt as the routes render it (their ChatRequests through pipeline.prepare)."""
     if client == "claude_code":
         messages = convert_messages(body)
-        tools = convert_tools(body, messages)
+        tools = convert_tools(body)
     else:
         messages, tools = input_messages(body["input"], None), chat_tools(body["tools"])[0]
-    messages = place_system_turns(messages, tokenizer)
+    messages = place_system_turns(messages, chat_format_of(tokenizer))
     return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                               tokenize=True))
 
@@ -94,7 +95,7 @@ def test_date_change_keeps_the_rendered_prefix(tiny_models, sessions, family, cl
 def test_later_system_turns_fold_for_a_template_that_refuses_them(tiny_models):
     """Mistral's template takes one system prompt, at the start: later system turns join it
     (the text kept, in order), and each keeps its origin for AKV's drop fields."""
-    mistral, qwen = (load_from_dir(tiny_models[f]).tokenizer for f in ("mistral", "qwen3"))
+    mistral, qwen = (load_from_dir(tiny_models[f]).chat_format for f in ("mistral", "qwen3"))
     assert not renders_later_system(mistral) and renders_later_system(qwen)
     body = {"system": "Be brief.", "messages": [
         {"role": "user", "content": "hi"}, {"role": "system", "content": "Today is Monday."},
@@ -108,7 +109,7 @@ def test_later_system_turns_fold_for_a_template_that_refuses_them(tiny_models):
                                                       "The date has changed: Tuesday."}
     assert [m["role"] for m in folded] == ["system", "user", "assistant", "user"]
     assert origins.owners[id(folded[0])] == {1, 4} and id(folded[0]) in origins.sealed
-    text = mistral.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)
+    text = mistral.render(folded, add_generation_prompt=True)
     assert "Today is Monday." in text and "Tuesday" in text
     # Without a system prompt of its own, the folded turns make one.
     alone = place_system_turns(convert_messages({"messages": body["messages"]}), mistral)

@@ -6,16 +6,14 @@ import asyncio
 
 import pytest
 
-from mlxlocal.engine import Chunk, EngineDeadError, SamplingParams
+from mlxlocal.engine import ChatFormat, Chunk, EngineDeadError, SamplingParams
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.grammar.parse import starts_in_reasoning
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import open_events
 from mlxlocal.server.metrics import Metrics
 
-
-class Tok:
-    has_thinking, think_start, think_end = True, "<think>", "</think>"
+THINKING = ChatFormat(has_thinking=True, think_start="<think>", think_end="</think>")
 
 
 class Handle:
@@ -40,7 +38,7 @@ class Engine:
 
     def __init__(self, vocab=(), pieces=("",), refuse=False, die=False, thinking=True):
         self.vocab, self.pieces, self.refuse, self.die = list(vocab), list(pieces), refuse, die
-        self.tokenizer = Tok() if thinking else object()
+        self.chat_format = THINKING if thinking else ChatFormat()
         self.submitted = 0
 
     def decode(self, ids):

@@ -7,6 +7,7 @@ import json
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from mlxlocal.engine import chat_format_of
 from mlxlocal.grammar.parse import OutputParser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -14,7 +15,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def tokenizers(tiny_models):
-    return {family: load_tokenizer(path) for family, path in tiny_models.items()}
+    return {family: chat_format_of(load_tokenizer(path)) for family, path in tiny_models.items()}
 
 
 def run(parser: OutputParser, pieces: list[str]):

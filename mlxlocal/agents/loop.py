@@ -373,7 +373,7 @@ class ToolLoop:
         self._rendered = _names(self.schemas)
         self._emit("step")
         opened = starts_in_reasoning(self.engine, prompt)
-        parser = OutputParser(self.engine.tokenizer, self.callable, opened)
+        parser = OutputParser(self.engine.chat_format, self.callable, opened)
         grammar = self._call_grammar(opened)
         params = replace(self.params, grammar=grammar) if grammar and self.params.grammar is None else self.params
         step = Step(StepStats(self._step_no, tools=len(self.callable or ())))
@@ -431,7 +431,7 @@ class ToolLoop:
                 # Thinking gets the budget or else at most half the reply, as the server allows
                 # before a forced call (with a grammar, the engine leaves the budget to it).
                 think = self.params.think_budget or max(1, self.params.max_tokens // 2)
-                self._grammars[key] = tool_calls(self.engine.tokenizer, self.callable, None, "tools", opened,
+                self._grammars[key] = tool_calls(self.engine.chat_format, self.callable, None, "tools", opened,
                                                  True, think, optional=True)
             except GrammarError as e:  # a family or schema the grammar cannot express: the hub still validates
                 self._grammars[key] = None

@@ -87,14 +87,14 @@ class ChatReranker:
         self.last_note = ""
         if self.constrain:
             try:
-                grammar = with_reasoning(regex(answer_pattern(ids, k), "rerank"), self.engine.tokenizer, opened,
+                grammar = with_reasoning(regex(answer_pattern(ids, k), "rerank"), self.engine.chat_format, opened,
                                          MAX_THINK_TOKENS)
                 # The longest answer is k ids plus separators, and a bounded think block.
                 budget = sum(sorted((len(self.engine.encode_text(i)) + 2 for i in ids), reverse=True)[:k])
                 params = replace(params, grammar=grammar, max_tokens=max(params.max_tokens, budget + MAX_THINK_TOKENS))
             except GrammarError as e:  # e.g. a tokenizer llguidance cannot read: parse leniently
                 self.last_note = f"unconstrained: {e}"
-        parser = OutputParser(self.engine.tokenizer, [], opened)
+        parser = OutputParser(self.engine.chat_format, [], opened)
         content = []
         try:
             for chunk in self.engine.generate(prompt, params):

@@ -184,11 +184,10 @@ def output_constraint(json_schema: Optional[Path], regex: Optional[str], grammar
 def after_reasoning(constraint, prompts, ids: list[int], max_tokens: int):
     """The constraint applied after a thinking model's think block (as the server does)."""
     from mlxlocal.grammar import with_reasoning
+    from mlxlocal.grammar.parse import starts_in_reasoning
 
-    tok = prompts.tokenizer
-    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
-    opened = bool(start) and prompts.decode(ids[-8:]).rstrip().endswith(start)
-    return with_reasoning(constraint, tok, opened, max(1, max_tokens // 2))
+    opened = starts_in_reasoning(prompts, ids)
+    return with_reasoning(constraint, prompts.chat_format, opened, max(1, max_tokens // 2))
 
 
 def stats_line(stats, context_length: int) -> str:

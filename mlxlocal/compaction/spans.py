@@ -48,14 +48,13 @@ def _render(engine, messages: list[dict], tools: list[dict] | None, kwargs: dict
             generation_prompt: bool) -> tuple[str, bool]:
     """The prompt text encode_chat tokenizes, and whether it adds special tokens (BOS) when
     tokenizing it (only the no-template fallback does: templates write their own)."""
-    tok = engine.tokenizer
-    if getattr(tok, "chat_template", None) is None:  # EngineBase.encode_chat's fallback
+    fmt = engine.chat_format
+    if fmt.chat_template is None:  # EngineBase.encode_chat's fallback
         text = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
         return text + ("\nassistant:" if generation_prompt else ""), True
     if not messages:
         return "", False
-    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                   tokenize=False, **kwargs)
+    text = fmt.render(messages, tools, generation_prompt, **kwargs)
     return text, False
 
 
@@ -116,10 +115,10 @@ def _char_bounds(engine, messages: list[dict], tools, kwargs: dict, full: str) -
 
 
 def _token_bounds_by_offsets(engine, full: str, special: bool, ids: list[int], chars: list[int]) -> list[int] | None:
-    hf = getattr(engine.tokenizer, "_tokenizer", engine.tokenizer)
-    if not getattr(hf, "is_fast", False):
+    fmt = engine.chat_format
+    if not fmt.is_fast or fmt.hf is None:
         return None
-    enc = hf(full, add_special_tokens=special, return_offsets_mapping=True)
+    enc = fmt.hf(full, add_special_tokens=special, return_offsets_mapping=True)
     if list(enc["input_ids"]) != ids:
         return None
     # Message boundary c -> the tokens that start before it. A token that straddles c (BPE
@@ -132,10 +131,9 @@ def _token_bounds_by_offsets(engine, full: str, special: bool, ids: list[int], c
 
 
 def _token_bounds_by_prefix(engine, full: str, special: bool, ids: list[int], chars: list[int]) -> list[int]:
-    hf = getattr(engine.tokenizer, "_tokenizer", engine.tokenizer)
     out = [0]
     for c in chars[1:-1]:
-        part = list(hf.encode(full[:c], add_special_tokens=special))
+        part = engine.chat_format.encode(full[:c], add_special_tokens=special)
         k = next((j for j in range(min(len(part), len(ids))) if part[j] != ids[j]), min(len(part), len(ids)))
         out.append(max(out[-1], k))
     return out + [len(ids)]
@@ -171,14 +169,12 @@ def think_spans(engine, ids: list[int], messages: list[dict], spans: list[Span])
 
 def _marker_ids(engine: Any) -> tuple[list[int], list[int]]:
     """The think markers as token ids (empty without thinking: think_span then finds none)."""
-    tok = engine.tokenizer
-    if not getattr(tok, "has_thinking", False):
+    fmt = engine.chat_format
+    if not fmt.has_thinking:
         return [], []
-    start = [int(t) for t in getattr(tok, "think_start_tokens", None) or ()]
-    end = [int(t) for t in getattr(tok, "think_end_tokens", None) or ()]
-    if not start and getattr(tok, "think_start", None) and getattr(tok, "think_end", None):
-        start = list(tok.encode(tok.think_start, add_special_tokens=False))
-        end = list(tok.encode(tok.think_end, add_special_tokens=False))
+    start, end = list(fmt.think_start_tokens), list(fmt.think_end_tokens)
+    if not start and fmt.think_start and fmt.think_end:
+        start, end = fmt.encode(fmt.think_start), fmt.encode(fmt.think_end)
     return start, end
 
 
@@ -368,11 +364,11 @@ def _verified(text: str, spans: list[Span], messages: Messages, owner: Conversat
 
 
 def _template_text(engine: Any, messages: Messages, tools: list[dict] | None, generation: bool) -> str:
-    tok = engine.tokenizer
-    if getattr(tok, "chat_template", None) is None:
+    fmt = engine.chat_format
+    if fmt.chat_template is None:
         raise SpanError("the tokenizer has no chat template")
     try:
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False)
+        text = fmt.render(messages, tools, generation)
     except Exception as e:  # a template that refuses a prefix of the conversation
         raise SpanError(f"the chat template cannot render the conversation message by message ({e})") from None
     if not isinstance(text, str):

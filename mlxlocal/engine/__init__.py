@@ -37,16 +37,17 @@ from mlxlocal.engine.types import (
     SpeculativeConfig,
 )
 from mlxlocal.errors import EngineOptionError
+from mlxlocal.source.chat_format import ChatFormat, chat_format_of
 from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
-    "CacheEdit", "Chunk", "DEFAULT_DRAFT_TOKENS", "EVAL_PHASES", "Engine", "EngineConfig",
-    "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats", "Grammar",
-    "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "NotPageable", "OutOfCapacity",
-    "PHASES", "PagedEngine", "PagedScorer", "QueueFull", "REPLY_MARKER", "RequestHandle",
-    "STATS_KEYS", "SamplingParams", "SessionBusy", "SimpleEngine", "SpeculationChoice",
-    "SpeculationError", "SpeculativeConfig", "StepProfile", "cluster_report",
-    "describe_plan", "engine_kind", "kernel_plan", "kernel_status",
+    "CacheEdit", "ChatFormat", "Chunk", "DEFAULT_DRAFT_TOKENS", "EVAL_PHASES", "Engine",
+    "EngineConfig", "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats",
+    "Grammar", "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "NotPageable",
+    "OutOfCapacity", "PHASES", "PagedEngine", "PagedScorer", "QueueFull", "REPLY_MARKER",
+    "RequestHandle", "STATS_KEYS", "SamplingParams", "SessionBusy", "SimpleEngine",
+    "SpeculationChoice", "SpeculationError", "SpeculativeConfig", "StepProfile",
+    "chat_format_of", "describe_plan", "engine_kind", "kernel_plan", "kernel_status",
     "kv_bytes_per_token", "open_engine", "prompt_encoder", "speculation_of",
 ]
 

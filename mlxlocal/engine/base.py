@@ -20,6 +20,7 @@ class EngineBase:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.chat_format = loaded.chat_format
         self._grammars: GrammarTokenizers | None = None
         self._think: tuple[ThinkMarkers | None] | None = None
 
@@ -41,7 +42,7 @@ class EngineBase:
     ) -> list[int]:
         """`template_kwargs` go to the template as variables (enable_thinking=False: Qwen3's
         switch); a template that does not read a variable ignores it."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if self.chat_format.chat_template is None:
             text = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
             return self.encode_text(text + ("\nassistant:" if add_generation_prompt else ""))
         ids = self.tokenizer.apply_chat_template(
@@ -67,7 +68,7 @@ class EngineBase:
         differently once more follow (Mistral's moves the system prompt to the last user
         turn); the caller then encodes the whole conversation with `encode_chat`.
         """
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if self.chat_format.chat_template is None:
             return None
         seen = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False
@@ -103,7 +104,8 @@ class EngineBase:
     @property
     def grammars(self) -> GrammarTokenizers:
         if self._grammars is None:
-            self._grammars = GrammarTokenizers(self.tokenizer, self.vocab_size or len(self.tokenizer.vocab))
+            vocab = self.vocab_size or len(self.tokenizer.vocab)
+            self._grammars = GrammarTokenizers(self.chat_format, vocab)
         return self._grammars
 
     def think_budget(self, params: SamplingParams, prompt: list[int],
@@ -112,7 +114,7 @@ class EngineBase:
         if params.think_budget is None:
             return None
         if self._think is None:
-            self._think = (think_markers(self.tokenizer),)
+            self._think = (think_markers(self.chat_format),)
         return ThinkBudget.start(self._think[0], params, prompt, self.decode, room)
 
     def constraint(self, params: SamplingParams) -> Constraint | None:

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxlocal.engine.types import Grammar
+from mlxlocal.source.chat_format import ChatFormat
 
 # Compiled grammars kept per tokenizer (least recently used dropped): a matcher holds its
 # lexer, so the count stays small.
@@ -32,8 +33,8 @@ class GrammarTokenizers:
     """The model's tokenizer as llguidance sees it, built on first use (a 150k vocabulary
     takes a while) and shared by every matcher; plus one executor for batched masks."""
 
-    def __init__(self, tokenizer, vocab: int):
-        self._tokenizer = tokenizer  # mlx-lm's TokenizerWrapper (or a bare HF tokenizer)
+    def __init__(self, chat_format: ChatFormat, vocab: int):
+        self._format = chat_format
         self.vocab = vocab  # the logits' width, which may exceed the tokenizer's
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
@@ -45,10 +46,10 @@ class GrammarTokenizers:
     def ll(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll is None:  # under the lock: built once
-                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
                 # The turn's own end token: a grammar's end is where the model's reply ends.
-                eos = getattr(self._tokenizer, "eos_token_id", None)
-                self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab, eos_token=eos)
+                fmt = self._format
+                self._ll = llguidance.hf.from_tokenizer(fmt.hf, n_vocab=self.vocab,
+                                                        eos_token=fmt.eos_token_id)
             return self._ll
 
     def compile(self, grammar: Grammar) -> Constraint:

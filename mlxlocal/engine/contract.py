@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
+from mlxlocal.source.chat_format import ChatFormat
 from mlxlocal.source.loader import ModelInfo
 
 # The keys of Engine.stats(), identical for both engines (a dense engine reports 0 blocks);
@@ -46,6 +47,8 @@ class EngineSession(Protocol):
 @runtime_checkable
 class Engine(Protocol):
     tokenizer: Any
+    # The chat template, tool-call and think markers, special tokens: typed, read at load.
+    chat_format: ChatFormat
     # Why the engine stopped for good (then every request raises EngineDeadError), or None.
     dead_reason: str | None
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlxlocal.source.chat_format import ChatFormat
+
 
 @dataclass(frozen=True)
 class ThinkMarkers:
@@ -24,22 +26,18 @@ class ThinkMarkers:
     start_text: str
 
 
-def think_markers(tokenizer: Any) -> ThinkMarkers | None:
-    """The tokenizer's think markers as ids; None for a model without a think block."""
-    if not getattr(tokenizer, "has_thinking", False):
+def think_markers(fmt: ChatFormat) -> ThinkMarkers | None:
+    """The format's think markers as ids; None for a model without a think block."""
+    if not fmt.has_thinking:
         return None
-    start_text = getattr(tokenizer, "think_start", None)
-    end_text = getattr(tokenizer, "think_end", None)
+    start_text, end_text = fmt.think_start, fmt.think_end
     if not start_text or not end_text:
         return None
-    start = getattr(tokenizer, "think_start_tokens", None)
-    end = getattr(tokenizer, "think_end_tokens", None)
+    start, end = fmt.think_start_tokens, fmt.think_end_tokens
     if not start or not end:
-        start = tokenizer.encode(start_text, add_special_tokens=False)
-        end = tokenizer.encode(end_text, add_special_tokens=False)
-    close = tokenizer.encode(f"\n{end_text}\n\n", add_special_tokens=False)
-    return ThinkMarkers(tuple(int(t) for t in start), tuple(int(t) for t in end),
-                        tuple(int(t) for t in close), start_text)
+        start, end = tuple(fmt.encode(start_text)), tuple(fmt.encode(end_text))
+    close = tuple(fmt.encode(f"\n{end_text}\n\n"))
+    return ThinkMarkers(start, end, close, start_text)
 
 
 class ThinkBudget:

@@ -8,7 +8,7 @@ import json
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import any_to_lark
 
-from mlxlocal.engine import Grammar
+from mlxlocal.engine import ChatFormat, Grammar
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.schema import compile_checked
 
@@ -87,7 +87,7 @@ def _marker(tokens) -> str:
     return " ".join(f"<[{int(t)}]>" for t in tokens)
 
 
-def with_reasoning(grammar: Grammar, tokenizer, starts_in_reasoning: bool,
+def with_reasoning(grammar: Grammar, fmt: ChatFormat, starts_in_reasoning: bool,
                    max_think_tokens: int | None = None) -> Grammar:
     """`grammar` after an optional think block, for models that reason before answering.
 
@@ -97,15 +97,14 @@ def with_reasoning(grammar: Grammar, tokenizer, starts_in_reasoning: bool,
     inside the block (the prompt ends with the opening marker) the block must be closed;
     otherwise the model may think or answer straight away. `max_think_tokens` bounds the
     block: at the limit only the closing marker is allowed, so the answer always gets room.
-    A tokenizer without a think marker pair gets `grammar` unchanged.
+    A format without a think marker pair gets `grammar` unchanged.
     """
-    if not getattr(tokenizer, "has_thinking", False):
+    if not fmt.has_thinking:
         return grammar
-    start = getattr(tokenizer, "think_start_tokens", None)
-    end = getattr(tokenizer, "think_end_tokens", None)
+    start, end = fmt.think_start_tokens, fmt.think_end_tokens
     if not start or not end:
         return grammar
-    return _wrap(grammar, tuple(int(t) for t in start), tuple(int(t) for t in end), bool(starts_in_reasoning),
+    return _wrap(grammar, start, end, bool(starts_in_reasoning),
                  int(max_think_tokens) if max_think_tokens and max_think_tokens > 0 else 0)
 
 

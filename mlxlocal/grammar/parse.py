@@ -1,7 +1,7 @@
 """Split generated text into content, reasoning (<think>) and tool calls, as it streams.
 
-Markers come from the tokenizer (mlx-lm infers them from the chat template): tool calls
-between tool_call_start/end are parsed by mlx-lm's tool parser for that family. Text that
+Markers come from the model's ChatFormat (mlx-lm infers them from the chat template):
+tool calls between tool_call_start/end are parsed by mlx-lm's tool parser for that family. Text that
 might be the start of a marker is held back until it is decided.
 """
 
@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxlocal.engine import ChatFormat
 
 
 @dataclass
@@ -31,8 +34,8 @@ def starts_in_reasoning(engine, ids: list[int]) -> bool:
     marker (templates such as DeepSeek-R1 / QwQ put it after the assistant header).
     Only the very end counts: an unclosed marker earlier in the tail is message text (a
     user asking about `<think>`), and treating it as open would file the answer as reasoning."""
-    tok = engine.tokenizer
-    start = getattr(tok, "think_start", None) if getattr(tok, "has_thinking", False) else None
+    fmt = engine.chat_format
+    start = fmt.think_start if fmt.has_thinking else None
     return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
 
 
@@ -49,13 +52,14 @@ def _tool_event(parsed: Any) -> list[Event]:
 
 
 class OutputParser:
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, starts_in_reasoning: bool = False):
+    def __init__(self, fmt: ChatFormat, tools: list[dict] | None = None,
+                 starts_in_reasoning: bool = False):
         self.tools = tools
-        self.tool_start = getattr(tokenizer, "tool_call_start", None) if tools else None
-        self.tool_end = getattr(tokenizer, "tool_call_end", None) if tools else None
-        self.tool_parser = getattr(tokenizer, "tool_parser", None)
-        self.think_start = getattr(tokenizer, "think_start", None) if getattr(tokenizer, "has_thinking", False) else None
-        self.think_end = getattr(tokenizer, "think_end", None) if self.think_start else None
+        self.tool_start = fmt.tool_call_start if tools else None
+        self.tool_end = fmt.tool_call_end if tools else None
+        self.tool_parser = fmt.tool_parser
+        self.think_start = fmt.think_start if fmt.has_thinking else None
+        self.think_end = fmt.think_end if self.think_start else None
         self.state = "reasoning" if starts_in_reasoning and self.think_end else "content"
         self.buffer = ""
         self.tool_text = ""

@@ -3,9 +3,9 @@
 tool_choice "required" or a named tool (OpenAI chat and Responses, Anthropic any / tool) is
 enforced by letting the model write only what its chat template taught it to write for a
 call: the text grammar/parse.py's OutputParser turns back into tool calls (markers from the
-tokenizer, mlx-lm's tool parser for the family). Each call's arguments are constrained by
-the tool's `parameters` JSON schema: fully for `strict` tools, for the others as far as
-llguidance implements the schema (at worst to a JSON object). After the last call the
+model's ChatFormat, mlx-lm's tool parser for the family). Each call's arguments are
+constrained by the tool's `parameters` JSON schema: fully for `strict` tools, for the others
+as far as llguidance implements the schema (at worst to a JSON object). After the last call the
 grammar is complete and the engine ends the reply (EOS).
 
 Formats, by mlx-lm tool parser (what is generated):
@@ -42,7 +42,7 @@ from typing import Any
 
 from llguidance import LLMatcher, regex_to_lark
 
-from mlxlocal.engine import Grammar
+from mlxlocal.engine import ChatFormat, Grammar
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.formats import with_reasoning
 from mlxlocal.grammar.schema import strict_schema
@@ -72,12 +72,12 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _XML_STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "pattern", "description", "title",
                     "default", "examples"}
 
-def family(tokenizer: Any) -> str:
+def family(fmt: ChatFormat) -> str:
     """The tool-call format's name: mlx-lm's tool parser module ("json_tools", "mistral",
     ...), or "" for a tokenizer without tool markers (calls are bare JSON objects)."""
-    parser = getattr(tokenizer, "tool_parser", None)
+    parser = fmt.tool_parser
     if parser is None:
-        return "unknown" if getattr(tokenizer, "tool_call_start", None) else ""
+        return "unknown" if fmt.tool_call_start else ""
     return getattr(parser, "__module__", "").rsplit(".", 1)[-1] or "unknown"
 
 
@@ -85,13 +85,13 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _marker(tokenizer: Any, text: str) -> str:
+def _marker(fmt: ChatFormat, text: str) -> str:
     """A marker in Lark. Added tokens (special or not) in it are matched by id: llguidance
     keeps them apart from text, so spelling them out in ordinary tokens would also be allowed
     but is not what the model was trained to write (and text before a marker that starts
     with one cannot run into it). A marker of ordinary tokens only is a string."""
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = fmt.encode(text)
+    added = fmt.added_token_ids
     if not any(i in added for i in ids):
         return _lit(text)
     parts: list[str] = []
@@ -99,13 +99,13 @@ def _marker(tokenizer: Any, text: str) -> str:
     for i in ids:
         if i in added:
             if run:
-                parts.append(_lit(tokenizer.decode(run)))
+                parts.append(_lit(fmt.decode(run)))
                 run = []
             parts.append(f"<[{i}]>")
         else:
             run.append(i)
     if run:
-        parts.append(_lit(tokenizer.decode(run)))
+        parts.append(_lit(fmt.decode(run)))
     return " ".join(parts)
 
 
@@ -169,23 +169,21 @@ def _one_of(rule: str, names: list[str]) -> str:
     return f"{rule}: " + " | ".join(f"call_{i}" for i in range(len(names)))
 
 
-def _calls(tokenizer: Any, fam: str, names: list[str], parallel: bool) -> list[str]:
+def _calls(fmt: ChatFormat, fam: str, names: list[str], parallel: bool) -> list[str]:
     """Lark rules for `calls` in the family's format (arguments: rules args_i)."""
-    start = getattr(tokenizer, "tool_call_start", None)
-    end = getattr(tokenizer, "tool_call_end", None)
-    template = getattr(tokenizer, "chat_template", None)
+    start, end, template = fmt.tool_call_start, fmt.tool_call_end, fmt.chat_template
     template = template if isinstance(template, str) else ""
     if fam == "":
         key = "parameters" if '"parameters"' in template else "arguments"
         return [*_json_calls(names, key), _one_of("calls", names)]
     if fam in ("json_tools", "longcat"):
-        rule = f"{_marker(tokenizer, start)} \"\\n\" call \"\\n\" {_marker(tokenizer, end)}"
+        rule = f"{_marker(fmt, start)} \"\\n\" call \"\\n\" {_marker(fmt, end)}"
         return [*_json_calls(names, "arguments"), _one_of("call", names),
                 f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
     if fam == "mistral":
-        head = _marker(tokenizer, start)
+        head = _marker(fmt, start)
         if "[ARGS]" in template:
-            args = _marker(tokenizer, "[ARGS]")
+            args = _marker(fmt, "[ARGS]")
             rules = [f"call_{i}: {head} {_lit(n)} {args} args_{i}" for i, n in enumerate(names)]
             return [*rules, _one_of("call", names), f"calls: {_repeat('call', '', parallel)}"]
         # The v0.3 template writes "[TOOL_CALLS] [", Nemo's "[TOOL_CALLS][": either parses.
@@ -194,15 +192,15 @@ def _calls(tokenizer: Any, fam: str, names: list[str], parallel: bool) -> list[s
     if fam == "qwen3_coder":
         heads = [_lit(f"\n<function={n}>\n") for n in names]
         rules = [f"call_{i}: {h} args_{i} " + _lit("</function>\n") for i, h in enumerate(heads)]
-        rule = f"{_marker(tokenizer, start)} call {_marker(tokenizer, end)}"
+        rule = f"{_marker(fmt, start)} call {_marker(fmt, end)}"
         return [*rules, _one_of("call", names), f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
     if fam in ("glm47", "laguna"):
         rules = [f"call_{i}: {_lit(n + chr(10))} args_{i}" for i, n in enumerate(names)]
-        rule = f"{_marker(tokenizer, start)} call {_marker(tokenizer, end)}"
+        rule = f"{_marker(fmt, start)} call {_marker(fmt, end)}"
         return [*rules, _one_of("call", names), f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
     if fam == "kimi_k2":
         # Call ids are functions.N:I with I counting the calls of the reply, as Kimi writes them.
-        begin, arg, stop = (_marker(tokenizer, m) for m in
+        begin, arg, stop = (_marker(fmt, m) for m in
                             ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"))
         rules = []
         count = MAX_CALLS if parallel else 1
@@ -211,7 +209,7 @@ def _calls(tokenizer: Any, fam: str, names: list[str], parallel: bool) -> list[s
                               for i, n in enumerate(names))
             rules.append(f"call_at_{k}: {alts}")
         chain = "".join(f" (call_at_{k}" for k in range(1, count)) + ")?" * (count - 1)
-        return [*rules, f"calls: {_marker(tokenizer, start)} call_at_0{chain} {_marker(tokenizer, end)}"]
+        return [*rules, f"calls: {_marker(fmt, start)} call_at_0{chain} {_marker(fmt, end)}"]
     raise AssertionError(fam)
 
 
@@ -299,17 +297,17 @@ def _xml_arguments(i: int, tool: dict, fam: str, param: str) -> list[str]:
     return [*rules, f"args_{i}: {' '.join(seq)}" if seq else f'args_{i}: ""']
 
 
-def _free_text(tokenizer: Any, fam: str) -> str:
+def _free_text(fmt: ChatFormat, fam: str) -> str:
     """A Lark token for a reply in plain text that the server's parser will not read as a
     call: it never contains the family's call marker (spelled in ordinary tokens either), and
     for families without markers it does not start like the bare JSON object of a call."""
     if fam == "":
         return r"TEXT: /(?s:.*)/ & ~/[ \t\r\n]*\{(?s:.*)/"
-    marker = re.escape(getattr(tokenizer, "tool_call_start", None) or "").replace("/", "\\/")
+    marker = re.escape(fmt.tool_call_start or "").replace("/", "\\/")
     return f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/"
 
 
-def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
+def tool_calls(fmt: ChatFormat, tools: list[dict], name: str | None, param: str,
                starts_in_reasoning: bool = False, parallel: bool = True,
                max_think_tokens: int | None = None, optional: bool = False) -> Grammar:
     """A grammar that admits only calls of `tools` (only `name` when given) in the format the
@@ -321,7 +319,7 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
     one: `starts_in_reasoning`) of at most `max_think_tokens`.
     `optional` (tool_choice auto with strict tools): the reply may be text instead, or text
     and then calls (families with markers); only the calls are constrained."""
-    fam = family(tokenizer)
+    fam = family(fmt)
     if fam not in ("", *_JSON_PARSERS, *_XML):
         raise GrammarError(f"{param}: tool calls of this model's family ({fam}) cannot be enforced "
                            f"(only JSON and simple XML bodies are); use tool_choice auto", param)
@@ -330,12 +328,12 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
         raise GrammarError(f"{param}: names tool {name!r}, which is not in tools", param)
     names = [t.get("function", t)["name"] for t in offered]
     odd = [n for n in names if not _NAME.fullmatch(n)]
-    template = getattr(tokenizer, "chat_template", None)
+    template = fmt.chat_template
     raw = fam in _RAW_NAMES or (fam == "mistral" and isinstance(template, str) and "[ARGS]" in template)
     if odd and raw:
         raise GrammarError(f"{param}: tool name {odd[0]!r} cannot be written in this model's tool-call format "
                            f"({fam}): use letters, digits, '_' and '-'", param)
-    rules = _calls(tokenizer, fam, names, parallel)
+    rules = _calls(fmt, fam, names, parallel)
     for i, t in enumerate(offered):
         rules += (_xml_arguments(i, t, fam, param) if fam in _XML else
                   [f"args_{i}: %json {json.dumps(arguments_schema(t, param), ensure_ascii=False)}"])
@@ -344,12 +342,11 @@ def tool_calls(tokenizer: Any, tools: list[dict], name: str | None, param: str,
         # Text then calls only where the marker is an added token: text ends where it starts.
         # A marker of ordinary tokens would have to be split from the text before it by a
         # greedy lexer that cannot look back (and without markers a reply is one or the other).
-        start = getattr(tokenizer, "tool_call_start", None)
-        split = fam != "" and "<[" in _marker(tokenizer, start or "")
-        top = ["start: TEXT? calls?" if split else "start: calls | TEXT", _free_text(tokenizer, fam)]
+        split = fam != "" and "<[" in _marker(fmt, fmt.tool_call_start or "")
+        top = ["start: TEXT? calls?" if split else "start: calls | TEXT", _free_text(fmt, fam)]
     lark = "\n".join([*top, *rules]) + "\n"
     spec = LLMatcher.grammar_from_lark(lark)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(spec)
     if is_error:  # a tool name or schema that breaks the grammar text
         raise GrammarError(f"{param}: cannot build the tool-call grammar: {messages[0].splitlines()[0]}", param)
-    return with_reasoning(Grammar(spec, param), tokenizer, starts_in_reasoning, max_think_tokens)
+    return with_reasoning(Grammar(spec, param), fmt, starts_in_reasoning, max_think_tokens)

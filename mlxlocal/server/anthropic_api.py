@@ -17,14 +17,13 @@ import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal.engine import SamplingParams
 from mlxlocal.grammar.parse import Event
-from mlxlocal.server import akv, formats
+from mlxlocal.server import akv, formats, pipeline
 from mlxlocal.server.anthropic_request import (
     Thinking,
     check_fields,
@@ -41,13 +40,8 @@ from mlxlocal.server.events import (
     StreamEvent,
     coalesced,
     keepalive_comment,
-    open_events,
-    stream_keepalive,
 )
 from mlxlocal.server.generation import Waiting
-from mlxlocal.server.prompting import place_system_turns
-from mlxlocal.server.tool_choice import tool_grammar
-from mlxlocal.server.tool_pruning import prune_tools
 from mlxlocal.server.validation import (
     boolean,
     check_params,
@@ -55,7 +49,6 @@ from mlxlocal.server.validation import (
     speculative,
     stop_strings,
     string,
-    text_bytes,
 )
 
 router = APIRouter()
@@ -88,40 +81,28 @@ def sampling_params(body: dict) -> SamplingParams:
     return params
 
 
-async def prepare(request: Request, body: dict, params: SamplingParams | None = None):
-    """Validate, load the model, build the prompt: (engine, ids, tools, thinking, cache use). With
-    `params` (a generation, not count_tokens), the prompt is also checked against the model (context,
-    vocabulary), as it will be generated, and the AKV session and drop fields are read."""
+def chat_request(request: Request, body: dict, params: SamplingParams | None = None,
+                 constraint=None) -> tuple[pipeline.ChatRequest, Thinking]:
+    """The body as a ChatRequest, and its thinking mode. With `params` (a generation, not
+    count_tokens), the AKV session and drop fields are read too, and the prompt will be checked
+    against the model (context, vocabulary) as it will be generated."""
     model = string(body, "model", required=True)
-    registry = request.app.state.registry
-    registry.find(model)  # 404 before anything else
+    request.app.state.registry.find(model)  # 404 before anything else
     check_fields(body)
     cache = akv.read(request, body, "messages") if params is not None else None
     thinking = thinking_mode(body, params.max_tokens if params is not None else None)
     origins = akv.Origins()
     messages = convert_messages(body, thinking_turns_kept(body), origins)
-    tools = await prune_tools(request, convert_tools(body, messages), messages, "/v1/messages")
-    engine = await registry.engine(model)
-    messages = place_system_turns(messages, engine.tokenizer, origins)
-    # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
-    sure = text_bytes(*(m["content"] for m in messages if m["role"] in ("system", "user", "tool")))
-    kwargs = thinking.template_kwargs(getattr(engine.tokenizer, "chat_template", None))
-    ids, use = await akv.encode(request, engine, model, cache, messages, origins, tools, "messages", sure,
-                                template_kwargs=kwargs, check_length=params is not None)
+    tools = convert_tools(body)
+    forced = forced_call(body) if tools else None
+    choice = pipeline.ToolChoice("required" if forced and forced[0] is None else "auto",
+                                 forced[0] if forced else None, forced[1] if forced else True)
     if params is not None:
-        forced = forced_call(body)
-        choice = body.get("tool_choice")
-        parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
-        params.grammar = await tool_grammar(engine, tools, forced is not None and forced[0] is None,
-                                            forced[0] if forced else None, ids, params.max_tokens, parallel,
-                                            think_budget=thinking.budget)
-        if params.grammar is not None:
-            # The thinking budget goes into the grammar: the engine's own budget would write a
-            # think-end marker the grammar has not seen.
-            thinking = replace(thinking, budget=None)
-    if params is not None:
-        check_params(params, _NAMES, engine, ids)
-    return engine, ids, tools, thinking, use
+        params.think_budget = thinking.budget
+    chat = pipeline.ChatRequest(model, "/v1/messages", messages, params, _NAMES, "messages", tools, choice,
+                                constraint, template_kwargs=thinking.template_kwargs, cache=cache,
+                                origins=origins, stream=bool(body.get("stream", False)))
+    return chat, thinking
 
 
 def new_message_id() -> str:
@@ -251,16 +232,12 @@ async def messages(request: Request):
     body = await read_body(request)
     params = sampling_params(body)
     constraint = await formats.anthropic(body.get("output_config"))  # a bad schema: 400 before loading
-    engine, ids, tools, thinking, use = await prepare(request, body, params)
-    await formats.constrain(params, constraint, engine, ids, think_budget=thinking.budget)
-    model = body["model"]
+    chat, thinking = chat_request(request, body, params, constraint)
+    ready = await pipeline.prepare(request, chat)
+    engine, ids, model, stream = ready.engine, ready.ids, chat.model, chat.stream
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors; when
     # streaming, from submit on they are error events (the response starts at once: keep-alives).
-    stream = bool(body.get("stream", False))
-    # The engine closes the think block at the budget; a grammar bounds the block itself.
-    params.think_budget = thinking.budget if params.grammar is None else None
-    parsed = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
-                               keepalive=stream_keepalive(request) if stream else None, flushes=stream)
+    parsed = await pipeline.run(request, ready)
     events = _events(engine, ids, params, thinking, parsed)
 
     if not stream:
@@ -317,5 +294,5 @@ async def messages(request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     body = await read_body(request)
-    _, ids, _, _, _ = await prepare(request, body)
-    return {"input_tokens": len(ids)}
+    chat, _ = chat_request(request, body)
+    return {"input_tokens": len((await pipeline.prepare(request, chat)).ids)}

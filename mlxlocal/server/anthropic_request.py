@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.tool_choice import require_call
 from mlxlocal.server.validation import MAX_MESSAGES, MAX_TOOLS, is_int, sized_list, string
 
 # Block types a text-only model cannot read: a 400 naming the part and where it is.
@@ -307,10 +306,10 @@ def forced_call(body: dict) -> tuple[str | None, bool] | None:
             choice.get("disable_parallel_tool_use") is not True)
 
 
-def convert_tools(body: dict, messages: list[dict]) -> list[dict] | None:
-    """The tools to render (None for none). tool_choice "any" and "tool" add the shared
-    system hint (tool_choice.py) to `messages`, as OpenAI's "required" and named choices do
-    (the call itself is forced by the grammar anthropic_api.prepare sets: `forced_call`)."""
+def convert_tools(body: dict) -> list[dict] | None:
+    """The tools in chat-completions shape (None for none, or tool_choice none). The choice
+    any / tool (`forced_call`) is applied by the pipeline, as every dialect's is: only the
+    named tool, the shared system hint, the grammar that forces the call."""
     tools = body.get("tools")
     choice = body.get("tool_choice") or {"type": "auto"}
     if not tools:
@@ -335,11 +334,4 @@ def convert_tools(body: dict, messages: list[dict]) -> list[dict] | None:
         if t.get("strict") is True:  # a forced call then holds its input to the schema exactly
             function["strict"] = True
         out.append({"type": "function", "function": function})
-    if choice["type"] == "tool":
-        out = [t for t in out if t["function"]["name"] == choice.get("name")]
-        if not out:
-            raise APIError(400, f"tool_choice.name: no tool named {choice.get('name')!r}", param="tool_choice")
-        require_call(messages, choice["name"])
-    elif choice["type"] == "any":
-        require_call(messages)
     return out

@@ -121,7 +121,7 @@ async def open_events(request: Request, engine, ids: list[int], params: Sampling
     """`open_chunks`, parsed into events (see the module docstring; `flushes`: a Flush after
     each wake-up's). A thinking budget (params.think_budget) is the engine's: the think-end
     marker it writes comes as text without a token, so the answer after it is content."""
-    parser = OutputParser(engine.tokenizer, tools, starts_in_reasoning(engine, ids))
+    parser = OutputParser(engine.chat_format, tools, starts_in_reasoning(engine, ids))
     chunks = await open_chunks(request, engine, ids, params, metrics, cache, keepalive)
     return parse_chunks(chunks, parser, flushes)
 

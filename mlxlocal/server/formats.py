@@ -192,7 +192,7 @@ async def constrain(params: SamplingParams, constraint: Grammar | None, engine, 
         return
     try:
         budget = think_budget if think_budget is not None else params.max_tokens // 2
-        params.grammar = await lanes.grammar_lane(len(constraint.spec)).run(grammar.with_reasoning, constraint, engine.tokenizer, opened,
+        params.grammar = await lanes.grammar_lane(len(constraint.spec)).run(grammar.with_reasoning, constraint, engine.chat_format, opened,
                                                  max(1, budget))
     except grammar.GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None

@@ -189,7 +189,7 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
             raise _tool_error(e) from None
         text, finish = [], None
         # A parser without tools or think markers passes the text through as content.
-        async for event in _run(engine, ids, params, OutputParser(engine.tokenizer)):
+        async for event in _run(engine, ids, params, OutputParser(engine.chat_format)):
             if isinstance(event, Event):
                 text.append(event.text)
             elif isinstance(event, Finish):
@@ -219,7 +219,7 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
             raise _tool_error(e) from None
         parts: dict[str, list[str]] = {"content": [], "reasoning": []}
         finish = None
-        parser = OutputParser(engine.tokenizer, None, starts_in_reasoning(engine, ids))
+        parser = OutputParser(engine.chat_format, None, starts_in_reasoning(engine, ids))
         async for event in _run(engine, ids, params, parser):
             if isinstance(event, Event) and event.kind in parts:
                 parts[event.kind].append(event.text)

@@ -15,6 +15,10 @@ from __future__ import annotations
 import os
 import time
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlxlocal.engine import ChatFormat
 
 STARTED = int(time.time())
 
@@ -30,13 +34,13 @@ def client_names(names: list[str], expose_paths: bool = False) -> list[str]:
     return list(names) if expose_paths else [n for n in names if not is_local_path(n)]
 
 
-def capabilities_of(tokenizer) -> list[str]:
+def capabilities_of(fmt: ChatFormat) -> list[str]:
     """Ollama's capability names: completion always; tools and thinking when the chat
     template has the markers the output parser needs."""
     caps = ["completion"]
-    if getattr(tokenizer, "has_tool_calling", False):
+    if fmt.has_tool_calling:
         caps.append("tools")
-    if getattr(tokenizer, "has_thinking", False):
+    if fmt.has_thinking:
         caps.append("thinking")
     return caps
 

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal import __version__
 from mlxlocal.engine import SamplingParams
-from mlxlocal.server import formats
+from mlxlocal.server import akv, formats, pipeline
 from mlxlocal.server.errors import APIError, read_json_object
-from mlxlocal.server.events import FLUSH, StreamEvent, coalesced, open_events, stream_keepalive
+from mlxlocal.server.events import FLUSH, StreamEvent, coalesced
 from mlxlocal.server.registry import parse_duration
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
@@ -208,11 +208,9 @@ async def _pieces(events: AsyncIterator[StreamEvent], think) -> AsyncIterator[tu
             yield "flush", None
 
 
-async def _respond(request, body, engine, m, load_ns, t_start, ids, params, tools, think, chat: bool):
+async def _respond(request, body, ready: pipeline.Prepared, m, load_ns, t_start, think, chat: bool):
     try:  # bad requests fail here, as HTTP errors
-        keepalive = stream_keepalive(request) if body.get("stream", True) else None
-        events = await open_events(request, engine, ids, params, tools, request.app.state.metrics,
-                                   keepalive=keepalive, flushes=bool(body.get("stream", True)))
+        events = await pipeline.run(request, ready)
     except BaseException:
         release(m)
         raise
@@ -314,15 +312,13 @@ async def chat(request: Request):
         if not messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
             return JSONResponse(_load_reply(body, m, chat=True))
         params = sampling_params(body.get("options"), engine.context_length)
-        sure = text_bytes(*(msg["content"] for msg in messages if msg["role"] != "assistant"))
-        ids = await tokenize(engine, sure, "messages", engine.encode_chat, messages, tools=tools)
-        await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
-        check_params(params, {**_NAMES, "prompt": "messages"}, engine, ids)
+        chat = pipeline.ChatRequest(body["model"], "/api/chat", messages, params, {**_NAMES, "prompt": "messages"},
+                                    "messages", tools, constraint=constraint, stream=bool(body.get("stream", True)))
+        ready = await pipeline.prepare(request, chat, engine)
     except BaseException:
         release(m)
         raise
-    return await _respond(request, body, engine, m, load_ns, t_start, ids, params, tools,
-                          body.get("think"), chat=True)
+    return await _respond(request, body, ready, m, load_ns, t_start, body.get("think"), chat=True)
 
 
 def _load_reply(body: dict, m, chat: bool) -> dict:
@@ -365,11 +361,13 @@ async def generate(request: Request):
             ids = await tokenize(engine, text_bytes(prompt, system), "prompt", engine.encode_chat, messages)
         await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
         check_params(params, {**_NAMES, "prompt": "prompt"}, engine, ids)
+        # A completion of one prompt: no tools, no cache edits, the rest of the pipeline's run.
+        ready = pipeline.Prepared(engine, ids, params, None, akv.CacheUse(body["model"]),
+                                  bool(body.get("stream", True)))
     except BaseException:
         release(m)
         raise
-    return await _respond(request, body, engine, m, load_ns, t_start, ids, params, None,
-                          body.get("think"), chat=False)
+    return await _respond(request, body, ready, m, load_ns, t_start, body.get("think"), chat=False)
 
 
 # --- model listings -------------------------------------------------------------------
@@ -458,8 +456,7 @@ async def show(request: Request):
     if m.info is None:  # never loaded: load it to read what it is
         engine = await registry.engine(name)
     info = m.info
-    tok = engine.tokenizer if engine is not None else None
-    template = getattr(tok, "chat_template", None) or ""
+    template = (engine.chat_format.chat_template if engine is not None else None) or ""
     capabilities = m.capabilities or ["completion"]
     arch = info.model_type
     model_info = {"general.architecture": arch, "general.parameter_count": info.n_params,

@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import Chunk, SamplingParams
-from mlxlocal.server import akv, formats, model_cards
+from mlxlocal.server import akv, formats, model_cards, pipeline
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import (
     FLUSH,
@@ -50,13 +50,10 @@ from mlxlocal.server.events import (
     coalesced,
     keepalive_comment,
     open_chunks,
-    open_events,
     stream_keepalive,
 )
 from mlxlocal.server.generation import Waiting
-from mlxlocal.server.prompting import apply_tool_choice, encode_messages, template_arguments
-from mlxlocal.server.tool_choice import tool_grammar
-from mlxlocal.server.tool_pruning import prune_tools
+from mlxlocal.server.prompting import template_arguments
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
@@ -352,52 +349,38 @@ def _template_messages(messages: list[ChatMessage], origins: akv.Origins | None 
     return out
 
 
-def _tools(req: ChatCompletionRequest, messages: list[dict]) -> list[dict] | None:
-    """The tools to render (None for none), with the system hint for required / named choices
-    (the call itself is forced by the grammar `_prepare_chat` sets)."""
-    choice = req.tool_choice
-    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    return apply_tool_choice(tools, None if named else choice, named, messages)
-
-
-async def _prepare_chat(req: ChatCompletionRequest, request: Request):
-    rf = req.response_format.model_dump() if req.response_format is not None else None
-    constraint = await formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
+def _chat_request(req: ChatCompletionRequest, request: Request, constraint) -> pipeline.ChatRequest:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     cache = akv.read(request, req.model_extra or {}, "messages")
     origins = akv.Origins()
     messages = _template_messages(req.messages, origins)
-    tools = await prune_tools(request, _tools(req, messages), messages, "/v1/chat/completions")
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
              "logprobs": "top_logprobs", "prompt": "messages"}
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, names)
     params.think_budget = thinking_budget(req.model_extra)
-    engine = await request.app.state.registry.engine(req.model)
-    ids, use = await encode_messages(request, engine, req.model, messages, tools, "messages", cache, origins)
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    # With a grammar, the budget bounds its think block (the engine's then stands aside).
-    params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
-                                        req.parallel_tool_calls is not False, params.think_budget)
-    await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
-    check_params(params, names, engine, ids)
-    return engine, ids, params, tools, use
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return pipeline.ChatRequest(
+        req.model, "/v1/chat/completions", messages, params, names, "messages", tools,
+        pipeline.ToolChoice(choice if isinstance(choice, str) else "auto", named, req.parallel_tool_calls is not False),
+        constraint, cache=cache, origins=origins, stream=bool(req.stream))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
-    engine, ids, params, tools, use = await _prepare_chat(req, request)
-    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
-                               keepalive=stream_keepalive(request) if req.stream else None, flushes=req.stream)
+    rf = req.response_format.model_dump() if req.response_format is not None else None
+    constraint = await formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
+    ready = await pipeline.prepare(request, _chat_request(req, request, constraint))
+    events = await pipeline.run(request, ready)
     meta = {"id": _new_id("chatcmpl"), "created": int(time.time()), "model": req.model}
-    text_of = _TokenText(engine.tokenizer)
+    text_of = _TokenText(ready.engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream_response(_chat_stream(events, meta, params, include_usage, text_of))
-    return await _chat_whole(events, meta, params, text_of)
+        return _stream_response(_chat_stream(events, meta, ready.params, include_usage, text_of))
+    return await _chat_whole(events, meta, ready.params, text_of)
 
 
 async def _chat_whole(events: AsyncIterator[StreamEvent], meta: dict, params: SamplingParams, text_of) -> dict:
@@ -478,8 +461,7 @@ async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: S
 async def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        tok = engine.tokenizer
-        vocab = len(getattr(tok, "_tokenizer", tok))
+        vocab = engine.chat_format.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",

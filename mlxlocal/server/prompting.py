@@ -1,18 +1,18 @@
-"""Chat messages -> prompt ids, shared by the OpenAI-style routers (chat completions and
-responses): tool-call arguments as templates expect them, tool_choice as tools and a system
-hint (the forced call's grammar: tool_choice.py), system turns where the client put them
-(`place_system_turns`), and the templated prompt tokenized off the event loop with the early
-length check."""
+"""Chat messages as templates take them, for every dialect (through pipeline.py): tool-call
+arguments as templates expect them, tool_choice as tools and a system hint (the forced call's
+grammar: tool_choice.py), and system turns where the client put them (`place_system_turns`)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxlocal.server import akv
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.tool_choice import require_call
-from mlxlocal.server.validation import text_bytes
+
+if TYPE_CHECKING:
+    from mlxlocal.engine import ChatFormat
 
 
 def template_arguments(arguments: str | dict) -> Any:
@@ -33,17 +33,16 @@ _PROBE = (("system", "mlxlocal-probe-0"), ("user", "mlxlocal-probe-1"),
 _LATER_SYSTEM: dict[str, bool] = {}  # chat template -> renders later system turns in place
 
 
-def renders_later_system(tokenizer) -> bool:
+def renders_later_system(fmt: ChatFormat) -> bool:
     """Whether the chat template writes a system message that follows other messages where
     it stands (Qwen's and Llama 3's do; Mistral's and Gemma's refuse one, some drop it)."""
-    template = getattr(tokenizer, "chat_template", None)
+    template = fmt.chat_template
     if template is None:
         return True  # encode_chat writes every message in order
     key = template if isinstance(template, str) else repr(template)
     if key not in _LATER_SYSTEM:
         try:
-            text = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in _PROBE],
-                                                 add_generation_prompt=True, tokenize=False)
+            text = fmt.render([{"role": r, "content": t} for r, t in _PROBE])
         except Exception:  # the template's raise_exception: roles must alternate, and the like
             text = ""
         marks = [t for _, t in _PROBE[1:]]
@@ -52,14 +51,14 @@ def renders_later_system(tokenizer) -> bool:
     return _LATER_SYSTEM[key]
 
 
-def place_system_turns(messages: list[dict], tokenizer,
+def place_system_turns(messages: list[dict], fmt: ChatFormat,
                        origins: akv.Origins | None = None) -> list[dict]:
     """System messages after the first message stay where the client put them: clients put
     what changes (a date, an environment note) after what does not (tools, instructions), so
     the prompt's prefix, and the prefix cache, holds across turns and days. A template that
     cannot render them there gets them folded into the system prompt at the start instead."""
     later = [m for m in messages[1:] if m["role"] == "system"]
-    if not later or renders_later_system(tokenizer):
+    if not later or renders_later_system(fmt):
         return messages
     rest = [m for m in messages if not any(m is x for x in later)]
     if rest and rest[0]["role"] == "system":
@@ -98,14 +97,3 @@ def apply_tool_choice(tools: list[dict] | None, choice: str | None, name: str | 
             raise APIError(400, f"{where} names function '{name}', which is not in tools", param=where)
         require_call(messages, name)
     return tools
-
-
-async def encode_messages(request, engine, model: str, messages: list[dict], tools: list[dict] | None, where: str,
-                          cache: akv.CacheRequest | None = None,
-                          origins: akv.Origins | None = None) -> tuple[list[int], akv.CacheUse]:
-    """The chat template over `messages` (and tools), tokenized on a worker thread; text that
-    cannot fit the context is refused before the template runs (a 400 on `where`). Also
-    what the request asks of the KV cache (session, edits: akv.encode)."""
-    # Not assistant turns: a template may drop their text (reasoning); the rest it keeps.
-    sure = text_bytes(*(m["content"] for m in messages if m["role"] != "assistant"))
-    return await akv.encode(request, engine, model, cache, messages, origins, tools, where, sure)

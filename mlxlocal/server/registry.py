@@ -237,7 +237,7 @@ class ModelRegistry:
                 except MlxLocalError as e:
                     raise APIError(500, f"cannot load model '{m.name}': {e}") from None
                 m.info, m.loaded_at = m.engine.info, time.time()
-                m.capabilities = capabilities_of(m.engine.tokenizer)
+                m.capabilities = capabilities_of(m.engine.chat_format)
                 m.found_names |= {m.info.name, m.info.path.name}
             if keep_alive is not None:
                 m.keep_alive = keep_alive

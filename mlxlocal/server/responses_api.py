@@ -63,17 +63,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import SamplingParams
 from mlxlocal.grammar.parse import Event
-from mlxlocal.server import akv, formats
+from mlxlocal.server import akv, formats, pipeline
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import (
     Finish,
     StreamEvent,
     coalesced,
     keepalive_comment,
-    open_events,
-    stream_keepalive,
 )
-from mlxlocal.server.prompting import apply_tool_choice, encode_messages, place_system_turns
 from mlxlocal.server.responses_items import (
     chat_tools,
     input_messages,
@@ -81,8 +78,6 @@ from mlxlocal.server.responses_items import (
     split_qualified,
     tool_choice,
 )
-from mlxlocal.server.tool_choice import tool_grammar
-from mlxlocal.server.tool_pruning import prune_tools
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -395,7 +390,6 @@ async def create_response(req: ResponsesRequest, request: Request):
     if hosted:
         log.warning("/v1/responses: hosted tools left out (this server cannot run them): %s", ", ".join(hosted))
     tools, choice, named = tool_choice(req.tool_choice, offered)
-    tools = await prune_tools(request, apply_tool_choice(tools, choice, named, messages), messages, "/v1/responses")
     names = {"max_tokens": "max_output_tokens", "prompt": "input"}
     params = SamplingParams(max_tokens=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
                             temperature=1.0 if req.temperature is None else req.temperature,
@@ -404,15 +398,10 @@ async def create_response(req: ResponsesRequest, request: Request):
                             think_budget=thinking_budget(req.model_extra))
     check_params(params, names)
     constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
-    engine = await request.app.state.registry.engine(req.model)
-    messages = place_system_turns(messages, engine.tokenizer, origins)
-    ids, use = await encode_messages(request, engine, req.model, messages, tools, "input", cache, origins)
-    params.grammar = await tool_grammar(engine, tools, choice == "required", named, ids, params.max_tokens,
-                                        req.parallel_tool_calls is not False, params.think_budget)
-    await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
-    check_params(params, names, engine, ids)
-    events = await open_events(request, engine, ids, params, tools, request.app.state.metrics, cache=use,
-                               keepalive=stream_keepalive(request) if req.stream else None, flushes=req.stream)
+    chat = pipeline.ChatRequest(req.model, "/v1/responses", messages, params, names, "input", tools,
+                                pipeline.ToolChoice(choice or "auto", named, req.parallel_tool_calls is not False),
+                                constraint, cache=cache, origins=origins, stream=bool(req.stream))
+    events = await pipeline.run(request, await pipeline.prepare(request, chat))
 
     builder = _Builder(_response_object(req, req.tools), req.parallel_tool_calls is not False,
                        "reasoning.encrypted_content" in (req.include or []), namespaces)

@@ -65,7 +65,7 @@ async def forced_call_grammar(engine, tools: list[dict], name: str | None, ids: 
     budget = think_budget if think_budget is not None else max(1, max_tokens // 2)
     try:
         lane = lanes.grammar_lane(lanes.weight(tools))
-        return await lane.run(tool_calls, engine.tokenizer, tools, name, param, starts_in_reasoning(engine, ids),
+        return await lane.run(tool_calls, engine.chat_format, tools, name, param, starts_in_reasoning(engine, ids),
                               parallel, budget, optional)
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None

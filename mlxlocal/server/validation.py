@@ -20,7 +20,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from mlxlocal.engine import SamplingParams
+from mlxlocal.engine import ChatFormat, SamplingParams
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
@@ -263,11 +263,10 @@ def _normalizer_shrink(n: dict | None) -> int | None:
     return None  # strip, strip accents, precompiled char maps: text can vanish
 
 
-def _byte_limit_uncached(tokenizer) -> tuple[int, int] | None:
+def _byte_limit_uncached(fmt: ChatFormat) -> tuple[int, int] | None:
     """(longest token in bytes, normalizer shrink factor), or None when no bound holds."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    backend = getattr(hf, "backend_tokenizer", None)
-    if backend is None:
+    backend = fmt.backend
+    if backend is None or fmt.hf is None:
         return None
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
@@ -280,7 +279,7 @@ def _byte_limit_uncached(tokenizer) -> tuple[int, int] | None:
         return None
     # A vocabulary string's UTF-8 length is at least the bytes of text it stands for
     # (byte-level symbols are 1-2 bytes per byte, "<0x41>" and "▁" are longer than theirs).
-    longest = max((len(s.encode("utf-8")) for s in hf.get_vocab()), default=0)
+    longest = max((len(s.encode("utf-8")) for s in fmt.hf.get_vocab()), default=0)
     return (longest, shrink) if longest else None
 
 
@@ -291,7 +290,7 @@ def prompt_byte_limit(engine) -> tuple[int, int] | None:
     normalization, so text longer than context x longest x shrink cannot fit. Computed once
     per tokenizer (reading the vocabulary is slow for large ones): call it off the event loop.
     """
-    tok = engine.tokenizer
+    tok = engine.chat_format
     try:
         cached = _BYTE_LIMITS.get(tok)
     except TypeError:  # not weak-referenceable: compute each time

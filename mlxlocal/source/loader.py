@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from mlxlocal.errors import ModelLoadError
 from mlxlocal.models import build_model, is_native, quantize_for_checkpoint
 from mlxlocal.models.config import ModelConfig, read_config_file
+from mlxlocal.source.chat_format import ChatFormat, chat_format_of
 from mlxlocal.weights import WeightsReport, load_model_weights
 
 
@@ -53,6 +54,11 @@ class LoadedModel:
     model_config: ModelConfig | None
     info: ModelInfo
     shard: Shard | None = None  # this rank's part of a tensor-parallel model
+    # What the tokenizer says about the chat format: read once, here, for every front end.
+    chat_format: ChatFormat = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chat_format = chat_format_of(self.tokenizer)
 
     def make_cache(self) -> list:
         if hasattr(self.model, "make_cache"):
