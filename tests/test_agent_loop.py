@@ -294,7 +294,7 @@ def test_run_refuses_an_unusable_config(agent_model, tmp_path):
 
 
 def test_chat_repl_lists_tools_and_asks(engine, config, world, monkeypatch):
-    from mlxlocal.agent_chat import AgentRepl
+    from mlxlocal.repl.agent import AgentRepl
 
     out = io.StringIO()
     mail = call("web__send_email", to="a@b.example", subject="s", body="b")
@@ -309,3 +309,7 @@ def test_chat_repl_lists_tools_and_asks(engine, config, world, monkeypatch):
     assert "read_file" in text and "readOnly" in text and "send_email" in text and "openWorld" in text
     assert "→ web.fetch_url" in text and "The policy wants your approval for web.send_email" in text
     assert "email sent" in text and world["outbox"].exists()
+    # One conversation: the REPL's commands see the loop's messages and clear them.
+    assert repl.conv is repl.loop.conv and repl.params is PARAMS and repl.loop.params is PARAMS
+    assert [m["role"] for m in repl.conv.messages][:2] == ["user", "assistant"]
+    assert repl.command("/clear") and repl.loop.messages == [] and repl.loop.ids == []

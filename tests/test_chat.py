@@ -1,4 +1,4 @@
-"""The chat REPL, used as a person would: the real `python -m mlxlocal.chat` in a pty.
+"""The chat REPL, used as a person would: the real `python -m mlxlocal.repl` in a pty.
 
 Plus unit tests of its helpers and an in-process REPL on a non-terminal console.
 """
@@ -21,20 +21,19 @@ import pytest
 from conftest import FAMILY_CONFIGS, build_tiny
 from rich.console import Console
 
-from mlxlocal.chat import (
+from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, SimpleEngine, open_engine
+from mlxlocal.engine.base import EngineBase
+from mlxlocal.repl.chat import (
     ChatRepl,
     block_is_open,
     default_history_file,
-    format_footer,
-    human_bytes,
-    human_count,
-    parse_saved,
     sigint_sets,
     unwrap_block,
 )
-from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, SimpleEngine, open_engine
-from mlxlocal.engine.base import EngineBase
+from mlxlocal.repl.conversation import parse_saved
+from mlxlocal.repl.view import format_footer, human_count
 from mlxlocal.source.loader import load_from_dir
+from mlxlocal.units import human_bytes
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -66,12 +65,12 @@ class Footer(NamedTuple):
 
 
 class Chat:
-    """One `python -m mlxlocal.chat` in a pty, with helpers that wait for what a user sees."""
+    """One `python -m mlxlocal.repl` in a pty, with helpers that wait for what a user sees."""
 
     def __init__(self, model: Path | str, home: Path, *args: str, max_tokens: int = 12):
         env = dict(os.environ, TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", COLUMNS="200",
                    LINES="50", MLXLOCAL_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
-        argv = ["-m", "mlxlocal.chat", "--model", str(model), "--max-tokens", str(max_tokens),
+        argv = ["-m", "mlxlocal.repl", "--model", str(model), "--max-tokens", str(max_tokens),
                 "--temp", "0", *args]
         self.child = pexpect.spawn(sys.executable, argv, env=env, cwd=str(home), dimensions=(50, 200),
                                    encoding="utf-8", codec_errors="replace", timeout=TIMEOUT)
@@ -295,8 +294,8 @@ def test_plain_output_when_not_a_terminal(engine):
     assert "\x1b[" not in text  # no Live region, no colours
     footers = FOOTER.findall(text)
     assert len(footers) == 2 and int(footers[0][1]) == 0 and int(footers[1][1]) > 0
-    assert [m["role"] for m in repl.messages] == ["user", "assistant"] * 2
-    assert repl.conversation()[0] == {"role": "system", "content": "be brief"}
+    assert [m["role"] for m in repl.conv.messages] == ["user", "assistant"] * 2
+    assert repl.conv.rendered()[0] == {"role": "system", "content": "be brief"}
 
 
 def test_context_overflow_is_reported_and_forgotten(engine, monkeypatch):
@@ -304,7 +303,7 @@ def test_context_overflow_is_reported_and_forgotten(engine, monkeypatch):
     monkeypatch.setattr(engine.loaded.info, "context_length", 40)
     repl.turn("the quick brown fox jumps over the lazy dog " * 10)
     assert "context length is 40" in out.getvalue() and "/clear" in out.getvalue()
-    assert repl.messages == []  # the message that did not fit is not kept
+    assert repl.conv.messages == []  # the message that did not fit is not kept
 
 
 def test_commands_in_process(engine, tmp_path):
@@ -312,7 +311,7 @@ def test_commands_in_process(engine, tmp_path):
     assert repl.command("/help") and "/model SPEC" in out.getvalue()
     assert repl.command("/nope") and "unknown command /nope" in out.getvalue()
     assert repl.command("/save") and "usage: /save FILE" in out.getvalue()
-    assert repl.command("/system [bold]x[/bold]") and repl.system == "[bold]x[/bold]"
+    assert repl.command("/system [bold]x[/bold]") and repl.conv.system == "[bold]x[/bold]"
     for name in ("/exit", "/quit", "/bye", "/EXIT"):
         assert repl.command(name) is False
 
@@ -362,20 +361,20 @@ def test_ctrl_c_before_the_first_token_keeps_nothing(kind, engine, simple_engine
     wrapped = Interrupting(real)
     repl, out = make_repl(wrapped)
     repl.turn("hello world")
-    ids, messages, stats = list(repl.ids), list(repl.messages), repl.last_stats
+    ids, messages, stats = list(repl.conv.ids), list(repl.conv.messages), repl.last_stats
     first_prompt = real.encode_chat(messages[:1])
     assert ids[: len(first_prompt)] == first_prompt and len(ids) > len(first_prompt)
     wrapped.when = "prefill"
     repl.turn("a question that never gets an answer, " * 4)
     assert "cancelled before the first token" in out.getvalue()
     assert "[interrupted]" not in out.getvalue() and len(footers(out)) == 1  # no footer of zeros
-    assert repl.ids == ids and repl.messages == messages and repl.last_stats is stats
+    assert repl.conv.ids == ids and repl.conv.messages == messages and repl.last_stats is stats
     # The next turn follows turn one as if the cancelled one had never been sent.
     user = {"role": "user", "content": "and now?"}
     repl.turn(user["content"])
     first, now = footers(out)
     assert now.prompt == len(ids) + len(real.encode_continuation(messages[:1], [user]))
-    assert repl.ids[: len(ids)] == ids and [m["role"] for m in repl.messages] == ["user", "assistant"] * 2
+    assert repl.conv.ids[: len(ids)] == ids and [m["role"] for m in repl.conv.messages] == ["user", "assistant"] * 2
     unfed = 1 if first.finish == "length" else 0
     if kind == "paged":  # nothing of the cancelled prompt was computed
         assert now.cached == len(ids) - unfed
@@ -393,14 +392,14 @@ def test_ctrl_c_during_decode_keeps_the_partial_reply(kind, engine, simple_engin
     assert "[interrupted]" in out.getvalue()
     (cut,) = footers(out)
     assert cut.finish == "cancelled" and cut.reply == len(wrapped.tokens) and 1 <= cut.reply < 500
-    assert repl.ids == real.encode_chat([{"role": "user", "content": "hello world"}]) + wrapped.tokens
-    assert [m["role"] for m in repl.messages] == ["user", "assistant"]
-    kept = len(repl.ids)
+    assert repl.conv.ids == real.encode_chat([{"role": "user", "content": "hello world"}]) + wrapped.tokens
+    assert [m["role"] for m in repl.conv.messages] == ["user", "assistant"]
+    kept = len(repl.conv.ids)
     repl.params = SamplingParams(max_tokens=8)
     repl.turn("go on")
     _, now = footers(out)
     # All the cut reply's ids are reused, but maybe its last: an engine may not have fed it.
-    assert kept - 1 <= now.cached <= kept < now.prompt and len(repl.messages) == 4
+    assert kept - 1 <= now.cached <= kept < now.prompt and len(repl.conv.messages) == 4
 
 
 def test_thinking_budget_closes_the_block_and_keeps_the_marker(engine):
@@ -414,17 +413,17 @@ def test_thinking_budget_closes_the_block_and_keeps_the_marker(engine):
     marker = len(engine.tokenizer.encode("\n</think>\n\n", add_special_tokens=False))
     with thinks_until_stopped(engine.tokenizer, "Done"):
         repl.turn("think hard")
-        kept = len(repl.ids)
+        kept = len(repl.conv.ids)
         repl.turn("and now?")
     first, second = footers(out)
     assert first.reply == 8 + done and first.finish == "stop"  # the marker is not counted
-    assert repl.messages[1]["content"] == "<think>" + "x" * 7 + "\n</think>\n\nDone"
+    assert repl.conv.messages[1]["content"] == "<think>" + "x" * 7 + "\n</think>\n\nDone"
     assert kept == first.prompt + first.reply + marker
     assert second.cached == kept
 
 
 def test_thinking_budget_option_is_checked(capsys):
-    from mlxlocal.chat import main
+    from mlxlocal.repl.chat import main
 
     with pytest.raises(SystemExit) as e:
         main(["--model", "unused", "--thinking-budget", "0"])
@@ -445,8 +444,8 @@ def test_each_template_reuses_the_whole_conversation(family, tiny_models):
         for before, now in zip(turns, turns[1:]):
             assert now.cached == before.prompt + before.reply - (before.finish == "length")
         # The kept ids are the last prompt and its reply; the messages hold the text.
-        assert len(repl.ids) == turns[-1].prompt + turns[-1].reply
-        assert [m["content"] for m in repl.messages[::2]] == ["hello world", "tell me about the fox", "and the dog?"]
+        assert len(repl.conv.ids) == turns[-1].prompt + turns[-1].reply
+        assert [m["content"] for m in repl.conv.messages[::2]] == ["hello world", "tell me about the fox", "and the dog?"]
     finally:
         eng.shutdown()
 

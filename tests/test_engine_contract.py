@@ -8,7 +8,6 @@ import io
 import pytest
 from rich.console import Console
 
-from mlxlocal.chat import ChatRepl
 from mlxlocal.engine import (
     STATS_KEYS,
     Engine,
@@ -18,6 +17,7 @@ from mlxlocal.engine import (
     SimpleEngine,
     open_engine,
 )
+from mlxlocal.repl.chat import ChatRepl
 from mlxlocal.server import ServerConfig
 from mlxlocal.server.banner import banner_text
 from mlxlocal.server.metrics import Metrics

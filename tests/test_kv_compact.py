@@ -21,16 +21,16 @@ from conftest import FAMILY_CONFIGS, build_tiny
 from rich.console import Console
 from typer.testing import CliRunner
 
-from mlxlocal.agent_chat import AgentRepl
 from mlxlocal.agents.loop import ToolLoop
 from mlxlocal.agents.policy import RuleOfTwo
 from mlxlocal.agents.types import ServerConfig, ToolInfo, ToolResult
-from mlxlocal.chat import ChatRepl
 from mlxlocal.cli import app
 from mlxlocal.compaction import CompactionPolicy, parse_policy
 from mlxlocal.compaction.spans import ConversationSpans, token_bounds
 from mlxlocal.engine import SamplingParams, open_engine
 from mlxlocal.engine.base import EngineBase
+from mlxlocal.repl.agent import AgentRepl
+from mlxlocal.repl.chat import ChatRepl
 from mlxlocal.source.loader import load, load_from_dir
 
 TOOLS = [{"type": "function", "function": {"name": "files__read_file", "description": "Read a file",
@@ -227,7 +227,7 @@ def test_tool_loop_sends_cumulative_edits_and_drops(engine):
     for before, now in zip(rec.edits, rec.edits[1:]):
         assert now[:len(before)] == before
     conv = loop.conversation()
-    layout = loop.spans.spans()
+    layout = loop.conv.spans.spans()
     tools = [i for i, m in enumerate(conv) if m["role"] == "tool"]
     for i in tools:
         a, b = layout[i]
@@ -337,7 +337,7 @@ def test_akv_bench_numbers_are_consistent(bench_model):
 def test_a_dense_engine_is_refused_up_front():
     from types import SimpleNamespace
 
-    from mlxlocal.chat import compact_refusal
+    from mlxlocal.repl.chat import compact_refusal
 
     dense = SimpleNamespace(kv_pool={"kind": "dense", "reason": "chunked attention"},
                             info=SimpleNamespace(name="llama4"))
@@ -350,13 +350,13 @@ def test_a_dense_engine_is_refused_up_front():
 
 
 def test_the_cli_passes_the_policy_on(monkeypatch, tmp_path):
-    import mlxlocal.agent_chat
-    import mlxlocal.chat
+    import mlxlocal.repl.agent
+    import mlxlocal.repl.chat
 
     seen = {}
-    monkeypatch.setattr(mlxlocal.chat, "run_chat", lambda model, **kw: seen.update(chat=kw["compact"]) or 0)
-    monkeypatch.setattr(mlxlocal.agent_chat, "run_agent_chat", lambda model, mcp, **kw: seen.update(mcp=kw["compact"]) or 0)
-    monkeypatch.setattr(mlxlocal.agent_chat, "run_task", lambda model, mcp, task, **kw: seen.update(run=kw["compact"]) or 0)
+    monkeypatch.setattr(mlxlocal.repl.chat, "run_chat", lambda model, **kw: seen.update(chat=kw["compact"]) or 0)
+    monkeypatch.setattr(mlxlocal.repl.agent, "run_agent_chat", lambda model, mcp, **kw: seen.update(mcp=kw["compact"]) or 0)
+    monkeypatch.setattr(mlxlocal.repl.agent, "run_task", lambda model, mcp, task, **kw: seen.update(run=kw["compact"]) or 0)
     runner = CliRunner()
     config = tmp_path / "mcp.json"
     for args in (["chat", "-m", "x"], ["chat", "-m", "x", "--mcp", str(config)], ["run", "-m", "x", "--mcp", str(config), "go"]):

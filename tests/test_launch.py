@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from server_util import free_port, running_server
 
-from mlxlocal import launch as L
+from mlxlocal.agents import launch as L
 from mlxlocal.server import ServerConfig
 
 REPO = Path(__file__).resolve().parents[1]

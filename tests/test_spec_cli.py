@@ -172,8 +172,8 @@ def test_prompt_lookup_json_fields_and_greedy_output(tiny_model):
 
 # --- chat /stats ----------------------------------------------------------------------------
 def test_chat_stats_show_acceptance(tiny_model):
-    from mlxlocal.chat import ChatRepl
     from mlxlocal.engine import SamplingParams, SpeculationChoice, open_engine
+    from mlxlocal.repl.chat import ChatRepl
 
     options = {"max_num_seqs": 1, "speculative": SpeculationChoice("draft", str(tiny_model), 2)}
     engine = open_engine(load_from_dir(tiny_model), **options)

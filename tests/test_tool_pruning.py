@@ -160,7 +160,7 @@ def test_called_tools_stay_and_the_list_is_rebuilt_only_when_needed(engine, conf
 
 
 def test_chat_tools_command_says_why(engine, config):
-    from mlxlocal.agent_chat import AgentRepl
+    from mlxlocal.repl.agent import AgentRepl
 
     out = io.StringIO()
     with hub_for(config) as (servers, hub):
@@ -263,9 +263,9 @@ def test_run_with_the_chat_model_reranking_the_tools(engine, agent_model, config
     """--rerank-tools: the index's candidates go through the chat model (a ChatReranker on the
     same engine, its answer held to an id list by the grammar) before the top K are offered;
     the loop then runs as before."""
-    from mlxlocal.agent_chat import open_index
     from mlxlocal.agents.rerank import ChatReranker
     from mlxlocal.cli import app
+    from mlxlocal.repl.agent import open_index
 
     class Hub:
         tools = []

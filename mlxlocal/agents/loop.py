@@ -8,8 +8,9 @@ the output into reasoning / content / tool calls with the family's parser
 `role: "tool"` messages, and generate again, until a reply has no tool call or `max_steps`
 generations have run.
 
-The loop keeps the token ids the model saw and produced; a step's prompt is those ids plus
-the template's continuation (`encode_continuation`: the end of the reply, the tool
+The loop keeps its messages, the token ids the model saw and produced and the engine
+session in a `Conversation` (repl/conversation.py, the chat REPL's too: AgentRepl shares one
+with its loop); a step's prompt is those ids plus the template's continuation (`encode_continuation`: the end of the reply, the tool
 messages, the next assistant header), so the session's KV cache is a prefix of it and only
 the new tokens are prefilled (`StepStats.cached_tokens`).
 
@@ -24,7 +25,8 @@ offered list is chosen per user turn, so the steps of a turn keep hitting the ca
 
 Everything that happens goes out as `AgentEvent`s through one callback, so the chat REPL,
 `mlxlocal run` and its `--json` transcript all render the same events. Engine contract only:
-no MLX arrays here, and nothing from the front ends (cli, chat, server).
+no MLX arrays here, and nothing from the front ends (cli, server, the REPLs) but the
+`Conversation`, which itself knows only the engine contract and compaction.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ from mlxlocal.agents.pruning import (
 )
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
 from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.compaction.spans import ConversationSpans
-from mlxlocal.engine import Engine, GenerationStats, Grammar, SamplingParams
+from mlxlocal.engine import Engine, EngineSession, GenerationStats, Grammar, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.parse import OutputParser, new_call_id, starts_in_reasoning
 from mlxlocal.grammar.tools import tool_calls
+from mlxlocal.repl.conversation import Conversation, Message
 
 # Templates want a plain identifier as a function name; MCP tool ids are "server.name".
 # Flattened as Responses namespaces are (server/responses_items.py): "server__name".
@@ -197,13 +199,14 @@ class ToolLoop:
                  approve: Approve | None = None, on_event: Callable[[AgentEvent], None] | None = None,
                  call_timeout: float = 60.0, constrain_calls: bool = True,
                  max_tools: int | None = DEFAULT_MAX_TOOLS, index: Ranker | None = None,
-                 compact: CompactionPolicy | None = None):
+                 compact: CompactionPolicy | None = None, conversation: Conversation | None = None):
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
-        self.engine = engine
+        # The messages, kept ids and session (with `compact`'s spans); `system` and `compact`
+        # are its own when one is given.
+        self.conv = conversation or Conversation(engine, system=system, compact=compact)
         self.hub = hub
         self.policy = policy
-        self.system = system
         self.params = params or SamplingParams(max_tokens=1024)
         self.max_steps = max_steps
         # No callback: nobody can say yes, so "ask" stops the call (what `run` does without --yes).
@@ -225,23 +228,29 @@ class ToolLoop:
         self.callable: list[dict[str, Any]] | None = None  # schemas, plus what search_tools found
         self._rendered: list[str] | None = None  # the tools= names the kept ids were rendered with
         self._refresh_tools()
-        self.messages: list[dict[str, Any]] = []
-        # ids: every token the model saw and produced so far (the last prompt + its reply);
-        # fed: how many of `messages` those ids cover (they end with an assistant reply).
-        self.ids: list[int] = []
-        self.fed = 0
-        # Where each message's tokens are, for the cache edits of a compaction policy
-        # (--kv-compact): old tool results and think blocks leave the KV cache.
-        self.spans = ConversationSpans(compact)
-        self.session = engine.new_session()
         self.steps: list[Step] = []  # every step of every turn, for the transcript
         self.last_stats: GenerationStats | None = None  # the last generation's, for a /stats footer
         self._step_no = 0
 
+    @property
+    def engine(self) -> Engine:
+        return self.conv.engine  # the conversation's: /model switches it there
+
+    @property
+    def messages(self) -> list[Message]:
+        return self.conv.messages
+
+    @property
+    def ids(self) -> list[int]:
+        return self.conv.ids
+
+    @property
+    def session(self) -> EngineSession:
+        return self.conv.session
+
     def reset(self) -> None:
-        self.messages, self.ids, self.fed, self.steps, self._step_no = [], [], 0, [], 0
-        self.spans.reset()
-        self.session = self.engine.new_session()
+        self.conv.reset()
+        self.steps, self._step_no = [], 0
         self.selection.reset()
         self._catalog_version = None
         self._refresh_tools()
@@ -280,8 +289,8 @@ class ToolLoop:
         return [(i, sel.why[i].text() if sel.pruning and i in sel.why else "all tools offered")
                 for i in sel.callable]
 
-    def conversation(self) -> list[dict[str, Any]]:
-        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+    def conversation(self) -> list[Message]:
+        return self.conv.rendered()
 
     def _emit(self, kind: str, **fields: Any) -> None:
         self.on_event(AgentEvent(kind, self._step_no, **fields))
@@ -291,13 +300,8 @@ class ToolLoop:
         """The kept ids plus the template's continuation after the last reply they hold;
         the whole conversation encoded when there is none yet or the template cannot
         continue (then the session still reuses the longest common prefix)."""
-        conv = self.conversation()
-        offset = len(conv) - len(self.messages)  # the system message
         # A changed tools= changes the system prompt: the kept ids no longer start this prompt.
-        reply_at = None
-        if self.ids and self.fed and self._rendered == _names(self.schemas):
-            reply_at = offset + self.fed - 1
-        return self.spans.prompt(self.engine, conv, self.ids, reply_at, self.schemas)
+        return self.conv.prompt_ids(tools=self.schemas, reuse=self._rendered == _names(self.schemas))
 
     # a turn ------------------------------------------------------------------------------
     def run(self, text: str, cancel: threading.Event | None = None, *, untrusted: bool = False) -> TurnResult:
@@ -365,7 +369,7 @@ class ToolLoop:
         """One step: generate a reply, parse it, append the assistant message. None when it
         was cancelled before any token (nothing is kept, as in the chat REPL)."""
         prompt = self._prompt()
-        edits = self.spans.edits(self.conversation())
+        edits = self.conv.edits()
         self._rendered = _names(self.schemas)
         self._emit("step")
         opened = starts_in_reasoning(self.engine, prompt)
@@ -411,9 +415,7 @@ class ToolLoop:
                 {"id": c.id, "type": "function",
                  "function": {"name": c.function, "arguments": c.arguments}}
                 for c in step.calls]
-        self.messages.append(message)
-        self.ids, self.fed = prompt + generated, len(self.messages)
-        self.spans.replied(self.engine, prompt, generated)
+        self.conv.replied(message, prompt, generated)
         self._emit("step_end", stats=step.stats)
         for c in step.calls:
             self._emit("tool_call", call=c)
@@ -523,8 +525,8 @@ class ToolLoop:
             "messages": self.conversation(),
             "steps": [s.as_dict() for s in self.steps],
             "prefill_tokens_per_step": [s.stats.new_tokens for s in self.steps],
-            "kv_compact": self.spans.policy.describe(),
-            "kv_compact_note": self.spans.note,  # why the last step dropped nothing, if it could not
+            "kv_compact": self.conv.spans.policy.describe(),
+            "kv_compact_note": self.conv.spans.note,  # why the last step dropped nothing, if it could not
             "dropped_tokens_per_step": [s.stats.dropped_tokens for s in self.steps],
             "calls_constrained": bool(self._grammars) and all(g is not None for g in self._grammars.values()),
             "grammar_note": self.grammar_note,

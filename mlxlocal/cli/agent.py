@@ -1,4 +1,4 @@
-"""`mlxlocal run --mcp FILE "task"`: one task through the agent tool loop (mlxlocal.agent_chat),
+"""`mlxlocal run --mcp FILE "task"`: one task through the agent tool loop (mlxlocal.repl.agent),
 non-interactive. `mlxlocal chat --mcp FILE` is the interactive one (cli/generate.py)."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run(
 ) -> None:
     """Run one task with MCP tools: the model calls tools until it answers (Rule-of-Two policy
     before every call). Exit 0 answered, 1 stopped short, 2 unusable config."""
-    from mlxlocal.agent_chat import run_task
+    from mlxlocal.repl.agent import run_task
 
     if task is None or task == "-":
         if sys.stdin.isatty():

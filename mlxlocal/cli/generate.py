@@ -1,4 +1,4 @@
-"""`mlxlocal generate` (one prompt, streamed) and `mlxlocal chat` (the REPL in mlxlocal.chat)."""
+"""`mlxlocal generate` (one prompt, streamed) and `mlxlocal chat` (the REPL in mlxlocal.repl)."""
 
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ def chat(
     num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
-    from mlxlocal.chat import run_chat
+    from mlxlocal.repl.chat import run_chat
 
     compact = compaction_policy(kv_compact)
     params = sampling_params(
@@ -273,7 +273,7 @@ def chat(
     kernels_mode(kernels)
     speculation(draft_model, prompt_lookup, num_draft_tokens, options)  # exits 2 when they clash
     if mcp:
-        from mlxlocal.agent_chat import run_agent_chat
+        from mlxlocal.repl.agent import run_agent_chat
 
         k = agent_limits(max_steps, max_tools)
         raise typer.Exit(run_agent_chat(model, mcp, system=system, params=params, history_file=history_file,

@@ -1,6 +1,6 @@
 """`mlxlocal launch CLIENT`: a coding agent (claude, codex, opencode) on a local server.
 
-The logic lives in mlxlocal.launch; this module is the command's options and errors."""
+The logic lives in mlxlocal.agents.launch; this module is the command's options and errors."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def launch(
                                           "a server launch starts is started with it)"),
     timeout: float = typer.Option(900.0, "--timeout", help="Seconds to wait for the server (first use may download the model)"),
 ) -> None:
-    from mlxlocal.launch import (
+    from mlxlocal.agents.launch import (
         LaunchError,
         get_client,
         make_plan,
@@ -46,7 +46,7 @@ def launch(
         serve_command,
         served_alias,
     )
-    from mlxlocal.launch import launch as run_launch
+    from mlxlocal.agents.launch import launch as run_launch
 
     try:
         spec = get_client(client)

@@ -1,9 +1,9 @@
 """`mlxlocal chat`: a terminal REPL over the engine (like `ollama run` / `mlx_lm.chat`).
 
-Front end only: it renders the conversation through the model's chat template, hands the
-token ids to `Engine.generate` with one `Session` per conversation, and streams the reply
-as Markdown. It keeps the token ids the model saw and produced, and a new turn appends
-only the template's continuation to them, so each new turn prefills only its new tokens.
+Front end only: the terminal side (reading input, the slash commands, rendering) of one
+`Conversation` (conversation.py), whose prompts hand token ids to `Engine.generate` on its
+session; the reply streams as Markdown (view.py). A conversation keeps the token ids the
+model saw and produced, so each new turn prefills only its new tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,22 +22,24 @@ from typing import Any
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
-from rich.console import Console, ConsoleOptions, RenderResult
-from rich.live import Live
-from rich.markdown import Markdown
-from rich.segment import Segment
-from rich.text import Text
+from rich.console import Console
 
 from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.compaction.spans import ConversationSpans
-from mlxlocal.engine import Engine, GenerationStats, SamplingParams, open_engine, speculation_of
+from mlxlocal.engine import (
+    Engine,
+    EngineSession,
+    GenerationStats,
+    SamplingParams,
+    open_engine,
+    speculation_of,
+)
 from mlxlocal.errors import ContextLengthError, MlxLocalError
-from mlxlocal.units import human_bytes
+from mlxlocal.repl.conversation import Conversation, Message, parse_saved
+from mlxlocal.repl.view import ReplyView, format_footer, human_count
 
 PROMPT = ">>> "
 CONTINUATION = "... "
 BLOCK = '"""'
-REFRESH_S = 0.25  # re-render Markdown 4x a second, not per token: parsing it is not free
 COMMANDS = {
     "/help": "show this help",
     "/clear": "forget the conversation (and its cached tokens)",
@@ -60,40 +61,6 @@ def default_history_file() -> Path:
     return Path.home() / ".local" / "state" / "mlxlocal" / "chat_history"
 
 
-def human_count(n: int) -> str:
-    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.1f}{suffix}"
-    return str(n)
-
-
-def format_seconds(s: float) -> str:
-    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
-
-
-def format_rate(tps: float) -> str:
-    return f"{tps:.0f}" if tps >= 100 else f"{tps:.1f}"
-
-
-def format_footer(stats: GenerationStats) -> str:
-    parts = [
-        f"decode {format_rate(stats.decode_tps)} tok/s",
-        f"prefill {format_rate(stats.prefill_tps)} tok/s",
-        f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached"
-        + (f", {stats.dropped_tokens} dropped from the KV cache)" if stats.dropped_tokens else ")"),
-        f"reply {stats.completion_tokens} tokens"
-        + (f" ({stats.accepted_tokens}/{stats.draft_tokens} drafted accepted)" if stats.draft_tokens else ""),
-        f"TTFT {format_seconds(stats.ttft_s)}",
-        f"peak {human_bytes(stats.peak_memory_bytes)}",
-    ]
-    if stats.finish_reason and stats.finish_reason != "stop":
-        finish = f"finish: {stats.finish_reason}"
-        if stats.finish_reason == "length" and stats.truncated_by == "context":
-            finish += " (context full)"
-        parts.append(finish)
-    return " · ".join(parts)
-
-
 def block_is_open(text: str) -> bool:
     """True while the input is a `\"\"\"` block that has not seen its closing line."""
     lines = text.split("\n")
@@ -111,22 +78,6 @@ def unwrap_block(text: str) -> str:
     return "\n".join(body)
 
 
-def parse_saved(data: Any) -> tuple[str | None, list[dict[str, str]]]:
-    """Validate a /save file's JSON; return (system, messages) or raise ValueError."""
-    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
-        raise ValueError("expected an object with a 'messages' list")
-    system = data.get("system")
-    if system is not None and not isinstance(system, str):
-        raise ValueError("'system' must be a string or null")
-    messages = []
-    for i, m in enumerate(data["messages"]):
-        ok = isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
-        if not ok or not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i} needs a role (user/assistant/system) and string content")
-        messages.append({"role": m["role"], "content": m["content"]})
-    return system, messages
-
-
 @contextlib.contextmanager
 def sigint_sets(event: threading.Event) -> Iterator[None]:
     """While generating, Ctrl-C stops the reply (sets `event`) instead of raising."""
@@ -141,79 +92,30 @@ def sigint_sets(event: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
-class _Tail:
-    """Markdown cut to its last screenful: a Live region cannot scroll, so show the newest text."""
-
-    def __init__(self, text: str):
-        self.markdown = Markdown(text)
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        lines = console.render_lines(self.markdown, options.update(height=None), pad=False)
-        for line in lines[-max(console.size.height - 2, 1):]:
-            yield from line
-            yield Segment.line()
-
-
-class ReplyView:
-    """Shows a streaming reply: Markdown in a Live region on a terminal, plain text otherwise."""
-
-    def __init__(self, console: Console):
-        self.console = console
-        self.parts: list[str] = []
-        self.live: Live | None = None
-        self.last_refresh = 0.0
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def __enter__(self) -> ReplyView:
-        if self.console.is_terminal:
-            self.live = Live(Text("…", style="dim"), console=self.console, auto_refresh=False,
-                             transient=True, vertical_overflow="visible")
-            self.live.start(refresh=True)
-        return self
-
-    def add(self, text: str) -> None:
-        self.parts.append(text)
-        if self.live is None:
-            self.console.file.write(text)
-            self.console.file.flush()
-        elif time.monotonic() - self.last_refresh >= REFRESH_S:
-            self.live.update(_Tail(self.text), refresh=True)
-            self.last_refresh = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.live is not None:
-            self.live.stop()  # transient: clears the cropped view, then print the reply in full
-            if self.text.strip():
-                self.console.print(Markdown(self.text))
-        elif self.parts:
-            self.console.file.write("\n")
-            self.console.file.flush()
-
-
 # --- the REPL ---------------------------------------------------------------------------
 class ChatRepl:
+    """The terminal around one Conversation (`self.conv`): input, commands, rendering."""
+
     def __init__(self, engine: Engine, console: Console, *, system: str | None = None,
                  params: SamplingParams | None = None, history: History | None = None,
-                 engine_options: dict | None = None, compact: CompactionPolicy | None = None):
-        self.engine = engine
+                 engine_options: dict | None = None, compact: CompactionPolicy | None = None,
+                 conversation: Conversation | None = None):
+        # `conversation`: one shared with another owner (AgentRepl's ToolLoop); else a new one.
+        self.conv = conversation or Conversation(engine, system=system, compact=compact)
         self.engine_options = engine_options or {}
         self.console = console
-        self.system = system
         self.params = params or SamplingParams(max_tokens=1024)
-        self.messages: list[dict[str, str]] = []
-        # The conversation's token ids exactly as the model saw and produced them (the last
-        # prompt + the reply's generated ids). Re-encoding a reply's text may give other ids,
-        # and then the session's KV cache would no longer be a prefix of the next prompt.
-        self.ids: list[int] = []
-        # Each message's token span, for a compaction policy's cache edits (--kv-compact).
-        self.spans = ConversationSpans(compact)
-        self.session = engine.new_session()
         self.last_stats: GenerationStats | None = None
         self.history = history or InMemoryHistory()
         self._prompt: PromptSession[str] | None = None
+
+    @property
+    def engine(self) -> Engine:
+        return self.conv.engine
+
+    @property
+    def session(self) -> EngineSession:
+        return self.conv.session
 
     # output helpers: user text (errors, file names) must never be read as Rich markup
     def say(self, text: str, style: str | None = None) -> None:
@@ -316,10 +218,7 @@ class ChatRepl:
                  "lines. Ctrl-C stops a reply; Ctrl-D exits.", "dim")
 
     def reset(self) -> None:
-        self.messages = []
-        self.ids = []
-        self.spans.reset()
-        self.session = self.engine.new_session()  # drop the KV: nothing left to reuse
+        self.conv.reset()  # drops the KV too: nothing left to reuse
 
     def cmd_clear(self, arg: str) -> None:
         self.reset()
@@ -327,10 +226,11 @@ class ChatRepl:
 
     def cmd_system(self, arg: str) -> None:
         if not arg:
-            self.say(f"system prompt: {self.system!r}" if self.system else "no system prompt")
+            system = self.conv.system
+            self.say(f"system prompt: {system!r}" if system else "no system prompt")
             self.say("usage: /system TEXT", "dim")
             return
-        self.system = arg
+        self.conv.system = arg
         self.reset()
         self.say("system prompt set; conversation cleared", "dim")
 
@@ -338,12 +238,12 @@ class ChatRepl:
         if not arg:
             return self.error("usage: /save FILE")
         path = Path(arg).expanduser()
-        data = {"model": self.engine.info.name, "system": self.system, "messages": self.messages}
+        data = self.conv.to_saved()
         try:
             path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         except OSError as e:
             return self.error(f"cannot write {path}: {e.strerror or e}")
-        self.say(f"saved {len(self.messages)} messages to {path}", "dim")
+        self.say(f"saved {len(data['messages'])} messages to {path}", "dim")
 
     def cmd_load(self, arg: str) -> None:
         if not arg:
@@ -351,17 +251,16 @@ class ChatRepl:
         path = Path(arg).expanduser()
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            system, messages = parse_saved(data)
+            parse_saved(data)  # a file that is no saved chat leaves the conversation as it was
         except FileNotFoundError:
             return self.error(f"no such file: {path}")
         except (OSError, UnicodeDecodeError) as e:
             return self.error(f"cannot read {path}: {e}")
         except ValueError as e:  # json.JSONDecodeError is a ValueError too
             return self.error(f"{path} is not a saved chat: {e}")
-        self.system = system
-        self.reset()
-        self.messages = messages
-        self.say(f"loaded {len(messages)} messages from {path}", "dim")
+        self.reset()  # AgentRepl's also starts its tool loop and policy over
+        self.conv.from_saved(data)
+        self.say(f"loaded {len(self.conv.messages)} messages from {path}", "dim")
 
     def cmd_stats(self, arg: str) -> None:
         info = self.engine.info
@@ -371,16 +270,17 @@ class ChatRepl:
                  f"context {info.context_length} tokens")
         self.say(f"weights  {info.weights.describe()}")
         self.say(f"session  {self.session.cached_len} tokens attended (in the KV cache), "
-                 f"{self.session.dropped_len} dropped, {len(self.ids)} conversation tokens, "
-                 f"{len(self.messages)} messages")
+                 f"{self.session.dropped_len} dropped, {len(self.conv.ids)} conversation tokens, "
+                 f"{len(self.conv.messages)} messages")
         st = self.engine.stats()
-        policy = self.spans.policy
+        spans = self.conv.spans
+        policy = spans.policy
         if policy.active:
             self.say(f"compact  {policy.describe()}: engine {st['tokens_dropped']} tokens dropped, "
                      f"{st['tokens_repositioned']} repositioned"
                      + (f" · last reply {self.last_stats.dropped_tokens} prompt tokens not attended"
                         if self.last_stats else "")
-                     + (f" · {self.spans.note}" if self.spans.note else ""))
+                     + (f" · {spans.note}" if spans.note else ""))
         pool = self.engine.kv_pool
         if pool["kind"] == "paged":
             bits = f"K/V {pool['kv_bits']}-bit, " if pool.get("kv_bits") else ""
@@ -411,33 +311,18 @@ class ChatRepl:
         except Exception as e:  # a failed switch must not end the chat
             return self.error(f"{type(e).__name__}: {e} (still using {self.engine.info.name})")
         self.engine.shutdown()  # free the old model's engine thread and KV pools
-        self.engine = engine
-        # Another tokenizer: the old ids and KV mean nothing; the next turn re-encodes the text.
-        self.session = engine.new_session()
-        self.ids = []
-        self.spans.reset()
+        self.conv.switch_engine(engine)  # another tokenizer: the next turn re-encodes the text
         self.banner()
 
     # a chat turn ------------------------------------------------------------------------
-    def conversation(self) -> list[dict[str, str]]:
-        system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + self.messages
-
-    def prompt_ids(self, user: dict[str, str]) -> list[int]:
-        """The next prompt: the kept ids plus the template's continuation, or else the
-        whole conversation encoded (first turn, after /clear, /load, /model)."""
-        conv = self.conversation() + [user]
-        reply_at = len(conv) - 2 if self.ids and self.messages and self.messages[-1]["role"] == "assistant" else None
-        return self.spans.prompt(self.engine, conv, self.ids, reply_at)
-
     def turn(self, text: str) -> None:
-        user = {"role": "user", "content": text}
+        user: Message = {"role": "user", "content": text}
         cancel = threading.Event()
         stats: GenerationStats | None = None
         generated: list[int] = []
         try:
-            prompt = self.prompt_ids(user)
-            edits = self.spans.edits(self.conversation() + [user])
+            prompt = self.conv.prompt_ids(user)
+            edits = self.conv.edits(user)
             extra = {"edits": edits} if edits is not None else {}  # no policy: no edits at all
             with sigint_sets(cancel), ReplyView(self.console) as view:
                 for chunk in self.engine.generate(prompt, self.params, session=self.session, cancel=cancel,
@@ -457,9 +342,7 @@ class ChatRepl:
             # Nothing to continue from: forget the turn as if it was never sent.
             return self.say("cancelled before the first token", "yellow")
         # Keep even a cut-off reply: the next turn then continues from what the user saw.
-        self.messages += [user, {"role": "assistant", "content": view.text}]
-        self.ids = prompt + generated
-        self.spans.replied(self.engine, prompt, generated)
+        self.conv.record(user, view.text, prompt, generated)
         if stats is None:
             return
         self.last_stats = stats
@@ -518,7 +401,7 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlxlocal.chat", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mlxlocal.repl", description=__doc__.splitlines()[0])
     parser.add_argument("--model", "-m", required=True)
     parser.add_argument("--system")
     parser.add_argument("--max-tokens", "-n", type=int, default=1024)
@@ -543,7 +426,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     return run_chat(args.model, system=args.system, params=params, history_file=args.history_file,
                     compact=compact)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,17 +22,17 @@ from mlxlocal.agents.loop import AgentEvent, ToolLoop, short
 from mlxlocal.agents.policy import RuleOfTwo
 from mlxlocal.agents.pruning import DEFAULT_MAX_TOOLS
 from mlxlocal.agents.types import Decision, ServerConfig, ToolCall
-from mlxlocal.chat import (
+from mlxlocal.compaction import CompactionPolicy
+from mlxlocal.engine import Engine, SamplingParams, open_engine
+from mlxlocal.errors import MlxLocalError
+from mlxlocal.repl.chat import (
     ChatRepl,
     _history,
     compact_refusal,
     default_history_file,
-    human_count,
     sigint_sets,
 )
-from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.engine import Engine, SamplingParams, open_engine
-from mlxlocal.errors import MlxLocalError
+from mlxlocal.repl.view import human_count
 
 CONNECT_TIMEOUT_S = 30.0
 AGENT_COMMANDS = {"/tools": "the MCP tools: the ones offered to the model and why, the others, failed servers"}
@@ -147,33 +147,29 @@ def new_policy(servers: list[ServerConfig], hub: Any) -> RuleOfTwo:
 
 
 # --- the REPL -------------------------------------------------------------------------------
-def _loop_proxy(name: str) -> property:
-    """An AgentRepl attribute kept on its ToolLoop, read and written through."""
-    return property(lambda self: getattr(self.loop, name),
-                    lambda self, v: setattr(self.loop, name, v))
-
-
 class AgentRepl(ChatRepl):
-    """The chat REPL with the tool loop behind each turn. The conversation (messages, token
-    ids, session, system prompt, sampling) lives in the ToolLoop; the properties below let
-    ChatRepl's commands (/clear, /system, /save, /stats, /model) work on it unchanged."""
+    """The chat REPL with the tool loop behind each turn. The REPL and its ToolLoop share one
+    Conversation (messages, token ids, session, system prompt), so ChatRepl's commands
+    (/clear, /system, /save, /stats, /model) work on the loop's conversation unchanged."""
 
     def __init__(self, engine: Engine, console: Console, servers: list[ServerConfig], hub: Any, *,
-                 max_steps: int = 8, max_tools: int | None = DEFAULT_MAX_TOOLS, index: Any = None, **kw: Any):
+                 max_steps: int = 8, max_tools: int | None = DEFAULT_MAX_TOOLS, index: Any = None,
+                 system: str | None = None, params: SamplingParams | None = None,
+                 compact: CompactionPolicy | None = None, **kw: Any):
         self.servers, self.hub = servers, hub
         self.printer = EventPrinter(console)
-        self.loop = ToolLoop(engine, hub, new_policy(servers, hub), max_steps=max_steps,
-                             approve=self.ask, on_event=self.printer, max_tools=max_tools, index=index,
-                             compact=kw.get("compact"))
-        super().__init__(engine, console, **kw)
+        self.loop = ToolLoop(engine, hub, new_policy(servers, hub), system=system, params=params,
+                             max_steps=max_steps, approve=self.ask, on_event=self.printer,
+                             max_tools=max_tools, index=index, compact=compact)
+        super().__init__(engine, console, conversation=self.loop.conv, params=self.loop.params, **kw)
 
-    engine = _loop_proxy("engine")
-    messages = _loop_proxy("messages")
-    ids = _loop_proxy("ids")
-    session = _loop_proxy("session")
-    system = _loop_proxy("system")
-    params = _loop_proxy("params")
-    spans = _loop_proxy("spans")
+    @property
+    def params(self) -> SamplingParams:
+        return self.loop.params  # the loop samples every step with them
+
+    @params.setter
+    def params(self, value: SamplingParams) -> None:
+        self.loop.params = value
 
     def reset(self) -> None:
         super().reset()
