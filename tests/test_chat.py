@@ -21,6 +21,7 @@ import pytest
 from conftest import FAMILY_CONFIGS, build_tiny
 from rich.console import Console
 
+from mlxlocal.agents.conversation import parse_saved
 from mlxlocal.engine import GenerationStats, PagedEngine, SamplingParams, SimpleEngine, open_engine
 from mlxlocal.engine.base import EngineBase
 from mlxlocal.repl.chat import (
@@ -30,7 +31,6 @@ from mlxlocal.repl.chat import (
     sigint_sets,
     unwrap_block,
 )
-from mlxlocal.repl.conversation import parse_saved
 from mlxlocal.repl.view import format_footer, human_count
 from mlxlocal.source.loader import load_from_dir
 from mlxlocal.units import human_bytes

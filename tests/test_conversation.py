@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlxlocal.repl.conversation import Conversation
+from mlxlocal.agents.conversation import Conversation
 
 
 class FakeEngine:

@@ -2,6 +2,6 @@
 `launch` (coding agents such as Claude Code run against our server).
 
 Below the front ends (cli, repl, server), above the engine: uses the engine contract only.
-The tool loop keeps its state in a `mlxlocal.repl.conversation.Conversation`, the one module
-of the REPL package that is itself engine contract and compaction only.
+A `Conversation` (conversation.py: messages, the ids the model saw and wrote, its session)
+holds the tool loop's state and the REPLs' (repl/).
 """

@@ -9,7 +9,7 @@ the output into reasoning / content / tool calls with the family's parser
 generations have run.
 
 The loop keeps its messages, the token ids the model saw and produced and the engine
-session in a `Conversation` (repl/conversation.py, the chat REPL's too: AgentRepl shares one
+session in a `Conversation` (agents/conversation.py, the chat REPL's too: AgentRepl shares one
 with its loop); a step's prompt is those ids plus the template's continuation (`encode_continuation`: the end of the reply, the tool
 messages, the next assistant header), so the session's KV cache is a prefix of it and only
 the new tokens are prefilled (`StepStats.cached_tokens`).
@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from mlxlocal.agents.conversation import Conversation, Message
 from mlxlocal.agents.pruning import (
     DEFAULT_MAX_TOOLS,
     SEARCH_TOOLS,
@@ -51,7 +52,6 @@ from mlxlocal.errors import MlxLocalError
 from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.parse import OutputParser, new_call_id, starts_in_reasoning
 from mlxlocal.grammar.tools import tool_calls
-from mlxlocal.repl.conversation import Conversation, Message
 
 # Templates want a plain identifier as a function name; MCP tool ids are "server.name".
 # Flattened as Responses namespaces are (server/responses_items.py): "server__name".

@@ -24,6 +24,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from rich.console import Console
 
+from mlxlocal.agents.conversation import Conversation, Message, parse_saved
 from mlxlocal.compaction import CompactionPolicy
 from mlxlocal.engine import (
     Engine,
@@ -34,7 +35,6 @@ from mlxlocal.engine import (
     speculation_of,
 )
 from mlxlocal.errors import ContextLengthError, MlxLocalError
-from mlxlocal.repl.conversation import Conversation, Message, parse_saved
 from mlxlocal.repl.view import ReplyView, format_footer, human_count
 
 PROMPT = ">>> "
