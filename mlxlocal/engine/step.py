@@ -28,7 +28,7 @@ class Sampled(NamedTuple):
     token: mx.array  # [1], lazy
     logprobs: list[mx.array]  # sampling.logprob_arrays: [] unless the request asked for them
     src: tuple[mx.array, int] | None  # (the batch's token array, row): the next decode feeds it
-    check: tuple[mx.array, int] | None  # (its logits' log-sum-exps, row): not finite, nor the logits
+    check: tuple[mx.array, int] | None  # (its logits' log-sum-exps, row): finite or not
 
 
 class StepPhases:
@@ -107,7 +107,8 @@ class StepPhases:
             if seq.status is Status.FINISHED:
                 return
 
-    def _sample(self, seqs: list[Sequence], logits: mx.array, allowed: tuple | None = None) -> list[Sampled]:
+    def _sample(self, seqs: list[Sequence], logits: mx.array,
+                allowed: tuple | None = None) -> list[Sampled]:
         """Each sequence's token: one batched call for all (`src` None when sampled one by
         one). `allowed`: (rows, masks) of the sequences with a grammar."""
         for seq in seqs:
