@@ -13,6 +13,7 @@ from mlxlocal.cache.quantized import KVPrecisionError
 from mlxlocal.engine.base import REPLY_MARKER, EngineBase
 from mlxlocal.engine.config import EngineConfig
 from mlxlocal.engine.contract import STATS_KEYS, Engine, EngineSession
+from mlxlocal.engine.dense import SimpleEngine
 from mlxlocal.engine.errors import EngineDeadError, OutOfCapacity, QueueFull, SessionBusy
 from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.kernels import describe_plan, kernel_plan, kernel_status
@@ -20,8 +21,7 @@ from mlxlocal.engine.paged import PagedEngine
 from mlxlocal.engine.profile import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
 from mlxlocal.engine.runner import NotPageable, make_runner
 from mlxlocal.engine.scoring import PagedScorer
-from mlxlocal.engine.simple import SimpleEngine
-from mlxlocal.engine.spec_options import (
+from mlxlocal.engine.speculative import (
     DEFAULT_DRAFT_TOKENS,
     SpeculationChoice,
     SpeculationError,

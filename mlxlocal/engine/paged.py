@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -22,7 +21,6 @@ import mlx.core as mx
 from mlxlocal.cache import BlockManager
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import WindowBlocks
-from mlxlocal.engine import constraint, sampling
 from mlxlocal.engine import edits as cache_edits
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.config import EngineConfig, size_pools
@@ -38,14 +36,17 @@ from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
 from mlxlocal.engine.speculative import ModelDrafter, Speculator
+from mlxlocal.engine.step import Sampled, StepPhases
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
-from mlxlocal.errors import FatalEngineError, NonFiniteLogitsError
+from mlxlocal.errors import FatalEngineError
 from mlxlocal.source.loader import LoadedModel
 
 log = logging.getLogger("mlxlocal.engine")
 
 
-class PagedEngine(EngineBase):
+class PagedEngine(EngineBase, StepPhases):
+    """Sampling and hand-out, the phases after the forward, are StepPhases' (step.py)."""
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  runner: Runner | None = None):
         super().__init__(loaded)
@@ -93,8 +94,7 @@ class PagedEngine(EngineBase):
         self.tokens_dropped = 0
         self.tokens_repositioned = 0
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
-        # (seq, token [1], logprob arrays, (batch token array, row) or None) of the step in flight
-        self._inflight: list = []
+        self._inflight: list[Sampled] = []  # the tokens of the step in flight
         self._wrote = False  # _write ran: this step's sampled tokens may be stale (step())
         self.profile: StepProfile | None = None  # set: step() times its phases (bench --profile)
 
@@ -413,7 +413,7 @@ class PagedEngine(EngineBase):
             self._take(previous)
             previous = []
             ready, masks = self._constrain(ready)
-        sampled: list[tuple] = []
+        sampled: list[Sampled] = []
         for (seqs, logits), allowed in zip(ready, masks):
             sampled += self._sample(seqs, logits, allowed)
         if sampled or groups:
@@ -428,8 +428,8 @@ class PagedEngine(EngineBase):
         self._take(previous)
         if self._wrote:  # a think marker was written after a token whose successor is sampled
             self._wrote = False  # here: that successor is stale, dropped; the marker is fed next
-            self._inflight = [e for e in sampled if e[0].status is Status.FINISHED
-                              or len(e[0].tokens) == e[0].num_computed]
+            self._inflight = [e for e in sampled if e.seq.status is Status.FINISHED
+                              or len(e.seq.tokens) == e.seq.num_computed]
         for seq, token, _, src, _ in self._inflight:
             if seq.status is not Status.FINISHED:
                 seq.pending, seq.pending_from = token, src
@@ -441,111 +441,11 @@ class PagedEngine(EngineBase):
             prof.lap("output")
             prof.end(len(plan.decode), plan.prefill_tokens if plan.prefill is not None else 0)
 
-    def _take(self, previous: list[tuple]) -> None:
-        """Hand out the tokens a step sampled: one host read per sampled batch (and one of
-        its log-sum-exps: not finite, the logits were not)."""
-        values: dict[int, list] = {}
-
-        def read(array: mx.array, row: int):
-            if id(array) not in values:
-                values[id(array)] = array.tolist()
-            return values[id(array)][row]
-        for seq, token, lp, src, check in previous:
-            if seq.pending is token:
-                seq.pending = seq.pending_from = None
-            if src is not None:
-                token = read(*src)
-            if seq.status is Status.FINISHED:
-                continue
-            if check is not None and not math.isfinite(read(*check)[0]):
-                self._non_finite(seq)
-            else:
-                self._guarded(seq, self._accept, seq, token, lp)
-
-    def _non_finite(self, seq: Sequence) -> None:
-        """Its logits went NaN or infinite: its token means nothing, so it ends here."""
-        log.warning("request %d: non-finite logits after %d tokens; ending it", seq.id, seq.num_generated)
-        self._fail(seq, NonFiniteLogitsError(seq.num_generated))
-
-    def _constrain(self, ready: list[tuple[list[Sequence], mx.array]]) -> tuple[list, list]:
-        """Drop what no longer needs sampling (finished, or given the grammar's forced
-        tokens to feed next step); the grammar masks of what does, one call for all."""
-        kept, constrained = [], []
-        alone = len(self.scheduler.running) == 1 and not self.scheduler.waiting
-        for seqs, logits in ready:
-            live = []
-            for i, seq in enumerate(seqs):
-                if seq.status is Status.FINISHED:
-                    continue
-                # Jump forward: feed the grammar's only continuation in one forward instead
-                # of one step per token. Only when running alone: in a batch it would wait
-                # for the step's one prefill slot while the others decode.
-                if alone and seq.constraint is not None and seq.params.logprobs is None:
-                    self._guarded(seq, self._force, seq)
-                    if seq.status is Status.FINISHED or seq.remaining:
-                        continue
-                live.append(i)
-                if seq.constraint is not None:
-                    constrained.append(seq)
-            if live:
-                kept.append(([seqs[i] for i in live], logits if len(live) == len(seqs) else logits[mx.array(live)]))
-        if not constrained:
-            return kept, [None] * len(kept)
-        try:
-            mask = constraint.allowed_tokens(self.grammars, [seq.constraint for seq in constrained])
-        except Exception as e:
-            for seq in constrained:
-                self._fail(seq, e)
-            return self._constrain(kept)
-        row_of = {id(seq): j for j, seq in enumerate(constrained)}
-        masks = []
-        for seqs, _ in kept:
-            rows = [i for i, seq in enumerate(seqs) if id(seq) in row_of]
-            at = [row_of[id(seqs[i])] for i in rows]
-            # One group holding every constrained row, in order (a steady decode batch): as is.
-            masks.append((rows, mask if at == list(range(len(constrained))) else mask[mx.array(at)]) if rows else None)
-        return kept, masks
-
-    def _force(self, seq: Sequence) -> None:
-        """Append the grammar's forced tokens as if sampled; the next step feeds them."""
-        for token in seq.constraint.forced():
-            seq.stats.forced_tokens += 1
-            self._accept(seq, token)
-            if seq.status is Status.FINISHED:
-                return
-
     def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
         """Feed n tokens of each sequence; return last-position logits [B, V] (lazy)."""
         if self.spec is not None:
             self.spec.mirror(seqs, n)  # a draft model sees every token the target does
         return self.runner.forward(self.pools, seqs, n)
-
-    def _sample(self, seqs: list[Sequence], logits: mx.array, allowed: tuple | None = None) -> list[tuple]:
-        """(seq, token [1], logprob arrays, (the batch's token array, row), (its logits'
-        log-sum-exps, row)) for each sequence: one batched call for all (the source is None
-        when sampled one by one). `allowed`: (rows, masks) of the sequences with a grammar."""
-        for seq in seqs:
-            seq.sampler.lse = None  # set by the call: a stale one must not be read
-        try:
-            tokens, logprobs = sampling.sample_batch([s.sampler for s in seqs], logits,
-                                                     [s.tokens for s in seqs], [s.pending for s in seqs], allowed)
-            # The next decode feeds the batch's token array as a whole (runner.step_inputs).
-            return [(seq, token, lp, (tokens, i), seq.sampler.lse)
-                    for i, (seq, token, lp) in enumerate(zip(seqs, mx.split(tokens, len(seqs)), logprobs))]
-        except Exception:
-            # Keys are untouched when it raises: one by one, a faulty request fails alone.
-            log.exception("batched sampling failed; sampling %d requests one by one", len(seqs))
-        sampled = []
-        mask_of = dict(zip(allowed[0], mx.split(allowed[1], len(allowed[0])))) if allowed else {}
-        for i, seq in enumerate(seqs):
-            try:
-                token, logprobs = seq.sampler(logits[i : i + 1], seq.tokens, seq.pending, mask_of.get(i))
-                arrays = sampling.logprob_arrays(seq.params.logprobs, token, logprobs)
-                sampled.append((seq, token, arrays, None, seq.sampler.lse))
-            except Exception as e:
-                log.exception("sampling failed for request %d", seq.id)
-                self._fail(seq, e)
-        return sampled
 
     def _accept(self, seq: Sequence, token: int | mx.array, lp: list[mx.array] | None = None) -> None:
         token = token if isinstance(token, int) else int(token.item())

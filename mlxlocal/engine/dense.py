@@ -1,4 +1,4 @@
-"""The simple engine: one sequence on dense caches, a session keeping the KV between turns.
+"""The dense engine (SimpleEngine): one sequence on dense caches, a session keeping the KV between turns.
 
 Used for models that run on mlx-lm's model code (no paged attention there).
 """
