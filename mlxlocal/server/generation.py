@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import Request
 
@@ -41,7 +42,7 @@ class Waiting:
 
     done: int
     total: int
-    kind: str = "waiting"
+    kind: Literal["waiting"] = "waiting"
 
 
 def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
@@ -92,7 +93,8 @@ async def _watch(request: Request, cancel, registry) -> None:
             return
 
 
-async def _dead_is_503(batches: AsyncIterator[list[Chunk] | None]) -> AsyncIterator[list[Chunk] | None]:
+async def _dead_is_503(batches: AsyncGenerator[list[Chunk] | None, None],
+                       ) -> AsyncGenerator[list[Chunk] | None, None]:
     """An engine that dies after accepting the request: a 503 before the response starts,
     an error event after (the routers already turn errors into one mid-stream). Non-finite
     logits end this request alone: a 500 that says so."""
@@ -126,7 +128,7 @@ async def _session(request: Request, engine: Engine, prompt: list[int], params: 
 
 async def run(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
               metrics: Metrics, cache: akv.CacheUse | None = None,
-              keepalive: float | None = None) -> AsyncIterator[list[Chunk] | Waiting]:
+              keepalive: float | None = None) -> AsyncGenerator[list[Chunk] | Waiting, None]:
     """Stream a request's chunks, a list of all that are ready at each wake-up (the routers
     parse and frame them together: one write per step, not per token); a client that goes
     away cancels it (blocks freed next step). With `keepalive` (seconds), a Waiting right

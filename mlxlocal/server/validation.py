@@ -14,7 +14,7 @@ import math
 import re
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 from fastapi import Request
@@ -143,6 +143,10 @@ def number(obj: dict, key: str, default: Any, where: str, integer: bool = False)
     return float(v)
 
 
+@overload
+def boolean(obj: dict, key: str, default: bool, where: str | None = None) -> bool: ...
+@overload
+def boolean(obj: dict, key: str, default: None, where: str | None = None) -> bool | None: ...
 def boolean(obj: dict, key: str, default: bool | None, where: str | None = None) -> bool | None:
     """Strictly true/false: a client sending "yes" or 5 gets told, rather than a guess."""
     v = obj.get(key)
@@ -173,6 +177,10 @@ def thinking_budget(obj: dict | None, where: str = "thinking_budget") -> int | N
     return v
 
 
+@overload
+def string(obj: dict, key: str, where: str | None = None, *, required: Literal[True]) -> str: ...
+@overload
+def string(obj: dict, key: str, where: str | None = None, required: bool = False) -> str | None: ...
 def string(obj: dict, key: str, where: str | None = None, required: bool = False) -> str | None:
     v = obj.get(key)
     where = where or key
