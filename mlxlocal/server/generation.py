@@ -29,7 +29,7 @@ from mlxlocal.server.metrics import Metrics
 log = logging.getLogger("mlxlocal.server")
 
 
-def _busy(session_id: str) -> APIError:
+def _busy(session_id: str | None) -> APIError:
     return APIError(409, f"session {session_id!r} is already generating a reply; a session runs one request at "
                          f"a time (wait for it, or use another {akv.SESSION_HEADER})", param=akv.SESSION_HEADER,
                     code="session_busy")
@@ -55,7 +55,7 @@ def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyn
         try:
             handle = engine.submit(prompt, params, loop=loop, **extra)
         except ValueError as e:
-            if not edits or cache.field is not None or isinstance(e, SessionBusy):
+            if cache is None or not edits or cache.field is not None or isinstance(e, SessionBusy):
                 raise
             # The server's --kv-compact policy on a model or engine that cannot edit its cache
             # (the engine says why): the request runs uncompacted rather than failing.
@@ -68,7 +68,7 @@ def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyn
     except OutOfCapacity as e:
         raise APIError(400, str(e)) from None
     except SessionBusy:  # a second request raced to the same session
-        raise _busy(cache.session_id) from None
+        raise _busy(cache.session_id if cache is not None else None) from None
     except ValueError as e:
         field = cache.field if cache is not None and edits else None
         raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
