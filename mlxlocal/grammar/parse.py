@@ -73,7 +73,7 @@ class OutputParser:
 
     def _markers(self) -> list[str]:
         if self.state == "reasoning":
-            return [self.think_end]
+            return [self.think_end] if self.think_end else []
         if self.state == "tool":
             return [self.tool_end] if self.tool_end else []
         return [m for m in (self.think_start, self.tool_start) if m]
