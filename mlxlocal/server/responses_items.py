@@ -75,7 +75,7 @@ class _Fold:
     """Items -> messages; consecutive assistant items (reasoning, message, function calls)
     become one assistant message, in the order a model produces them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.messages: list[dict] = []
         self.open: dict | None = None  # the assistant message still taking items
 
