@@ -227,7 +227,8 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
                 finish = event
         reasoning = "".join(parts["reasoning"]).strip()
         return ChatResult(content="".join(parts["content"]).strip(), reasoning=reasoning or None,
-                          finish_reason=finish.reason if finish else None, usage=_usage(finish.stats if finish else None))
+                          finish_reason=finish.reason if finish else None,
+                          usage=_usage(finish.stats if finish else None))
 
     @mcp.tool(annotations=ANNOTATIONS)
     async def count_tokens(
