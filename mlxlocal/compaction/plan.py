@@ -25,6 +25,9 @@ class PlanError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
 
+    # The chat message it is about, where a front end with other indices renames it (spans).
+    message: int | None = None
+
 
 @dataclass
 class DropPlan:

@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from mlxlocal.engine import ChatFormat
 
+EventKind = Literal["content", "reasoning", "tool_call"]
+
 
 @dataclass
 class Event:
-    kind: str  # "content" | "reasoning" | "tool_call"
+    kind: EventKind
     text: str = ""
     name: str = ""
     arguments: str = ""  # JSON text
@@ -60,7 +62,8 @@ class OutputParser:
         self.tool_parser = fmt.tool_parser
         self.think_start = fmt.think_start if fmt.has_thinking else None
         self.think_end = fmt.think_end if self.think_start else None
-        self.state = "reasoning" if starts_in_reasoning and self.think_end else "content"
+        self.state: Literal["content", "reasoning", "tool"] = (
+            "reasoning" if starts_in_reasoning and self.think_end else "content")
         self.buffer = ""
         self.tool_text = ""
         self.made_tool_calls = False
@@ -70,7 +73,7 @@ class OutputParser:
 
     def _markers(self) -> list[str]:
         if self.state == "reasoning":
-            return [self.think_end]
+            return [self.think_end] if self.think_end else []
         if self.state == "tool":
             return [self.tool_end] if self.tool_end else []
         return [m for m in (self.think_start, self.tool_start) if m]

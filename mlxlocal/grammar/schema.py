@@ -31,7 +31,7 @@ import copy
 import functools
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 from jsonschema.validators import validator_for
@@ -40,13 +40,16 @@ from llguidance import LLMatcher
 from mlxlocal.engine import Grammar
 from mlxlocal.grammar.errors import GrammarError
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # in the stub only
+
 # A request's schema at most (a 400 naming the field beyond): OpenAI's structured outputs
 # take 5,000 object properties in all.
 MAX_SCHEMA_BYTES = 1 << 20
 MAX_PROPERTIES = 5000
 
 # llguidance JSON compile options applied before the schema's own "x-guidance".
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 # Keywords whose value is a subschema / a map of them / a list of them: where a refused
 # keyword can sit (a property *named* "not" is not the keyword).
@@ -182,7 +185,7 @@ def _json_schema(schema: Any, param: str, strict: bool) -> Grammar:
     if strict:
         schema = strict_schema(schema)
     try:
-        spec = LLMatcher.grammar_from_json_schema(copy.deepcopy(schema), defaults=dict(JSON_OPTIONS))
+        spec = LLMatcher.grammar_from_json_schema(copy.deepcopy(schema), defaults=copy.copy(JSON_OPTIONS))
     except (ValueError, TypeError) as e:  # x-guidance options of the wrong shape
         raise GrammarError(f"{param}: cannot compile the schema: {e}", param) from None
     is_error, messages = LLMatcher.validate_grammar_with_warnings(spec)

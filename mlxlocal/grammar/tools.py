@@ -173,15 +173,19 @@ def _calls(fmt: ChatFormat, fam: str, names: list[str], parallel: bool) -> list[
     """Lark rules for `calls` in the family's format (arguments: rules args_i)."""
     start, end, template = fmt.tool_call_start, fmt.tool_call_end, fmt.chat_template
     template = template if isinstance(template, str) else ""
+
+    def marker(text: str | None) -> str:
+        assert text is not None, f"{fam}: the format lacks a marker it writes"
+        return _marker(fmt, text)
     if fam == "":
         key = "parameters" if '"parameters"' in template else "arguments"
         return [*_json_calls(names, key), _one_of("calls", names)]
     if fam in ("json_tools", "longcat"):
-        rule = f"{_marker(fmt, start)} \"\\n\" call \"\\n\" {_marker(fmt, end)}"
+        rule = f"{marker(start)} \"\\n\" call \"\\n\" {marker(end)}"
         return [*_json_calls(names, "arguments"), _one_of("call", names),
                 f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
     if fam == "mistral":
-        head = _marker(fmt, start)
+        head = marker(start)
         if "[ARGS]" in template:
             args = _marker(fmt, "[ARGS]")
             rules = [f"call_{i}: {head} {_lit(n)} {args} args_{i}" for i, n in enumerate(names)]
@@ -192,11 +196,11 @@ def _calls(fmt: ChatFormat, fam: str, names: list[str], parallel: bool) -> list[
     if fam == "qwen3_coder":
         heads = [_lit(f"\n<function={n}>\n") for n in names]
         rules = [f"call_{i}: {h} args_{i} " + _lit("</function>\n") for i, h in enumerate(heads)]
-        rule = f"{_marker(fmt, start)} call {_marker(fmt, end)}"
+        rule = f"{marker(start)} call {marker(end)}"
         return [*rules, _one_of("call", names), f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
     if fam in ("glm47", "laguna"):
         rules = [f"call_{i}: {_lit(n + chr(10))} args_{i}" for i, n in enumerate(names)]
-        rule = f"{_marker(fmt, start)} call {_marker(fmt, end)}"
+        rule = f"{marker(start)} call {marker(end)}"
         return [*rules, _one_of("call", names), f"one: {rule}", f"calls: {_repeat('one', _lit(chr(10)), parallel)}"]
     if fam == "kimi_k2":
         # Call ids are functions.N:I with I counting the calls of the reply, as Kimi writes them.
@@ -209,7 +213,7 @@ def _calls(fmt: ChatFormat, fam: str, names: list[str], parallel: bool) -> list[
                               for i, n in enumerate(names))
             rules.append(f"call_at_{k}: {alts}")
         chain = "".join(f" (call_at_{k}" for k in range(1, count)) + ")?" * (count - 1)
-        return [*rules, f"calls: {_marker(fmt, start)} call_at_0{chain} {_marker(fmt, end)}"]
+        return [*rules, f"calls: {marker(start)} call_at_0{chain} {marker(end)}"]
     raise AssertionError(fam)
 
 
@@ -271,7 +275,8 @@ def _xml_arguments(i: int, tool: dict, fam: str, param: str) -> list[str]:
     strict = fn.get("strict") is True or tool.get("strict") is True
     schema = arguments_schema(tool, param)
     guidance = schema.get("x-guidance", {})
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    props = schema.get("properties")
+    props = props if isinstance(props, dict) else {}
     required = set(schema.get("required") or [])
     missing = sorted(required - set(props))
     if missing and strict:

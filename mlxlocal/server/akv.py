@@ -197,8 +197,10 @@ async def encode(request: Request | None, engine, model: str, req: CacheRequest 
     ids, result = await tokenize(engine, sure, where, _edits_with_spans, engine, messages, tools, template_kwargs,
                                  plan, check_length=check_length)
     if isinstance(result, PlanError):
-        if use.field is not None:
+        if use.field is not None:  # set from the request's own fields
+            assert req is not None
             raise APIError(400, f"{use.field}: {_own_words(result, req, origins, messages)}", param=use.field)
+        assert policy is not None  # the plan was the policy's
         # The server's own policy cannot fault a request it did not ask for: it runs uncompacted.
         log.warning("--kv-compact %s skipped for session %r: %s", policy.describe(), use.session_id, result)
         ids = await tokenize(engine, sure, where, engine.encode_chat, messages, tools,

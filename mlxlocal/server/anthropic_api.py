@@ -201,7 +201,7 @@ async def _events(engine, ids, params, thinking: Thinking,
     async for ev in events:
         if ev.kind == "token":
             continue
-        if ev.kind in ("waiting", "flush"):  # a keep-alive cue, sent as a ping (stream only)
+        if ev.kind == "waiting" or ev.kind == "flush":  # a keep-alive cue, sent as a ping (stream only)
             yield ev
             continue
         if ev.kind != "finish":
@@ -244,6 +244,8 @@ async def messages(request: Request):
         message = _message(model, [], len(ids))
         partial: dict[int, str] = {}
         async for ev in events:
+            if not isinstance(ev, dict):  # keep-alive cues and flushes: streams only
+                continue
             if ev["type"] == "content_block_start":
                 message["content"].append(dict(ev["content_block"]))
             elif ev["type"] == "content_block_delta":

@@ -155,6 +155,7 @@ class Guard:
         if not (self.check_host or strict) or host is None or "*" in self.allowed_hosts:
             return True  # no Host header: not a browser (browsers always send one)
         name = host_header_name(host)
+        assert name is not None  # a malformed host was refused above
         if is_loopback_host(name) or name in self.allowed_hosts or host.lower() in self.allowed_hosts:
             return True
         # Strict on a non-loopback bind: the bound address itself, or any IP literal on a
@@ -256,14 +257,15 @@ class Guard:
         self.metrics.requests.labels(label, str(status)).inc()
 
 
-def _body_error_in(e: BaseException) -> _BodyError | None:
+def _body_error_in(e: BaseException | None) -> _BodyError | None:
     """Our body error, possibly wrapped (ExceptionGroup, `raise ... from`) by the framework."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, _BodyError):
             return e
-        e = e.exceptions[0] if getattr(e, "exceptions", None) else (e.__cause__ or e.__context__)
+        group = getattr(e, "exceptions", None)  # an ExceptionGroup's
+        e = group[0] if group else (e.__cause__ or e.__context__)
     return None
 
 
@@ -343,8 +345,8 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         # FastAPI wraps errors raised while it reads a pydantic body (the body limit, itself
         # wrapped in an ExceptionGroup by the http middleware's task group).
         cause = e.__cause__
-        while getattr(cause, "exceptions", None):
-            cause = cause.exceptions[0]
+        while group := getattr(cause, "exceptions", None):  # an ExceptionGroup's
+            cause = group[0]
         if isinstance(cause, APIError):
             return error_response(request.url.path, cause.status, cause.message, cause.param, cause.code,
                                   cause.headers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 import time
@@ -114,6 +115,7 @@ class HeaderDeadline(H11Protocol):
     """
 
     header_timeout = 10.0
+    _header_timer: asyncio.TimerHandle | None  # set per connection (read with getattr before)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -229,6 +231,7 @@ def run_server(config: ServerConfig, console: Console | None = None, app=None, r
     files = raise_open_file_limit()
     uv = uvicorn_config(app, config, files, log_level="info")
     install_log_filter()  # after uvicorn.Config, which (re)configures uvicorn's loggers
+    assert registry is not None  # given with `app`, or the new app's
     server = BannerServer(uv, config, registry, console or Console(stderr=True, soft_wrap=True), text)
     try:
         server.run()

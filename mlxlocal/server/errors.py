@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -49,6 +51,7 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     param = param.encode("utf-8", "backslashreplace").decode("utf-8") if param else param
     dialect = dialect_of(path)
+    body: dict[str, Any]
     if dialect == "ollama":
         body = {"error": message}
     elif dialect == "anthropic":

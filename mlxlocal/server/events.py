@@ -19,8 +19,9 @@ events: a streaming router frames all it wrote since the last one as one write (
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import Request
 
@@ -36,7 +37,7 @@ from mlxlocal.server.metrics import Metrics
 @dataclass
 class Token:
     chunk: Chunk  # for logprobs
-    kind: str = "token"
+    kind: Literal["token"] = "token"
 
 
 @dataclass
@@ -45,14 +46,14 @@ class Finish:
     stats: GenerationStats | None
     tokens: list[int] = field(default_factory=list)  # generated ids
     tool_calls: bool = False  # the parser found at least one call
-    kind: str = "finish"
+    kind: Literal["finish"] = "finish"
 
 
 @dataclass(frozen=True)
 class Flush:
     """The end of one wake-up's events: what a stream framed for them goes out as one write."""
 
-    kind: str = "flush"
+    kind: Literal["flush"] = "flush"
 
 
 FLUSH = Flush()
@@ -60,7 +61,7 @@ StreamEvent = Token | Event | Finish | Waiting | Flush
 Item = list[Chunk] | Waiting  # what a request's chunk stream yields: the chunks of one wake-up
 
 
-async def coalesced(body: AsyncIterator[str | Flush]) -> AsyncIterator[str]:
+async def coalesced(body: AsyncGenerator[str | Flush, None]) -> AsyncIterator[str]:
     """A streaming body's pieces joined up to each Flush: one write (one ASGI message, one
     socket send) per wake-up, not one per event."""
     parts: list[str] = []
@@ -90,7 +91,7 @@ def keepalive_comment(w: Waiting) -> str:
 
 async def open_chunks(request: Request, engine, ids: list[int], params: SamplingParams,
                       metrics: Metrics, cache: CacheUse | None = None,
-                      keepalive: float | None = None) -> AsyncIterator[Item]:
+                      keepalive: float | None = None) -> AsyncGenerator[Item, None]:
     """Start the request and await its first chunks (errors raise here, as HTTP errors; with
     `keepalive`, a Waiting once it is submitted); return all of its chunk lists, that first
     one included. `cache`: its session and edits."""
@@ -105,7 +106,7 @@ async def open_chunks(request: Request, engine, ids: list[int], params: Sampling
     return _rest(first, chunks)
 
 
-async def _rest(first: Item, chunks: AsyncIterator[Item]) -> AsyncIterator[Item]:
+async def _rest(first: Item, chunks: AsyncGenerator[Item, None]) -> AsyncGenerator[Item, None]:
     try:
         yield first
         if isinstance(first, Waiting) or first[-1].finish_reason is None:
@@ -117,7 +118,8 @@ async def _rest(first: Item, chunks: AsyncIterator[Item]) -> AsyncIterator[Item]
 
 async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
                       tools: list[dict] | None, metrics: Metrics, cache: CacheUse | None = None,
-                      keepalive: float | None = None, flushes: bool = False) -> AsyncIterator[StreamEvent]:
+                      keepalive: float | None = None, flushes: bool = False,
+                      ) -> AsyncGenerator[StreamEvent, None]:
     """`open_chunks`, parsed into events (see the module docstring; `flushes`: a Flush after
     each wake-up's). A thinking budget (params.think_budget) is the engine's: the think-end
     marker it writes comes as text without a token, so the answer after it is content."""
@@ -149,8 +151,8 @@ class _Trim:
             yield e
 
 
-async def parse_chunks(chunks: AsyncIterator[Item], parser: OutputParser,
-                       flushes: bool = False) -> AsyncIterator[StreamEvent]:
+async def parse_chunks(chunks: AsyncGenerator[Item, None], parser: OutputParser,
+                       flushes: bool = False) -> AsyncGenerator[StreamEvent, None]:
     trim, tokens, last = _Trim(), [], None
     try:
         async for batch in chunks:

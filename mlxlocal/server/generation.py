@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import Request
 
@@ -28,7 +29,7 @@ from mlxlocal.server.metrics import Metrics
 log = logging.getLogger("mlxlocal.server")
 
 
-def _busy(session_id: str) -> APIError:
+def _busy(session_id: str | None) -> APIError:
     return APIError(409, f"session {session_id!r} is already generating a reply; a session runs one request at "
                          f"a time (wait for it, or use another {akv.SESSION_HEADER})", param=akv.SESSION_HEADER,
                     code="session_busy")
@@ -41,7 +42,7 @@ class Waiting:
 
     done: int
     total: int
-    kind: str = "waiting"
+    kind: Literal["waiting"] = "waiting"
 
 
 def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
@@ -54,7 +55,7 @@ def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyn
         try:
             handle = engine.submit(prompt, params, loop=loop, **extra)
         except ValueError as e:
-            if not edits or cache.field is not None or isinstance(e, SessionBusy):
+            if cache is None or not edits or cache.field is not None or isinstance(e, SessionBusy):
                 raise
             # The server's --kv-compact policy on a model or engine that cannot edit its cache
             # (the engine says why): the request runs uncompacted rather than failing.
@@ -67,7 +68,7 @@ def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyn
     except OutOfCapacity as e:
         raise APIError(400, str(e)) from None
     except SessionBusy:  # a second request raced to the same session
-        raise _busy(cache.session_id) from None
+        raise _busy(cache.session_id if cache is not None else None) from None
     except ValueError as e:
         field = cache.field if cache is not None and edits else None
         raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
@@ -92,7 +93,8 @@ async def _watch(request: Request, cancel, registry) -> None:
             return
 
 
-async def _dead_is_503(batches: AsyncIterator[list[Chunk] | None]) -> AsyncIterator[list[Chunk] | None]:
+async def _dead_is_503(batches: AsyncGenerator[list[Chunk] | None, None],
+                       ) -> AsyncGenerator[list[Chunk] | None, None]:
     """An engine that dies after accepting the request: a 503 before the response starts,
     an error event after (the routers already turn errors into one mid-stream). Non-finite
     logits end this request alone: a 500 that says so."""
@@ -126,7 +128,7 @@ async def _session(request: Request, engine: Engine, prompt: list[int], params: 
 
 async def run(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
               metrics: Metrics, cache: akv.CacheUse | None = None,
-              keepalive: float | None = None) -> AsyncIterator[list[Chunk] | Waiting]:
+              keepalive: float | None = None) -> AsyncGenerator[list[Chunk] | Waiting, None]:
     """Stream a request's chunks, a list of all that are ready at each wake-up (the routers
     parse and frame them together: one write per step, not per token); a client that goes
     away cancels it (blocks freed next step). With `keepalive` (seconds), a Waiting right

@@ -70,6 +70,7 @@ class BoundedSessions(StreamableHTTPSessionManager):
         sid = min(idle)[1]
         transport = self._server_instances.pop(sid)  # 404 from now on; its task ends and cleans up
         self._session_owners.pop(sid, None)
+        assert transport.idle_scope is not None  # only idle sessions were candidates
         transport.idle_scope.cancel()
         self.evicted += 1
         log.debug("MCP session table full (%d): closed the least recently used idle session", self.max_sessions)

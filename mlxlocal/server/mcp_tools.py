@@ -194,8 +194,8 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
                 text.append(event.text)
             elif isinstance(event, Finish):
                 finish = event
-        return GenerateResult(text="".join(text), finish_reason=finish and finish.reason,
-                              usage=_usage(finish and finish.stats))
+        return GenerateResult(text="".join(text), finish_reason=finish.reason if finish else None,
+                              usage=_usage(finish.stats if finish else None))
 
     @mcp.tool(annotations=ANNOTATIONS)
     async def chat(
@@ -227,7 +227,8 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
                 finish = event
         reasoning = "".join(parts["reasoning"]).strip()
         return ChatResult(content="".join(parts["content"]).strip(), reasoning=reasoning or None,
-                          finish_reason=finish and finish.reason, usage=_usage(finish and finish.stats))
+                          finish_reason=finish.reason if finish else None,
+                          usage=_usage(finish.stats if finish else None))
 
     @mcp.tool(annotations=ANNOTATIONS)
     async def count_tokens(
@@ -248,6 +249,7 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
             if text is not None:
                 ids = await tokenize(engine, 0, "text", engine.encode_text, text, template=False, check_length=False)
             else:
+                assert messages is not None  # exactly one of them (checked above)
                 ids = await tokenize(engine, 0, "messages", engine.encode_chat, [m.model_dump() for m in messages],
                                      None, add_generation_prompt, check_length=False)
         except APIError as e:

@@ -34,8 +34,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,6 +46,7 @@ from mlxlocal.server import akv, formats, model_cards, pipeline
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import (
     FLUSH,
+    Flush,
     StreamEvent,
     coalesced,
     keepalive_comment,
@@ -243,7 +244,7 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _stream_response(body: AsyncIterator[str]) -> StreamingResponse:
+def _stream_response(body: AsyncGenerator[str | Flush, None]) -> StreamingResponse:
     """One write per wake-up: the body's pieces up to each Flush joined (events.coalesced)."""
     return StreamingResponse(coalesced(body), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -261,7 +262,8 @@ class _TokenText:
     """Token id -> text (cached), for logprobs."""
 
     def __init__(self, fmt: ChatFormat):
-        self.fmt, self.cache = fmt, {}
+        self.fmt = fmt
+        self.cache: dict[int, str] = {}
 
     def __call__(self, token: int) -> str:
         text = self.cache.get(token)
@@ -271,6 +273,7 @@ class _TokenText:
 
 
 def _chat_logprob(chunk: Chunk, text_of: _TokenText) -> dict:
+    assert chunk.token is not None  # a Token event's chunk
     token = text_of(chunk.token)
     return {
         "token": token,
@@ -375,12 +378,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     constraint = await formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
     ready = await pipeline.prepare(request, _chat_request(req, request, constraint))
     events = await pipeline.run(request, ready)
+    params = ready.params
+    assert params is not None  # a chat request has them (pipeline.run checked)
     meta = {"id": _new_id("chatcmpl"), "created": int(time.time()), "model": req.model}
     text_of = _TokenText(ready.engine.chat_format)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream_response(_chat_stream(events, meta, ready.params, include_usage, text_of))
-    return await _chat_whole(events, meta, ready.params, text_of)
+        return _stream_response(_chat_stream(events, meta, params, include_usage, text_of))
+    return await _chat_whole(events, meta, params, text_of)
 
 
 async def _chat_whole(events: AsyncIterator[StreamEvent], meta: dict, params: SamplingParams, text_of) -> dict:
@@ -395,7 +400,7 @@ async def _chat_whole(events: AsyncIterator[StreamEvent], meta: dict, params: Sa
             reasoning.append(e.text)
         elif e.kind == "tool_call":
             calls.append({"id": e.id, "type": "function", "function": {"name": e.name, "arguments": e.arguments}})
-        else:
+        elif e.kind == "finish":  # last (no keep-alives or flushes: not a stream)
             done = e
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
     if reasoning:
@@ -414,7 +419,7 @@ async def _chat_whole(events: AsyncIterator[StreamEvent], meta: dict, params: Sa
 
 
 async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: SamplingParams,
-                       include_usage: bool, text_of) -> AsyncIterator[str]:
+                       include_usage: bool, text_of) -> AsyncGenerator[str | Flush, None]:
     base = {**meta, "object": "chat.completion.chunk"}
     pending_logprobs: list[dict] = []  # sent with the next delta
     n_calls = 0
@@ -446,7 +451,7 @@ async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: S
                 yield delta_chunk({"tool_calls": [{"index": n_calls, "id": e.id, "type": "function",
                                                    "function": {"name": e.name, "arguments": e.arguments}}]})
                 n_calls += 1
-            elif e.kind in ("content", "reasoning"):
+            elif e.kind == "content" or e.kind == "reasoning":
                 yield delta_chunk({"reasoning_content" if e.kind == "reasoning" else "content": e.text})
             else:
                 yield delta_chunk({}, _finish_reason(e.reason, n_calls > 0))
@@ -461,17 +466,18 @@ async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: S
 async def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        ids = cast(list[int], prompt)  # all ints (mypy does not narrow on all())
         vocab = engine.chat_format.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
                            param="prompt")
-        return list(prompt)
+        return list(ids)
     if isinstance(prompt, list):
         if len(prompt) != 1:
             raise APIError(400, f"prompt: exactly one prompt per request is supported (got {len(prompt)})",
                            param="prompt")
-        prompt = prompt[0]
+        prompt = cast(list[str], prompt)[0]  # not all ints, so the strings
     if not prompt:
         raise APIError(400, "prompt: the prompt is empty", param="prompt")
     return await tokenize(engine, text_bytes(prompt), "prompt", engine.encode_text, prompt, template=False)
@@ -556,6 +562,8 @@ async def completions(req: CompletionRequest, request: Request):
         return _stream_response(stream())
     texts, entries, last = [echo], [], None
     async for batch in chunks:
+        if isinstance(batch, Waiting):  # none come: keep-alives are for streams
+            continue
         for chunk in batch:
             last = chunk
             texts.append(chunk.text)

@@ -9,7 +9,7 @@ prepare: tool_choice -> tool pruning -> the engine -> system turns -> template +
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +99,7 @@ async def prepare(request: Request | None, chat: ChatRequest, engine: Engine | N
     return Prepared(engine, ids, params, tools, use, chat.stream)
 
 
-async def run(request: Request, ready: Prepared) -> AsyncIterator[StreamEvent]:
+async def run(request: Request, ready: Prepared) -> AsyncGenerator[StreamEvent, None]:
     """Submit (a generation: the request had params); errors before any output (context, queue, a dead engine) raise here as HTTP
     errors, later ones end the events. Streams get keep-alives and a flush per wake-up."""
     assert ready.params is not None, "a token count is not run"

@@ -229,15 +229,16 @@ class ModelRegistry:
                 # A stopped engine serves nothing: drop it, like a keep_alive unload, and load afresh.
                 log.warning("engine for %s had stopped (%s); restarting it", m.name, m.dead_reason)
                 engine, m.engine = m.engine, None
+                assert engine is not None  # only a loaded engine stops
                 m.sessions.clear()
                 await asyncio.to_thread(engine.shutdown)
             if m.engine is None:
                 try:
-                    m.engine = await asyncio.to_thread(self._load, m.spec)
+                    m.engine = loaded = await asyncio.to_thread(self._load, m.spec)
                 except MlxLocalError as e:
                     raise APIError(500, f"cannot load model '{m.name}': {e}") from None
-                m.info, m.loaded_at = m.engine.info, time.time()
-                m.capabilities = capabilities_of(m.engine.chat_format)
+                m.info, m.loaded_at = loaded.info, time.time()
+                m.capabilities = capabilities_of(loaded.chat_format)
                 m.found_names |= {m.info.name, m.info.path.name}
             if keep_alive is not None:
                 m.keep_alive = keep_alive
@@ -292,7 +293,7 @@ class ModelRegistry:
         requests call it, sessions or not: pinned sessions must not starve any of them."""
         m = next((m for m in self.models if m.engine is engine), None)
         pool = engine.kv_pool if m is not None else {}
-        if pool.get("kind") != "paged" or not m.sessions.held:
+        if m is None or pool.get("kind") != "paged" or not m.sessions.held:
             return []
         return m.sessions.make_room(pool["blocks"] * pool["block_size"], need, keep)
 
@@ -334,7 +335,8 @@ class ModelRegistry:
 
     def health(self) -> tuple[int, dict]:
         """/health: 200 while every loaded engine runs; 503 naming the models whose engine stopped."""
-        body = {"status": "ok", "models": [m.name for m in self.models], "loaded": [m.name for m in self.loaded()]}
+        body: dict[str, Any] = {"status": "ok", "models": [m.name for m in self.models],
+                                "loaded": [m.name for m in self.loaded()]}
         spec = speculation_of(self.engine_options)  # --draft-model / --prompt-lookup: every model's engine
         body["speculative"] = spec.as_dict() if spec is not None else None
         dead = [m for m in self.loaded() if m.dead_reason is not None]

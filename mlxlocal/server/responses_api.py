@@ -54,7 +54,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Set
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -67,6 +67,7 @@ from mlxlocal.server import akv, formats, pipeline
 from mlxlocal.server.errors import APIError
 from mlxlocal.server.events import (
     Finish,
+    Flush,
     StreamEvent,
     coalesced,
     keepalive_comment,
@@ -101,7 +102,8 @@ class ResponseStore:
     dicts), so a long chain costs a pointer per item per entry, not copies of its text."""
 
     def __init__(self, capacity: int = MAX_STORED):
-        self.capacity, self.entries = capacity, OrderedDict()
+        self.capacity = capacity
+        self.entries: OrderedDict[str, tuple[list, dict]] = OrderedDict()
 
     def put(self, response: dict, items: list) -> None:
         self.entries[response["id"]] = (items, response)
@@ -215,7 +217,7 @@ class _Builder:
     """Parsed events -> output items and the stream events that build them. Non-streaming
     requests run the same builder and keep only the final response."""
 
-    def __init__(self, response: dict, parallel: bool, sealed: bool, namespaces: set[str] = frozenset()):
+    def __init__(self, response: dict, parallel: bool, sealed: bool, namespaces: Set[str] = frozenset()):
         self.response, self.parallel, self.sealed = response, parallel, sealed
         self.namespaces = namespaces  # namespace tools offered: a call's name is split back
         self.output: list[dict] = response["output"]
@@ -239,6 +241,7 @@ class _Builder:
                 self.event("response.in_progress", response=self.snapshot())]
 
     def _where(self) -> dict:
+        assert self.item is not None  # called with an item open
         return {"item_id": self.item["id"], "output_index": len(self.output) - 1}
 
     def _open(self, item: dict, part: dict) -> list[dict]:
@@ -252,6 +255,7 @@ class _Builder:
         if item is None:
             return []
         where, out = self._where(), []
+        part: dict[str, Any]
         if item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text.rstrip()}
             item["content"] = [part]
@@ -421,7 +425,7 @@ async def create_response(req: ResponsesRequest, request: Request):
                 builder.feed(e)
         return JSONResponse(builder.response, headers=headers)
 
-    async def stream() -> AsyncIterator[str]:
+    async def stream() -> AsyncGenerator[str | Flush, None]:
         for event in builder.start():
             yield _sse(event)
         try:

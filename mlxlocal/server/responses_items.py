@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Set
 from typing import Any
 
 from mlxlocal.server.errors import APIError
@@ -74,7 +75,7 @@ class _Fold:
     """Items -> messages; consecutive assistant items (reasoning, message, function calls)
     become one assistant message, in the order a model produces them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.messages: list[dict] = []
         self.open: dict | None = None  # the assistant message still taking items
 
@@ -184,7 +185,7 @@ def qualified(namespace: str | None, name: str) -> str:
     return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
 
 
-def split_qualified(name: str, namespaces: set[str]) -> tuple[str | None, str]:
+def split_qualified(name: str, namespaces: Set[str]) -> tuple[str | None, str]:
     """(namespace, name) of a function the model called, for the function_call item."""
     head, sep, tail = name.partition(NAMESPACE_SEP)
     return (head, tail) if sep and head in namespaces and tail else (None, name)

@@ -14,7 +14,7 @@ import math
 import re
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, TypeGuard, TypeVar, overload
 
 import numpy as np
 from fastapi import Request
@@ -26,6 +26,8 @@ from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
 
 # Deeper JSON than any real request; json.loads, pydantic and Jinja recurse per level.
+T = TypeVar("T")  # what a tokenize call's encoder returns
+
 MAX_DEPTH = 64
 MAX_MESSAGES = 10_000
 MAX_TOOLS = 128  # OpenAI's limit
@@ -121,7 +123,7 @@ class CheckedBodyRoute(APIRoute):
 
 
 # --- JSON value types (for the dialects that read plain dicts) ----------------------------
-def is_int(v: Any) -> bool:
+def is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -143,6 +145,10 @@ def number(obj: dict, key: str, default: Any, where: str, integer: bool = False)
     return float(v)
 
 
+@overload
+def boolean(obj: dict, key: str, default: bool, where: str | None = None) -> bool: ...
+@overload
+def boolean(obj: dict, key: str, default: None, where: str | None = None) -> bool | None: ...
 def boolean(obj: dict, key: str, default: bool | None, where: str | None = None) -> bool | None:
     """Strictly true/false: a client sending "yes" or 5 gets told, rather than a guess."""
     v = obj.get(key)
@@ -173,6 +179,10 @@ def thinking_budget(obj: dict | None, where: str = "thinking_budget") -> int | N
     return v
 
 
+@overload
+def string(obj: dict, key: str, where: str | None = None, *, required: Literal[True]) -> str: ...
+@overload
+def string(obj: dict, key: str, where: str | None = None, required: bool = False) -> str | None: ...
 def string(obj: dict, key: str, where: str | None = None, required: bool = False) -> str | None:
     v = obj.get(key)
     where = where or key
@@ -318,8 +328,8 @@ def max_text_bytes(engine) -> int:
     return max(MAX_TEXT_BYTES, 8 * engine.context_length)
 
 
-async def tokenize(engine, n_bytes: int, where: str, encode: Callable[..., list[int]], *args,
-                   template: bool = True, check_length: bool = True, **kwargs) -> list[int]:
+async def tokenize(engine, n_bytes: int, where: str, encode: Callable[..., T], *args,
+                   template: bool = True, check_length: bool = True, **kwargs) -> T:
     """`encode(*args)` on a worker thread; first refuse text that cannot fit the context.
 
     `n_bytes` counts text the prompt is sure to contain (a template adds, never removes,
