@@ -129,6 +129,8 @@ CASES = [
     ("/api/chat", '{"model": "MODEL", "stream": false, "messages": [{"role": "user", "content": "hi"}, '
                   '{"role": "assistant", "content": "", "tool_calls": [5]}]}', "messages.1.tool_calls.0.function"),
     ("/api/chat", '{"model": "MODEL", "stream": false, "messages": %s, "tools": [1]}' % HI, "tools.0"),
+    ("/api/chat", '{"model": "MODEL", "stream": false, "messages": %s, "tools": [{"type": "function"}]}' % HI,
+     "tools.0.function.name"),
     ("/api/show", '{"model": ["x"]}', "model"),
     ("/api/show", '{"name": {"a": 1}}', "name"),
     ("/api/generate", '{"model": ["x"], "prompt": ""}', "model"),

@@ -307,6 +307,11 @@ async def chat(request: Request):
         for i, t in enumerate(sized_list(tools, "tools", MAX_TOOLS)):
             if not isinstance(t, dict):
                 raise APIError(400, f"tools.{i}: must be an object", param=f"tools.{i}")
+            function = t.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                # The pipeline (tool pruning, the call grammar) finds a tool by this name.
+                raise APIError(400, f"tools.{i}.function.name: required, a non-empty string",
+                               param=f"tools.{i}.function.name")
     engine, m, load_ns = await acquire(request, body)
     try:
         if not messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
