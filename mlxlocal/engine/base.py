@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from mlxlocal.engine.constraint import Constraint, GrammarTokenizers
@@ -22,7 +23,6 @@ class EngineBase:
         self.tokenizer = loaded.tokenizer
         self.chat_format = loaded.chat_format
         self._grammars: GrammarTokenizers | None = None
-        self._think: tuple[ThinkMarkers | None] | None = None
 
     @property
     def info(self) -> ModelInfo:
@@ -113,9 +113,11 @@ class EngineBase:
         """The request's thinking budget (None without one); `room`: the context it may fill."""
         if params.think_budget is None:
             return None
-        if self._think is None:
-            self._think = (think_markers(self.chat_format),)
-        return ThinkBudget.start(self._think[0], params, prompt, self.decode, room)
+        return ThinkBudget.start(self._think_markers, params, prompt, self.decode, room)
+
+    @cached_property
+    def _think_markers(self) -> ThinkMarkers | None:
+        return think_markers(self.chat_format)
 
     def constraint(self, params: SamplingParams) -> Constraint | None:
         """The request's grammar matcher (None without a grammar); compiling it here, on the

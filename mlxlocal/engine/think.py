@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlxlocal.source.chat_format import ChatFormat
+from mlxlocal.source.chat_format import ChatFormat, opens_think
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,7 @@ class ThinkBudget:
         """The budget of a request, or None (no budget, no markers, or a grammar)."""
         if params.think_budget is None or markers is None or params.grammar is not None:
             return None
-        # Generation begins inside the block when the prompt ends with the opening marker
-        # (as grammar.parse.starts_in_reasoning reads it: whitespace after it allowed).
-        opened = decode(prompt[-8:]).rstrip().endswith(markers.start_text)
-        return cls(markers, params.think_budget, opened, room)
+        return cls(markers, params.think_budget, opens_think(markers.start_text, decode, prompt), room)
 
     def after(self, token: int, generated: int) -> tuple[int, ...] | None:
         """Read one generated (counted) token; the ids to write after it, or None."""

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from mlxlocal.source.chat_format import opens_think
+
 if TYPE_CHECKING:
     from mlxlocal.engine import ChatFormat
 
@@ -37,8 +39,7 @@ def starts_in_reasoning(engine, ids: list[int]) -> bool:
     Only the very end counts: an unclosed marker earlier in the tail is message text (a
     user asking about `<think>`), and treating it as open would file the answer as reasoning."""
     fmt = engine.chat_format
-    start = fmt.think_start if fmt.has_thinking else None
-    return bool(start) and engine.decode(ids[-8:]).rstrip().endswith(start)
+    return opens_think(fmt.think_start if fmt.has_thinking else None, engine.decode, ids)
 
 
 def _tool_event(parsed: Any) -> list[Event]:

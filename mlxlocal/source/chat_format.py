@@ -73,6 +73,12 @@ class ChatFormat:
             **template_kwargs)
 
 
+def opens_think(start: str | None, decode: Callable[[list[int]], str], ids: list[int]) -> bool:
+    """Whether `ids` (a prompt) end with the think block's opening marker `start`, whitespace
+    after it allowed: generation then begins inside the block. Only the very end counts."""
+    return start is not None and start != "" and decode(ids[-8:]).rstrip().endswith(start)
+
+
 def chat_format_of(tokenizer: Any) -> ChatFormat:
     """The ChatFormat of mlx-lm's TokenizerWrapper (or a bare Hugging Face tokenizer)."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # the wrapper holds the HF one
