@@ -13,7 +13,7 @@ from mlxlocal.distributed.channel import Channel, world
 from mlxlocal.distributed.leader import _Rows, local_shapes
 from mlxlocal.distributed.report import all_sum_probe, gather_rank_numbers
 from mlxlocal.distributed.tensor import weight_bytes
-from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, layer_windows
+from mlxlocal.engine import MlxLmRunner, NativeRunner, layer_windows
 from mlxlocal.errors import ClusterError
 
 log = logging.getLogger("mlxlocal.engine")

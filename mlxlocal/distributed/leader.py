@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlxlocal.cache import KVPools, KVShape
 from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.distributed.channel import Channel
-from mlxlocal.engine.runner import MlxLmRunner, NativeRunner, layer_windows, step_inputs
+from mlxlocal.engine import MlxLmRunner, NativeRunner, layer_windows, step_inputs
 from mlxlocal.errors import ModelLoadError
 
 log = logging.getLogger("mlxlocal.engine")

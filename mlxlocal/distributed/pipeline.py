@@ -24,7 +24,7 @@ from mlxlocal.cache import KVPools, KVShape, PagedLayerView
 from mlxlocal.distributed.channel import Channel
 from mlxlocal.distributed.leader import LeaderRunner, _Rows, step_message
 from mlxlocal.distributed.stages import PipelinePlan, embed, head, run_layers
-from mlxlocal.engine.runner import layer_windows, step_batch
+from mlxlocal.engine import layer_windows, step_batch
 
 
 def stage_layout(loaded) -> tuple[list[KVShape], list[int | None]]:

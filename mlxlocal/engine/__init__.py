@@ -19,7 +19,18 @@ from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.kernels import describe_plan, kernel_plan, kernel_status
 from mlxlocal.engine.paged import PagedEngine
 from mlxlocal.engine.profile import EVAL_PHASES, HOST_PHASES, PHASES, StepProfile
-from mlxlocal.engine.runner import NotPageable, make_runner
+
+# For runner plug-ins (mlxlocal/distributed: a cluster's leader and follower runners).
+from mlxlocal.engine.runner import (
+    MlxLmRunner,
+    NativeRunner,
+    NotPageable,
+    Runner,
+    layer_windows,
+    make_runner,
+    step_batch,
+    step_inputs,
+)
 from mlxlocal.engine.scoring import PagedScorer
 from mlxlocal.engine.speculative import (
     DEFAULT_DRAFT_TOKENS,
@@ -43,12 +54,13 @@ from mlxlocal.source.loader import LoadedModel
 __all__ = [
     "CacheEdit", "ChatFormat", "Chunk", "DEFAULT_DRAFT_TOKENS", "EVAL_PHASES", "Engine",
     "EngineConfig", "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats",
-    "Grammar", "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "NotPageable",
-    "OutOfCapacity", "PHASES", "PagedEngine", "PagedScorer", "QueueFull", "REPLY_MARKER",
-    "RequestHandle", "STATS_KEYS", "SamplingParams", "SessionBusy", "SimpleEngine",
-    "SpeculationChoice", "SpeculationError", "SpeculativeConfig", "StepProfile",
-    "chat_format_of", "describe_plan", "engine_kind", "kernel_plan", "kernel_status",
-    "kv_bytes_per_token", "open_engine", "prompt_encoder", "speculation_of",
+    "Grammar", "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "MlxLmRunner",
+    "NativeRunner", "NotPageable", "OutOfCapacity", "PHASES", "PagedEngine", "PagedScorer",
+    "QueueFull", "REPLY_MARKER", "RequestHandle", "Runner", "STATS_KEYS", "SamplingParams",
+    "SessionBusy", "SimpleEngine", "SpeculationChoice", "SpeculationError", "SpeculativeConfig",
+    "StepProfile", "chat_format_of", "describe_plan", "engine_kind", "kernel_plan",
+    "kernel_status", "kv_bytes_per_token", "layer_windows", "open_engine", "prompt_encoder",
+    "speculation_of", "step_batch", "step_inputs",
 ]
 
 
