@@ -50,7 +50,8 @@ class Outbox:
 
     def post(self, handle: RequestHandle) -> None:
         with self._lock:
-            if not handle._posted and handle._loop is not None:  # outboxes serve loop handles only
+            if not handle._posted:
+                assert handle._loop is not None  # only a loop handle has an outbox
                 handle._posted = True
                 self._due.setdefault(handle._loop, []).append(handle)
 

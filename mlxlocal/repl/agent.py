@@ -28,8 +28,8 @@ from mlxlocal.errors import MlxLocalError
 from mlxlocal.repl.chat import (
     ChatRepl,
     _history,
-    compact_refusal,
     default_history_file,
+    refuse_compaction,
     sigint_sets,
 )
 from mlxlocal.repl.view import human_count
@@ -277,10 +277,7 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
         except MlxLocalError as e:
             say(f"error: {e}")
             return 1
-        refusal = compact_refusal(engine, compact)
-        if refusal:
-            engine.shutdown()
-            say(f"error: {refusal}")
+        if refuse_compaction(engine, compact, say):
             return 2
         history = _history(history_file or default_history_file())
         try:
@@ -324,10 +321,8 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
         except MlxLocalError as e:
             err.print(f"error: {e}", style="bold red", markup=False, highlight=False)
             return 1
-        refusal = compact_refusal(engine, compact)
-        if refusal:
-            engine.shutdown()
-            err.print(f"error: {refusal}", style="bold red", markup=False, highlight=False)
+        if refuse_compaction(engine, compact,
+                             lambda text: err.print(text, style="bold red", markup=False, highlight=False)):
             return 2
         try:
             printer = None if as_json else EventPrinter(out, unapproved_hint=" (run asks nobody: --yes approves)")

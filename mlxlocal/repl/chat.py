@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -361,6 +361,15 @@ def compact_refusal(engine: Engine, compact: CompactionPolicy | None) -> str | N
             f"({pool.get('reason') or 'not pageable'})")
 
 
+def refuse_compaction(engine: Engine, compact: CompactionPolicy | None, say: Callable[[str], None]) -> bool:
+    """compact_refusal said as an error, the engine shut down; True when refused."""
+    refusal = compact_refusal(engine, compact)
+    if refusal:
+        engine.shutdown()
+        say(f"error: {refusal}")
+    return refusal is not None
+
+
 def _history(path: Path) -> History:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -390,10 +399,8 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
         return 1
     except KeyboardInterrupt:
         return 130
-    refusal = compact_refusal(engine, compact)
-    if refusal:
-        engine.shutdown()
-        console.print(f"error: {refusal}", style="bold red", markup=False, highlight=False)
+    if refuse_compaction(engine, compact,
+                         lambda text: console.print(text, style="bold red", markup=False, highlight=False)):
         return 2
     history = _history(history_file or default_history_file())
     return ChatRepl(engine, console, system=system, params=params, history=history,

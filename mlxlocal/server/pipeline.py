@@ -73,8 +73,7 @@ async def prepare(request: Request | None, chat: ChatRequest, engine: Engine | N
     else the registry loads the request's model. `request` None: not over HTTP (the MCP
     tools): no tool pruning, no server cache policy."""
     choice = chat.tool_choice
-    mode = None if choice.name is not None else choice.mode
-    tools = apply_tool_choice(chat.tools, mode, choice.name, chat.messages, choice.param)
+    tools = apply_tool_choice(chat.tools, choice.mode, choice.name, chat.messages, choice.param)
     tools = await prune_tools(request, tools, chat.messages, chat.route)
     if engine is None:
         assert request is not None, "prepare needs the request's app or an engine"
