@@ -1,4 +1,4 @@
-"""AKV cache engineering on the server (server/akv.py), with the official openai and anthropic
+"""AKV cache engineering on the server (server/prompt.py), with the official openai and anthropic
 clients: sessions (X-Session-Id), drop_message / reposition / drop_rule on the three chat
 routes, the --kv-compact policy, usage's drop_skipped_tokens and repos_tokens.
 

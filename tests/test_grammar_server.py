@@ -280,22 +280,22 @@ def test_constrain_bounds_the_think_block_by_the_budget(server, oai, model):
     budget (no second pass that would restart the grammar); otherwise half of max_tokens."""
     from mlxlocal.engine import SamplingParams
     from mlxlocal.grammar import json_object, json_schema
-    from mlxlocal.server import formats
+    from mlxlocal.server import constraints
 
     oai.completions.create(model=model, prompt="load", max_tokens=1)  # the model is loaded on first use
     engine = server[1].state.registry.models[0].engine
     ids = engine.encode_text("Hi\n<think>\n")
     params = SamplingParams(max_tokens=100)
-    asyncio.run(formats.constrain(params, json_object("format"), engine, ids, think_budget=7))
+    asyncio.run(constraints.constrain(params, json_object("format"), engine, ids, think_budget=7))
     assert "max_tokens=7" in params.grammar.spec and params.grammar.param == "format"
     params = SamplingParams(max_tokens=100)
-    asyncio.run(formats.constrain(params, json_object("format"), engine, ids))
+    asyncio.run(constraints.constrain(params, json_object("format"), engine, ids))
     assert "max_tokens=50" in params.grammar.spec
     plain = engine.encode_text("Hi")
     params = SamplingParams(max_tokens=100)
-    asyncio.run(formats.constrain(params, json_object("format"), engine, plain, parsed=False))
+    asyncio.run(constraints.constrain(params, json_object("format"), engine, plain, parsed=False))
     assert params.grammar == json_object("format")  # raw text, not in a think block: as is
-    asyncio.run(formats.constrain(params, json_schema({"type": "integer"}, "format"), engine, plain))
+    asyncio.run(constraints.constrain(params, json_schema({"type": "integer"}, "format"), engine, plain))
     assert params.grammar == json_object("format")  # one set before (a forced tool call) wins
 
 

@@ -290,7 +290,7 @@ def test_model_metadata_per_dialect(client, model, server):
 def test_tool_choice_any_and_tool_ask_for_a_call(client, model):
     two = TOOLS + [{"name": "get_time", "description": "", "input_schema": {"type": "object"}}]
     auto = count(client, model, tools=two, messages=HI)
-    # The same system hint as OpenAI's "required" / named choice (tool_choice.py).
+    # The same system hint as OpenAI's "required" / named choice (pipeline.require_call).
     assert count(client, model, tools=two, messages=HI, tool_choice={"type": "any"}) > auto
     named = count(client, model, tools=two, messages=HI, tool_choice={"type": "tool", "name": "get_time"})
     only = count(client, model, tools=two[1:], messages=HI)

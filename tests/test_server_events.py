@@ -10,7 +10,7 @@ from mlxlocal.engine import ChatFormat, Chunk, EngineDeadError, SamplingParams
 from mlxlocal.errors import ContextLengthError
 from mlxlocal.grammar.parse import starts_in_reasoning
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import open_events
+from mlxlocal.server.generation import open_events
 from mlxlocal.server.metrics import Metrics
 
 THINKING = ChatFormat(has_thinking=True, think_start="<think>", think_end="</think>")
@@ -52,7 +52,7 @@ class Engine:
 
 
 class Request:
-    class app:  # noqa: N801 - stands in for the FastAPI app: generation.run asks its registry
+    class app:  # noqa: N801 - stands in for the FastAPI app: generation.stream asks its registry
         class state:  # noqa: N801
             class registry:  # noqa: N801 - no sessions held: nothing to free
                 stopping = False  # not shutting down

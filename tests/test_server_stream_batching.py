@@ -1,5 +1,5 @@
 """Per-step delivery from the engine thread to the HTTP streams: one event-loop wake-up per
-engine step for all requests (engine.handle.Outbox), one write per wake-up (events.coalesced)."""
+engine step for all requests (engine.handle.Outbox), one write per wake-up (generation.coalesced)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from server_util import scripted_output
 
 from mlxlocal.engine import Chunk, EngineDeadError, RequestHandle
 from mlxlocal.engine.handle import Outbox
-from mlxlocal.server.events import FLUSH, coalesced
+from mlxlocal.server.generation import FLUSH, coalesced
 
 
 @pytest.fixture(scope="module")

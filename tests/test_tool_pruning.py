@@ -1,4 +1,4 @@
-"""Dynamic tool pruning (agents/pruning.py in the tool loop, server/tool_pruning.py in `serve`),
+"""Dynamic tool pruning (agents/pruning.py in the tool loop, pipeline.prune_tools in `serve`),
 driven end to end: the tiny agent model made to "say" scripted replies, a real stdio MCP server
 with 30 tools (tests/mcp_servers/toolbox.py), the real tool index (BM25, no embedding model).
 
@@ -196,7 +196,7 @@ def test_serve_max_tools_drops_tools_from_the_prompt(engine, agent_model):
     from server_util import running_server
 
     from mlxlocal.server import ServerConfig
-    from mlxlocal.server.tool_pruning import select
+    from mlxlocal.server.pipeline import select
 
     sys.path.insert(0, str(MCP_SERVERS))
     from toolbox import TOOLS

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal.engine import SamplingParams
 from mlxlocal.grammar.parse import Event
-from mlxlocal.server import akv, formats, pipeline
+from mlxlocal.server import pipeline
 from mlxlocal.server.anthropic_request import (
     Thinking,
     check_fields,
@@ -33,18 +33,21 @@ from mlxlocal.server.anthropic_request import (
     thinking_mode,
     thinking_turns_kept,
 )
+from mlxlocal.server.constraints import Format
 from mlxlocal.server.errors import APIError, read_json_object
-from mlxlocal.server.events import (
+from mlxlocal.server.generation import (
     Finish,
     Flush,
     StreamEvent,
+    Waiting,
     coalesced,
     keepalive_comment,
+    usage_fields,
 )
-from mlxlocal.server.generation import Waiting
+from mlxlocal.server.pipeline import check_params
+from mlxlocal.server.prompt import Origins
 from mlxlocal.server.validation import (
     boolean,
-    check_params,
     number,
     speculative,
     stop_strings,
@@ -82,16 +85,15 @@ def sampling_params(body: dict) -> SamplingParams:
 
 
 def chat_request(request: Request, body: dict, params: SamplingParams | None = None,
-                 constraint=None) -> tuple[pipeline.ChatRequest, Thinking]:
+                 ) -> tuple[pipeline.ChatRequest, Thinking]:
     """The body as a ChatRequest, and its thinking mode. With `params` (a generation, not
     count_tokens), the AKV session and drop fields are read too, and the prompt will be checked
     against the model (context, vocabulary) as it will be generated."""
     model = string(body, "model", required=True)
     request.app.state.registry.find(model)  # 404 before anything else
     check_fields(body)
-    cache = akv.read(request, body, "messages") if params is not None else None
     thinking = thinking_mode(body, params.max_tokens if params is not None else None)
-    origins = akv.Origins()
+    origins = Origins()
     messages = convert_messages(body, thinking_turns_kept(body), origins)
     tools = convert_tools(body)
     forced = forced_call(body) if tools else None
@@ -99,8 +101,11 @@ def chat_request(request: Request, body: dict, params: SamplingParams | None = N
                                  forced[0] if forced else None, forced[1] if forced else True)
     if params is not None:
         params.think_budget = thinking.budget
+    # A generation's output format (count_tokens has none: it only encodes).
+    fmt = Format("anthropic", body.get("output_config")) if params is not None else None
     chat = pipeline.ChatRequest(model, "/v1/messages", messages, params, _NAMES, "messages", tools, choice,
-                                constraint, template_kwargs=thinking.template_kwargs, cache=cache,
+                                fmt, template_kwargs=thinking.template_kwargs,
+                                cache_fields=body if params is not None else None,
                                 origins=origins, stream=bool(body.get("stream", False)))
     return chat, thinking
 
@@ -190,7 +195,7 @@ def usage(stats, prompt_len: int, out_tokens: int) -> dict:
     cached = stats.cached_tokens if stats else 0
     return {"input_tokens": prompt_len - cached, "output_tokens": out_tokens,
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
-            **akv.usage_fields(stats)}  # AKV's: prompt tokens dropped from the cache, keys re-rotated
+            **usage_fields(stats)}  # AKV's: prompt tokens dropped from the cache, keys re-rotated
 
 
 async def _events(engine, ids, params, thinking: Thinking,
@@ -231,8 +236,7 @@ def _sse(event: dict) -> str:
 async def messages(request: Request):
     body = await read_body(request)
     params = sampling_params(body)
-    constraint = await formats.anthropic(body.get("output_config"))  # a bad schema: 400 before loading
-    chat, thinking = chat_request(request, body, params, constraint)
+    chat, thinking = chat_request(request, body, params)
     ready = await pipeline.prepare(request, chat)
     engine, ids, model, stream = ready.engine, ready.ids, chat.model, chat.stream
     # Errors before any output (context, queue, dead engine) raise here, as HTTP errors; when

@@ -16,10 +16,10 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
                                             high); elsewhere accepted without effect, as
                                             those models have no effort control
   output_config.format                      json_schema: the text is constrained to it
-                                            (server/formats.py; a bad schema -> 400)
+                                            (server/constraints.py; a bad schema -> 400)
   cache_control (top level and on blocks)   accepted: the prefix cache is automatic
   drop_message, reposition, drop_rule,      honoured with a session (X-Session-Id header or
-  session_id                                session_id): AKV cache engineering, server/akv.py;
+  session_id                                session_id): cache edits (AKV fields), server/prompt.py;
                                             indices are `messages` entries (the top-level
                                             system prompt has none), docs/akv.md
   speculative                               extension: false opts out of the server's
@@ -30,7 +30,7 @@ is a 400 naming it; one that only concerns billing, routing or caching is accept
   tool_choice any / tool                    the call is forced: decoding constrained to the
                                             family's tool-call syntax, input under the tool's
                                             input_schema (`strict` tools exactly), plus a
-                                            system hint (tool_choice.py); wins over
+                                            system hint (pipeline.py); wins over
                                             output_config.format in the same request
   tool_choice.disable_parallel_tool_use     with any / tool: exactly one call; with auto:
                                             accepted, ignored
@@ -43,7 +43,7 @@ ending in "Today's date is ...", after the first user message, and a "The date h
 entry at the end of a session continued on a later day) is a system turn where it stands,
 so what changes comes after the tools and instructions, as the client ordered it, and the
 prefix cache keeps them. For a template that cannot render a system turn there (Mistral's,
-Gemma's), prompting.place_system_turns folds it into the system prompt instead.
+Gemma's), pipeline.place_system_turns folds it into the system prompt instead.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def text_of(content: Any, where: str) -> str:
 def convert_messages(body: dict, keep_thinking: int | None = None, origins=None) -> list[dict]:
     """Anthropic system + messages -> OpenAI-style messages for the chat template.
 
-    `origins` (server/akv.Origins, for AKV drop fields) learns which `messages` entries
+    `origins` (server/prompt.Origins, for AKV drop fields) learns which `messages` entries
     each chat message holds: a user entry with tool_result blocks is one tool message per
     result (plus its text as a user message); system entries are all in the system prompt.
 

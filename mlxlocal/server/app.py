@@ -22,9 +22,9 @@ from mlxlocal import __version__
 from mlxlocal.compaction.policy import CompactionPolicy
 from mlxlocal.server.errors import APIError, error_response
 from mlxlocal.server.metrics import Metrics
+from mlxlocal.server.pipeline import DROPPED_HEADER
+from mlxlocal.server.pipeline import SCOPE_KEY as DROPPED_SCOPE_KEY
 from mlxlocal.server.registry import ModelRegistry
-from mlxlocal.server.tool_pruning import DROPPED_HEADER
-from mlxlocal.server.tool_pruning import SCOPE_KEY as DROPPED_SCOPE_KEY
 
 
 @dataclass
@@ -48,12 +48,12 @@ class ServerConfig:
     mcp_session_idle: float = 1800.0  # seconds an MCP session lives without a request
     expose_paths: bool = False  # --expose-paths: models' file paths to clients (model_cards.client_names)
     allow_client_unload: bool = False  # --allow-client-unload: Ollama keep_alive 0 / under 5m honoured
-    max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (tool_pruning.py)
+    max_tools: int | None = None  # --max-tools: render only the top K of a request's tools (pipeline.prune_tools)
     # --stream-keepalive: seconds between keep-alives on a stream with no output yet (a long
     # prefill) or for a while; 0 turns them off (then no byte goes out before the first token).
     stream_keepalive: float = 2.0
     embed_models: list[str] = field(default_factory=list)  # --embed-model: embeddings_api.py
-    # AKV (server/akv.py): --kv-compact's policy for session requests without drop fields
+    # Cache edits (server/prompt.py): --kv-compact's policy for session requests without drop fields
     # (None: off), sessions kept per model, their idle expiry.
     kv_compact: CompactionPolicy | None = None
     max_sessions: int = 32
@@ -230,7 +230,7 @@ class Guard:
                     raise failed
                 started, status = True, message["status"]
                 dropped = scope.get(DROPPED_SCOPE_KEY)
-                if dropped:  # set by tool_pruning.prune_tools: the client learns tools were left out
+                if dropped:  # set by pipeline.prune_tools: the client learns tools were left out
                     message = {**message, "headers": [*message.get("headers", []),
                                                       (DROPPED_HEADER.encode(), str(dropped).encode())]}
             await send(message)
@@ -298,7 +298,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
             await registry.embedder(e.name)
 
         async def unloader():
-            from mlxlocal.server.akv import reset_quietly
+            from mlxlocal.server.prompt import reset_quietly
 
             while True:
                 await asyncio.sleep(1.0)

@@ -1,13 +1,32 @@
-"""Run one request on an engine from async code: errors as API errors, metrics, disconnects,
-and its KV cache use (akv.py): the session it continues, the edits of its prompt."""
+"""A prepared request on its engine, from async code: submitted (its refusals as API errors,
+its session and cache edits), watched (a client gone or the server stopping cancels it),
+counted (metrics), and its chunks parsed into events once for every dialect: the routers
+only translate.
+
+`open_events` starts a request and awaits its first chunk, so a refused request (context,
+queue, pool, dead engine) raises as a real HTTP error before any response byte. With
+`keepalive` (streaming responses) it returns once the request is submitted: what fails
+after that (the engine dying mid-prefill) comes in the stream, as the routers' error event.
+The stream it returns yields, in order:
+  Token(chunk)                  each generated token, before the text events it produced
+  Event("reasoning"|"content")  text (parse.Event), whitespace that only pads a think block
+                                already dropped
+  Event("tool_call")            a parsed call (name, arguments as JSON text, id)
+  Finish(...)                   last: the engine's finish reason, stats, generated ids
+and, with `keepalive`, Waiting(done, total) first and whenever no chunk came for that many
+seconds: the router sends its dialect's keep-alive (prefill progress where it has room).
+The chunks ready at one wake-up (an engine step's) are parsed together: their text is one
+feed, so one text event, not one per token. With `flushes`, a Flush closes each wake-up's
+events: a streaming router frames all it wrote since the last one as one write (`coalesced`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fastapi import Request
@@ -16,22 +35,25 @@ from mlxlocal.engine import (
     Chunk,
     Engine,
     EngineDeadError,
+    GenerationStats,
     OutOfCapacity,
     QueueFull,
     SamplingParams,
     SessionBusy,
 )
 from mlxlocal.errors import ContextLengthError, NonFiniteLogitsError
-from mlxlocal.server import akv, lanes
+from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
+from mlxlocal.server import lanes
 from mlxlocal.server.errors import RETRY_AFTER, APIError
 from mlxlocal.server.metrics import Metrics
+from mlxlocal.server.prompt import SESSION_HEADER, CacheUse, reset_quietly
 
 log = logging.getLogger("mlxlocal.server")
 
 
 def _busy(session_id: str | None) -> APIError:
     return APIError(409, f"session {session_id!r} is already generating a reply; a session runs one request at "
-                         f"a time (wait for it, or use another {akv.SESSION_HEADER})", param=akv.SESSION_HEADER,
+                         f"a time (wait for it, or use another {SESSION_HEADER})", param=SESSION_HEADER,
                     code="session_busy")
 
 
@@ -46,7 +68,7 @@ class Waiting:
 
 
 def submit(engine: Engine, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-           session=None, cache: akv.CacheUse | None = None):
+           session=None, cache: CacheUse | None = None):
     """engine.submit, its refusals as APIErrors; returns the RequestHandle."""
     edits = cache.edits if cache is not None else []
     # Only what the request uses: a plain request is the plain submit call.
@@ -110,7 +132,7 @@ async def _dead_is_503(batches: AsyncGenerator[list[Chunk] | None, None],
 
 
 async def _session(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
-                   cache: akv.CacheUse | None):
+                   cache: CacheUse | None):
     """The engine session a request continues (None without a session id); 409 while it
     generates. Looked up on the event loop, right before submit. Idle sessions that pin
     the room this request needs are freed first (the engine would wait for it for ever)."""
@@ -122,12 +144,12 @@ async def _session(request: Request, engine: Engine, prompt: list[int], params: 
             raise _busy(cache.session_id)
     need = len(prompt) + min(params.max_tokens, max(engine.context_length - len(prompt), 0))
     evicted += registry.make_room(engine, need, session)
-    await akv.reset_quietly(evicted)
+    await reset_quietly(evicted)
     return session
 
 
-async def run(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
-              metrics: Metrics, cache: akv.CacheUse | None = None,
+async def stream(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
+              metrics: Metrics, cache: CacheUse | None = None,
               keepalive: float | None = None) -> AsyncGenerator[list[Chunk] | Waiting, None]:
     """Stream a request's chunks, a list of all that are ready at each wake-up (the routers
     parse and frame them together: one write per step, not per token); a client that goes
@@ -178,3 +200,173 @@ async def run(request: Request, engine: Engine, prompt: list[int], params: Sampl
             metrics.cancelled.inc()
             budget = min(params.max_tokens, engine.context_length - len(prompt))
             metrics.cancelled_unspent.inc(max(0, budget - generated))
+
+
+@dataclass
+class Token:
+    chunk: Chunk  # for logprobs
+    kind: Literal["token"] = "token"
+
+
+@dataclass
+class Finish:
+    reason: str | None  # the engine's: "stop" | "length" | "cancelled"
+    stats: GenerationStats | None
+    tokens: list[int] = field(default_factory=list)  # generated ids
+    tool_calls: bool = False  # the parser found at least one call
+    kind: Literal["finish"] = "finish"
+
+
+@dataclass(frozen=True)
+class Flush:
+    """The end of one wake-up's events: what a stream framed for them goes out as one write."""
+
+    kind: Literal["flush"] = "flush"
+
+
+FLUSH = Flush()
+StreamEvent = Token | Event | Finish | Waiting | Flush
+Item = list[Chunk] | Waiting  # what a request's chunk stream yields: the chunks of one wake-up
+
+
+async def coalesced(body: AsyncGenerator[str | Flush, None]) -> AsyncIterator[str]:
+    """A streaming body's pieces joined up to each Flush: one write (one ASGI message, one
+    socket send) per wake-up, not one per event."""
+    parts: list[str] = []
+    try:
+        async for piece in body:
+            if not isinstance(piece, Flush):
+                parts.append(piece)
+            elif parts:
+                yield "".join(parts)
+                parts.clear()
+        if parts:
+            yield "".join(parts)
+    finally:
+        await body.aclose()
+
+
+def stream_keepalive(request: Request) -> float | None:
+    """Seconds between keep-alives on this server's streams (--stream-keepalive), None: off."""
+    return request.app.state.config.stream_keepalive or None
+
+
+def keepalive_comment(w: Waiting) -> str:
+    """An SSE keep-alive: a comment (every SSE parser skips it) with the prefill's progress,
+    as mlx_lm.server writes it."""
+    return f": keepalive {w.done}/{w.total}\n\n"
+
+
+async def open_chunks(request: Request, engine, ids: list[int], params: SamplingParams,
+                      metrics: Metrics, cache: CacheUse | None = None,
+                      keepalive: float | None = None) -> AsyncGenerator[Item, None]:
+    """Start the request and await its first chunks (errors raise here, as HTTP errors; with
+    `keepalive`, a Waiting once it is submitted); return all of its chunk lists, that first
+    one included. `cache`: its session and edits."""
+    chunks = stream(request, engine, ids, params, metrics, cache, keepalive)
+    try:
+        first = await chunks.__anext__()
+    except StopAsyncIteration:  # the engine always ends with a final chunk
+        raise APIError(500, "the engine returned no output") from None
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return _rest(first, chunks)
+
+
+async def _rest(first: Item, chunks: AsyncGenerator[Item, None]) -> AsyncGenerator[Item, None]:
+    try:
+        yield first
+        if isinstance(first, Waiting) or first[-1].finish_reason is None:
+            async for chunk in chunks:
+                yield chunk
+    finally:
+        await chunks.aclose()  # cancels the request if the consumer stopped early
+
+
+async def open_events(request: Request, engine, ids: list[int], params: SamplingParams,
+                      tools: list[dict] | None, metrics: Metrics, cache: CacheUse | None = None,
+                      keepalive: float | None = None, flushes: bool = False,
+                      ) -> AsyncGenerator[StreamEvent, None]:
+    """`open_chunks`, parsed into events (see the module docstring; `flushes`: a Flush after
+    each wake-up's). A thinking budget (params.think_budget) is the engine's: the think-end
+    marker it writes comes as text without a token, so the answer after it is content."""
+    parser = OutputParser(engine.chat_format, tools, starts_in_reasoning(engine, ids))
+    chunks = await open_chunks(request, engine, ids, params, metrics, cache, keepalive)
+    return parse_chunks(chunks, parser, flushes)
+
+
+def local_events(engine, ids: list[int], params: SamplingParams, tools: list[dict] | None,
+                 ) -> AsyncGenerator[StreamEvent, None]:
+    """Submit now (refusals raise here, as APIErrors) and return the parsed events, without an
+    HTTP request (the MCP tools): no session, no disconnect watch, no metrics. Leaving early
+    cancels the request, so its KV blocks are freed next step."""
+    handle = submit(engine, ids, params, asyncio.get_running_loop())
+    parser = OutputParser(engine.chat_format, tools, starts_in_reasoning(engine, ids))
+    return _cancelling(handle, parse_chunks(handle.batches(), parser))
+
+
+async def _cancelling(handle, events: AsyncGenerator[StreamEvent, None]) -> AsyncGenerator[StreamEvent, None]:
+    try:
+        async for e in events:
+            yield e
+    finally:
+        await events.aclose()
+        handle.cancel()
+
+
+class _Trim:
+    """Drop whitespace that only pads a think block: at the start of the reasoning, and at
+    the start of the answer after it (templates and models put newlines around the tags)."""
+
+    def __init__(self):
+        self.pending = {"reasoning": True, "content": False}
+
+    def __call__(self, events: Iterable[Event]) -> Iterable[Event]:
+        for e in events:
+            if e.kind == "tool_call":
+                yield e
+                continue
+            if e.kind == "reasoning":
+                self.pending["content"] = True
+            if self.pending[e.kind]:
+                text = e.text.lstrip()
+                if not text:
+                    continue
+                self.pending[e.kind] = False
+                e = Event(e.kind, text)
+            yield e
+
+
+async def parse_chunks(chunks: AsyncGenerator[Item, None], parser: OutputParser,
+                       flushes: bool = False) -> AsyncGenerator[StreamEvent, None]:
+    trim, tokens, last = _Trim(), [], None
+    try:
+        async for batch in chunks:
+            if isinstance(batch, Waiting):
+                yield batch
+                if flushes:
+                    yield FLUSH
+                continue
+            last = batch[-1]
+            for chunk in batch:
+                if chunk.token is not None:
+                    tokens.append(chunk.token)
+                    yield Token(chunk)
+            text = batch[0].text if len(batch) == 1 else "".join(chunk.text for chunk in batch)
+            for e in trim(parser.feed(text)):
+                yield e
+            if flushes and last.finish_reason is None:  # the last one's events end with Finish
+                yield FLUSH
+        for e in trim(parser.finish()):
+            yield e
+    finally:
+        await chunks.aclose()
+    yield Finish(last.finish_reason if last else None, last.stats if last else None, tokens,
+                 parser.made_tool_calls)
+
+
+def usage_fields(stats) -> dict[str, int]:
+    """The cache edits' usage fields (AKV's names), beside each dialect's cached-token count."""
+    return {"drop_skipped_tokens": stats.dropped_tokens if stats else 0,
+            "repos_tokens": stats.repositioned_tokens if stats else 0}

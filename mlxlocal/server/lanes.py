@@ -93,7 +93,7 @@ LARGE_TEXT = Lane("large tokenizations", threads=1, queue=8, trim=True)
 LARGE_TEXT_BYTES = 256 << 10
 
 
-# Chat requests in flight (generation.run), so background work can give way to them: the
+# Chat requests in flight (generation.stream), so background work can give way to them: the
 # embedding engine starts no batch while chat is running or ran in the last CHAT_QUIET_S.
 _chat = {"active": 0, "last": 0.0}
 _chat_lock = threading.Lock()  # the MCP stdio server runs chats on a loop of its own

@@ -28,13 +28,14 @@ from pydantic import BaseModel, Field
 
 from mlxlocal import __version__
 from mlxlocal.engine import MAX_STOP_STRINGS, EngineDeadError, SamplingParams
-from mlxlocal.grammar.parse import Event, OutputParser, starts_in_reasoning
-from mlxlocal.server import embeddings_api, generation, pipeline
+from mlxlocal.grammar.parse import Event
+from mlxlocal.server import embeddings_api, pipeline
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import Finish, parse_chunks
+from mlxlocal.server.generation import Finish
 from mlxlocal.server.model_cards import client_names
+from mlxlocal.server.prompt import tokenize
 from mlxlocal.server.registry import ModelRegistry
-from mlxlocal.server.validation import MAX_MESSAGES, check_params, text_bytes, tokenize
+from mlxlocal.server.validation import MAX_MESSAGES
 
 MODELS_URI = "mlxlocal://models"
 # Static bounds for the schemas; the engine clips max_tokens to what the context leaves and
@@ -121,20 +122,20 @@ def _params(where: str, max_tokens: int, temperature: float, top_p: float, top_k
                           stop=list(stop)), names
 
 
-async def _run(engine, ids: list[int], params: SamplingParams, parser: OutputParser) -> AsyncIterator:
+async def _run(chat: pipeline.ChatRequest, engine) -> AsyncIterator:
     """The request's parsed events (content / reasoning, then Finish). Leaving early (the
     client cancelled the call) cancels the request, so its KV blocks are freed next step."""
     try:
-        handle = generation.submit(engine, ids, params, asyncio.get_running_loop())
+        events = await pipeline.run(None, await pipeline.prepare(None, chat, engine))
     except APIError as e:
         raise _tool_error(e) from None
     try:
-        async for event in parse_chunks(handle.batches(), parser):
+        async for event in events:
             yield event
     except EngineDeadError as e:  # the registry restarts the engine on the next call
         raise ToolError(f"the engine stopped: {e}; retry the call") from None
     finally:
-        handle.cancel()
+        await events.aclose()
 
 
 def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths: bool = False) -> MCPServer:
@@ -182,14 +183,11 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
         """Continue a text with the local model (a raw completion, no chat template)."""
         engine = await engine_of(model)
         params, names = _params("prompt", max_tokens, temperature, top_p, top_k, seed, stop)
-        try:
-            ids = await tokenize(engine, text_bytes(prompt), "prompt", engine.encode_text, prompt, template=False)
-            check_params(params, names, engine, ids)
-        except APIError as e:
-            raise _tool_error(e) from None
+        completion = pipeline.ChatRequest(model or registry.models[0].name, "mcp generate", [], params, names,
+                                          "prompt", text=prompt)
         text, finish = [], None
-        # A parser without tools or think markers passes the text through as content.
-        async for event in _run(engine, ids, params, OutputParser(engine.chat_format)):
+        # No tools: the text comes through as content (and reasoning, when the prompt opens a think block).
+        async for event in _run(completion, engine):
             if isinstance(event, Event):
                 text.append(event.text)
             elif isinstance(event, Finish):
@@ -213,14 +211,9 @@ def build_mcp(registry: ModelRegistry, own_registry: bool = False, expose_paths:
         kwargs = None if thinking is None else {"enable_thinking": thinking}
         chat_request = pipeline.ChatRequest(model or registry.models[0].name, "mcp chat", turns, params, names,
                                             template_kwargs=kwargs)
-        try:
-            ids = (await pipeline.prepare(None, chat_request, engine)).ids
-        except APIError as e:
-            raise _tool_error(e) from None
         parts: dict[str, list[str]] = {"content": [], "reasoning": []}
         finish = None
-        parser = OutputParser(engine.chat_format, None, starts_in_reasoning(engine, ids))
-        async for event in _run(engine, ids, params, parser):
+        async for event in _run(chat_request, engine):
             if isinstance(event, Event) and event.kind in parts:
                 parts[event.kind].append(event.text)
             elif isinstance(event, Finish):

@@ -16,23 +16,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxlocal import __version__
 from mlxlocal.engine import SamplingParams
-from mlxlocal.server import akv, formats, pipeline
+from mlxlocal.server import pipeline
+from mlxlocal.server.constraints import Format
 from mlxlocal.server.errors import APIError, read_json_object
-from mlxlocal.server.events import FLUSH, StreamEvent, coalesced
+from mlxlocal.server.generation import FLUSH, StreamEvent, coalesced
+from mlxlocal.server.pipeline import check_params
 from mlxlocal.server.registry import parse_duration
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_TOOLS,
     boolean,
-    check_params,
     number,
     sized_list,
     speculative,
     stop_strings,
     string,
-    text_bytes,
     thinking_budget,
-    tokenize,
 )
 
 router = APIRouter()
@@ -299,7 +298,8 @@ def _flags(body: dict, *names: str):
 async def chat(request: Request):
     t_start = time.perf_counter()
     body = await read_body(request)
-    constraint = await formats.ollama(body.get("format"))
+    # Before the model loads: a bad format is a 400 at once.
+    constraint = await pipeline.output_grammar(Format("ollama", body.get("format")))
     _flags(body)
     messages = convert_messages(body["messages"]) if body.get("messages") else []
     tools = body.get("tools") or None
@@ -318,7 +318,7 @@ async def chat(request: Request):
             return JSONResponse(_load_reply(body, m, chat=True))
         params = sampling_params(body.get("options"), engine.context_length)
         chat = pipeline.ChatRequest(body["model"], "/api/chat", messages, params, {**_NAMES, "prompt": "messages"},
-                                    "messages", tools, constraint=constraint, stream=bool(body.get("stream", True)))
+                                    "messages", tools, format=constraint, stream=bool(body.get("stream", True)))
         ready = await pipeline.prepare(request, chat, engine)
     except BaseException:
         release(m)
@@ -339,7 +339,7 @@ def _load_reply(body: dict, m, chat: bool) -> dict:
 async def generate(request: Request):
     t_start = time.perf_counter()
     body = await read_body(request)
-    constraint = await formats.ollama(body.get("format"))
+    constraint = await pipeline.output_grammar(Format("ollama", body.get("format")))
     _flags(body, "raw")
     for unsupported in ("suffix", "images", "template"):
         if body.get(unsupported):
@@ -358,17 +358,17 @@ async def generate(request: Request):
         if not prompt:
             return JSONResponse(_load_reply(body, m, chat=False))
         params = sampling_params(body.get("options"), engine.context_length)
-        if body.get("raw"):
-            ids = await tokenize(engine, text_bytes(prompt), "prompt", engine.encode_text, prompt, template=False)
+        stream = bool(body.get("stream", True))
+        if body.get("raw"):  # the prompt as is
+            completion = pipeline.ChatRequest(body["model"], "/api/generate", [], params, {**_NAMES, "prompt": "prompt"},
+                                              "prompt", format=constraint, stream=stream, text=prompt)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
-            ids = await tokenize(engine, text_bytes(prompt, system), "prompt", engine.encode_chat, messages)
-        await formats.constrain(params, constraint, engine, ids, think_budget=params.think_budget)
-        check_params(params, {**_NAMES, "prompt": "prompt"}, engine, ids)
-        # A completion of one prompt: no tools, no cache edits, the rest of the pipeline's run.
-        ready = pipeline.Prepared(engine, ids, params, None, akv.CacheUse(body["model"]),
-                                  bool(body.get("stream", True)))
+            completion = pipeline.ChatRequest(body["model"], "/api/generate", messages, params,
+                                              {**_NAMES, "prompt": "prompt"}, "prompt", format=constraint,
+                                              stream=stream)
+        ready = await pipeline.prepare(request, completion, engine)
     except BaseException:
         release(m)
         raise

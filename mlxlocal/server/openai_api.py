@@ -19,12 +19,12 @@ Notes on behaviour:
 - tool_choice "none" renders the prompt without tools (and tool calls are not parsed);
   "required" or a named function forces a call: decoding is constrained to the family's
   tool-call syntax with the arguments under the tool's parameters schema (strict tools
-  exactly), see tool_choice.py; a named one offers only that tool. With "auto" the model
+  exactly), see constraints.py; a named one offers only that tool. With "auto" the model
   may answer in text. A forced call wins over a response_format in the same request.
 - response_format (json_object, json_schema with strict) and the extension fields
-  structured_outputs / guided_* / grammar / regex constrain the output (see formats.py);
+  structured_outputs / guided_* / grammar / regex constrain the output (see constraints.py);
   an invalid or unsupported schema is a 400 naming the keyword. n > 1 is refused (400).
-- AKV (akv.py, docs/akv.md): the X-Session-Id header or session_id field names a session
+- AKV cache edits (prompt.py, docs/akv.md): the X-Session-Id header or session_id field names a session
   (its KV pinned between turns; 409 while it generates); drop_message / reposition /
   drop_rule index `messages` and need one; usage adds drop_skipped_tokens, repos_tokens.
 """
@@ -42,30 +42,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import ChatFormat, Chunk, SamplingParams
-from mlxlocal.server import akv, formats, model_cards, pipeline
+from mlxlocal.server import model_cards, pipeline
+from mlxlocal.server.constraints import Format
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import (
+from mlxlocal.server.generation import (
     FLUSH,
     Flush,
     StreamEvent,
+    Waiting,
     coalesced,
     keepalive_comment,
-    open_chunks,
-    stream_keepalive,
+    usage_fields,
 )
-from mlxlocal.server.generation import Waiting
-from mlxlocal.server.prompting import template_arguments
+from mlxlocal.server.pipeline import check_params, template_arguments
+from mlxlocal.server.prompt import Origins
 from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_STOP_CHARS,
     MAX_TOOLS,
     CheckedBodyRoute,
-    check_params,
     speculative,
     stop_strings,
-    text_bytes,
     thinking_budget,
-    tokenize,
 )
 
 router = APIRouter(route_class=CheckedBodyRoute)
@@ -230,7 +228,7 @@ def _usage(stats) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats else 0},
-        **akv.usage_fields(stats),  # AKV's: prompt tokens dropped from the cache, keys re-rotated
+        **usage_fields(stats),  # AKV's: prompt tokens dropped from the cache, keys re-rotated
     }
 
 
@@ -245,7 +243,7 @@ def _sse(obj: Any) -> str:
 
 
 def _stream_response(body: AsyncGenerator[str | Flush, None]) -> StreamingResponse:
-    """One write per wake-up: the body's pieces up to each Flush joined (events.coalesced)."""
+    """One write per wake-up: the body's pieces up to each Flush joined (generation.coalesced)."""
     return StreamingResponse(coalesced(body), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -320,7 +318,7 @@ def _text_of(content: str | list[ContentPart] | None, where: str) -> str | None:
     return "\n".join(texts)
 
 
-def _template_messages(messages: list[ChatMessage], origins: akv.Origins | None = None) -> list[dict]:
+def _template_messages(messages: list[ChatMessage], origins: Origins | None = None) -> list[dict]:
     """`origins` (AKV drop fields): message i of the request is chat message i."""
     out = []
     for i, m in enumerate(messages):
@@ -352,11 +350,10 @@ def _template_messages(messages: list[ChatMessage], origins: akv.Origins | None 
     return out
 
 
-def _chat_request(req: ChatCompletionRequest, request: Request, constraint) -> pipeline.ChatRequest:
+def _chat_request(req: ChatCompletionRequest) -> pipeline.ChatRequest:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    cache = akv.read(request, req.model_extra or {}, "messages")
-    origins = akv.Origins()
+    origins = Origins()
     messages = _template_messages(req.messages, origins)
     max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
@@ -366,17 +363,17 @@ def _chat_request(req: ChatCompletionRequest, request: Request, constraint) -> p
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    extra = req.model_extra or {}
+    rf = req.response_format.model_dump() if req.response_format is not None else None
     return pipeline.ChatRequest(
         req.model, "/v1/chat/completions", messages, params, names, "messages", tools,
         pipeline.ToolChoice(choice if isinstance(choice, str) else "auto", named, req.parallel_tool_calls is not False),
-        constraint, cache=cache, origins=origins, stream=bool(req.stream))
+        Format("openai", rf, extra), cache_fields=extra, origins=origins, stream=bool(req.stream))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
-    rf = req.response_format.model_dump() if req.response_format is not None else None
-    constraint = await formats.openai_chat(rf, req.model_extra or {})  # a bad schema: 400 before loading
-    ready = await pipeline.prepare(request, _chat_request(req, request, constraint))
+    ready = await pipeline.prepare(request, _chat_request(req))
     events = await pipeline.run(request, ready)
     params = ready.params
     assert params is not None  # a chat request has them (pipeline.run checked)
@@ -463,16 +460,11 @@ async def _chat_stream(events: AsyncIterator[StreamEvent], meta: dict, params: S
 
 
 # --- legacy completions -------------------------------------------------------------------------
-async def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
+def _completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    """The prompt as (text, None) or (None, token ids)."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        ids = cast(list[int], prompt)  # all ints (mypy does not narrow on all())
-        vocab = engine.chat_format.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
-                           param="prompt")
-        return list(ids)
+        return None, cast(list[int], prompt)  # all ints (mypy does not narrow on all())
     if isinstance(prompt, list):
         if len(prompt) != 1:
             raise APIError(400, f"prompt: exactly one prompt per request is supported (got {len(prompt)})",
@@ -480,7 +472,7 @@ async def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
         prompt = cast(list[str], prompt)[0]  # not all ints, so the strings
     if not prompt:
         raise APIError(400, "prompt: the prompt is empty", param="prompt")
-    return await tokenize(engine, text_bytes(prompt), "prompt", engine.encode_text, prompt, template=False)
+    return prompt, None
 
 
 def _completion_logprobs(entries: list[tuple[Chunk, str]], text_of, offset: int) -> dict:
@@ -516,15 +508,15 @@ async def completions(req: CompletionRequest, request: Request):
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     names = {"prompt": "prompt"}
     params = _sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, names)
+    text, token_ids = _completion_prompt(req)
     rf = req.response_format.model_dump() if req.response_format is not None else None
-    constraint = await formats.openai_chat(rf, req.model_extra or {})
-    engine = await request.app.state.registry.engine(req.model)
-    ids = await _prompt_ids(req, engine)
-    await formats.constrain(params, constraint, engine, ids, parsed=False)
-    check_params(params, names, engine, ids)
+    completion = pipeline.ChatRequest(req.model, "/v1/completions", [], params, names, "prompt",
+                                      format=Format("openai", rf, req.model_extra or {}), stream=bool(req.stream),
+                                      text=text, token_ids=token_ids, parsed=False)
+    ready = await pipeline.prepare(request, completion)
+    engine, ids = ready.engine, ready.ids
     echo = engine.decode(ids) if req.echo else ""
-    chunks = await open_chunks(request, engine, ids, params, request.app.state.metrics,
-                               keepalive=stream_keepalive(request) if req.stream else None)
+    chunks = await pipeline.run_chunks(request, ready)
     meta = {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": req.model}
     text_of = _TokenText(engine.chat_format)
     want_logprobs = params.logprobs is not None

@@ -192,7 +192,7 @@ class ModelRegistry:
                         keep_alive=keep_alive, sessions=Sessions(max_sessions, session_idle))
             for spec, group in zip(specs, assign_names(specs, names or []))
         ]
-        # begin_shutdown (SIGTERM): requests in flight end now (generation.run), new ones get 503.
+        # begin_shutdown (SIGTERM): requests in flight end now (generation.stream), new ones get 503.
         self.stopping = False
         self.on_stop: list[Callable[[], Awaitable[None]]] = []  # the MCP endpoint closes its sessions
 
@@ -299,7 +299,7 @@ class ModelRegistry:
 
     def session(self, name: str, session_id: str) -> tuple[Any, list]:
         """The loaded model's engine session for a client's session id (created on first
-        use), and the sessions evicted for it (reset them: akv.reset_quietly)."""
+        use), and the sessions evicted for it (reset them: prompt.reset_quietly)."""
         m = self.find(name)
         if m.engine is None:
             raise APIError(503, f"model '{m.name}' was unloaded; retry", headers={"Retry-After": "1"})

@@ -1,6 +1,6 @@
 """The OpenAI Responses API: POST /v1/responses (as the Codex CLI uses it), GET and DELETE
 /v1/responses/{id}. A format adapter: input items -> chat messages (responses_items.py),
-the shared prompt and validation code, events.py's parsed events -> output items.
+the shared prompt and validation code, generation.py's parsed events -> output items.
 
 Notes on behaviour:
 - Output items: `reasoning` (the model's think block, as `content` [reasoning_text]; no
@@ -31,18 +31,18 @@ Notes on behaviour:
   tool: its arguments are held to the schema exactly when a call is forced (tool_choice);
   without strict they are held to it as far as the grammar engine implements it.
 - text.format json_object / json_schema (and the extension fields structured_outputs,
-  grammar, regex) constrain the output message: see formats.py.
+  grammar, regex) constrain the output message: see constraints.py.
 - parallel_tool_calls=false keeps only the model's first function call (and a forced call
   is one call).
 - instructions and the system / developer messages before the first other item are one
   system prompt (many templates take a single one); later developer messages are system turns
   where they stand (folded into the system prompt for a template that cannot render them
-  there: prompting.place_system_turns).
+  there: pipeline.place_system_turns).
 - tool_choice as in chat completions ("required" / a named function: the call is forced by
-  a grammar over the family's tool-call syntax, see tool_choice.py), plus allowed_tools (the
+  a grammar over the family's tool-call syntax, see constraints.py), plus allowed_tools (the
   tools it names are the ones offered; mode "required" forces a call of one of them). A
   forced call wins over text.format in the same request.
-- AKV (akv.py, docs/akv.md): the X-Session-Id header or session_id field names a session;
+- AKV cache edits (prompt.py, docs/akv.md): the X-Session-Id header or session_id field names a session;
   drop_message / reposition / drop_rule index the conversation's items (a previous
   response's first, then `input`); usage adds drop_skipped_tokens and repos_tokens.
 """
@@ -63,15 +63,19 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxlocal.engine import SamplingParams
 from mlxlocal.grammar.parse import Event
-from mlxlocal.server import akv, formats, pipeline
+from mlxlocal.server import pipeline
+from mlxlocal.server.constraints import Format
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.events import (
+from mlxlocal.server.generation import (
     Finish,
     Flush,
     StreamEvent,
     coalesced,
     keepalive_comment,
+    usage_fields,
 )
+from mlxlocal.server.pipeline import check_params
+from mlxlocal.server.prompt import Origins
 from mlxlocal.server.responses_items import (
     chat_tools,
     input_messages,
@@ -83,7 +87,6 @@ from mlxlocal.server.validation import (
     MAX_MESSAGES,
     MAX_TOOLS,
     CheckedBodyRoute,
-    check_params,
     sized_list,
     speculative,
     thinking_budget,
@@ -209,7 +212,7 @@ def _usage(stats, reasoning_tokens: int) -> dict:
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, completion)},
         "total_tokens": prompt + completion,
-        **akv.usage_fields(stats),  # AKV's: prompt tokens dropped from the cache, keys re-rotated
+        **usage_fields(stats),  # AKV's: prompt tokens dropped from the cache, keys re-rotated
     }
 
 
@@ -380,13 +383,12 @@ def _response_object(req: ResponsesRequest, tools: list | None) -> dict:
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, request: Request):
     _refuse(req)
-    cache = akv.read(request, req.model_extra or {}, "input")
     items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) \
         else list(sized_list(req.input, "input", MAX_MESSAGES))
     if req.previous_response_id is not None:
         previous_items, previous = store_of(request).get(req.previous_response_id, "previous_response_id")
         items = previous_items + previous["output"] + items
-    origins = akv.Origins()  # AKV indices: the conversation's items (previous response's first)
+    origins = Origins()  # AKV indices: the conversation's items (previous response's first)
     messages = input_messages(items, req.instructions, origins)
     if not any(m["role"] != "system" for m in messages):
         raise APIError(400, "input: no message to answer", param="input")
@@ -401,10 +403,11 @@ async def create_response(req: ResponsesRequest, request: Request):
                             speculative=speculative(req.model_extra),
                             think_budget=thinking_budget(req.model_extra))
     check_params(params, names)
-    constraint = await formats.responses(req.text.model_dump() if req.text else None, req.model_extra or {})
+    extra = req.model_extra or {}
+    fmt = Format("responses", req.text.model_dump() if req.text else None, extra)
     chat = pipeline.ChatRequest(req.model, "/v1/responses", messages, params, names, "input", tools,
                                 pipeline.ToolChoice(choice or "auto", named, req.parallel_tool_calls is not False),
-                                constraint, cache=cache, origins=origins, stream=bool(req.stream))
+                                fmt, cache_fields=extra, origins=origins, stream=bool(req.stream))
     events = await pipeline.run(request, await pipeline.prepare(request, chat))
 
     builder = _Builder(_response_object(req, req.tools), req.parallel_tool_calls is not False,

@@ -15,7 +15,7 @@ from collections.abc import Set
 from typing import Any
 
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.prompting import template_arguments
+from mlxlocal.server.pipeline import template_arguments
 from mlxlocal.server.validation import string
 
 # Text parts: their text goes to the template as it is.
@@ -103,7 +103,7 @@ class _Fold:
 
 def input_messages(items: list[Any], instructions: str | None, origins=None) -> list[dict]:
     """The request's instructions and input items as chat-template messages. `origins`
-    (server/akv.Origins, for AKV drop fields) learns which items each message holds."""
+    (server/prompt.Origins, for AKV drop fields) learns which items each message holds."""
     fold = _Fold()
     if instructions:
         held = fold.add({"role": "system", "content": instructions})

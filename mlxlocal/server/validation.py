@@ -12,17 +12,12 @@ import asyncio
 import json
 import math
 import re
-import weakref
-from collections.abc import Callable
 from typing import Any, Literal, TypeGuard, TypeVar, overload
 
 import numpy as np
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from mlxlocal.engine import ChatFormat, SamplingParams
-from mlxlocal.errors import ContextLengthError
-from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
 
 # Deeper JSON than any real request; json.loads, pydantic and Jinja recurse per level.
@@ -32,9 +27,6 @@ MAX_DEPTH = 64
 MAX_MESSAGES = 10_000
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_STOP_CHARS = 1000  # the stop checker holds back this much streamed text
-# Text one tokenization takes at most (max_text_bytes): 2 MiB is ~500k tokens, more than
-# any context it is checked against; a 1.3 MB prompt briefly takes ~150 MB to tokenize.
-MAX_TEXT_BYTES = 2 << 20
 # Over this, a body is parsed on a worker thread rather than on the event loop.
 _THREAD_BODY_BYTES = 1 << 20
 
@@ -217,146 +209,3 @@ def stop_strings(value: Any, where: str) -> list[str]:
             raise APIError(400, f"{where}: a stop string is at most {MAX_STOP_CHARS} characters "
                                 f"(got {len(s)})", param=where)
     return list(stops)
-
-
-# --- SamplingParams ranges, named in the dialect's terms ------------------------------------
-_FIELD = re.compile(r"^(?:prompt token ids|[a-z_]+)")
-
-
-def check_params(params: SamplingParams, names: dict[str, str], engine=None,
-                 ids: list[int] | None = None) -> None:
-    """SamplingParams.validate (and EngineBase.validate, given the engine and prompt) with the
-    field in the error renamed by `names` (SamplingParams field -> the dialect's name)."""
-    try:
-        if engine is None:
-            params.validate()
-        else:
-            engine.validate(ids, params)
-    except ContextLengthError as e:
-        raise APIError(400, str(e), param=names.get("prompt", "messages"), code="context_length_exceeded") from None
-    except ValueError as e:
-        message = str(e)
-        m = _FIELD.match(message)
-        field = "prompt" if m and m.group() == "prompt token ids" else m.group() if m else ""
-        where = names.get(field, field) or None
-        if where != field:  # the field as the dialect calls it, in place of the engine's name
-            message = f"{where}{message[len(field):]}" if field and message.startswith(field + " ") \
-                else f"{where}: {message}"
-        raise APIError(400, message, param=where) from None
-
-
-# --- prompts: tokenized on a worker thread, refused early when they cannot fit ----------------
-_BYTE_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _normalizer_shrink(n: dict | None) -> int | None:
-    """By how much a tokenizers normalizer can shrink UTF-8 text at most (None: unbounded)."""
-    if n is None:
-        return 1
-    kind = n.get("type")
-    if kind == "Sequence":
-        factor = 1
-        for inner in n.get("normalizers") or []:
-            f = _normalizer_shrink(inner)
-            if f is None:
-                return None
-            factor *= f
-        return factor
-    if kind in ("NFC", "NFD", "NFKC", "NFKD", "Lowercase"):
-        return 4  # at worst a 4-byte character becomes a 1-byte one (NFKC: U+1D400 -> "A")
-    if kind == "Prepend":
-        return 1
-    if kind == "Replace":
-        pattern = (n.get("pattern") or {}).get("String")
-        if isinstance(pattern, str) and len(n.get("content", "").encode()) >= len(pattern.encode()):
-            return 1
-    return None  # strip, strip accents, precompiled char maps: text can vanish
-
-
-def _byte_limit_uncached(fmt: ChatFormat) -> tuple[int, int] | None:
-    """(longest token in bytes, normalizer shrink factor), or None when no bound holds."""
-    backend = fmt.backend
-    if backend is None or fmt.hf is None:
-        return None
-    spec = json.loads(backend.to_str())
-    model = spec.get("model") or {}
-    byte_level = "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
-    # Only when every byte has a token: otherwise unknown text of any length can be one <unk>.
-    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
-        return None
-    shrink = _normalizer_shrink(spec.get("normalizer"))
-    if shrink is None:
-        return None
-    # A vocabulary string's UTF-8 length is at least the bytes of text it stands for
-    # (byte-level symbols are 1-2 bytes per byte, "<0x41>" and "▁" are longer than theirs).
-    longest = max((len(s.encode("utf-8")) for s in fmt.hf.get_vocab()), default=0)
-    return (longest, shrink) if longest else None
-
-
-def prompt_byte_limit(engine) -> tuple[int, int] | None:
-    """(max UTF-8 bytes of prompt text that can fit the context, longest token's bytes).
-
-    A prompt of N tokens stands for at most N x (longest token) bytes of text after
-    normalization, so text longer than context x longest x shrink cannot fit. Computed once
-    per tokenizer (reading the vocabulary is slow for large ones): call it off the event loop.
-    """
-    tok = engine.chat_format
-    try:
-        cached = _BYTE_LIMITS.get(tok)
-    except TypeError:  # not weak-referenceable: compute each time
-        cached = None
-    if cached is None:
-        cached = _byte_limit_uncached(tok) or (0, 0)
-        try:
-            _BYTE_LIMITS[tok] = cached
-        except TypeError:
-            pass
-    longest, shrink = cached
-    if not longest:
-        return None
-    return engine.context_length * longest * shrink, longest
-
-
-def text_bytes(*texts: Any) -> int:
-    """UTF-8 size of the given strings (others are ignored)."""
-    return sum(len(t.encode("utf-8")) for t in texts if isinstance(t, str))
-
-
-def max_text_bytes(engine) -> int:
-    """Most text one tokenization takes (count_tokens, or a tokenizer with no byte bound):
-    MAX_TEXT_BYTES, or more for a context so long that it holds more (8 bytes a token)."""
-    return max(MAX_TEXT_BYTES, 8 * engine.context_length)
-
-
-async def tokenize(engine, n_bytes: int, where: str, encode: Callable[..., T], *args,
-                   template: bool = True, check_length: bool = True, **kwargs) -> T:
-    """`encode(*args)` on a worker thread; first refuse text that cannot fit the context.
-
-    `n_bytes` counts text the prompt is sure to contain (a template adds, never removes,
-    the user's messages). A chat template that raises is a 400 on `where`. Any prompt's
-    text is capped at max_text_bytes (a 400 naming it); large ones tokenize one at a time on
-    their own lane (lanes.LARGE_TEXT), so small requests never queue behind them.
-    """
-    weight = max(n_bytes, lanes.weight(args) + lanes.weight(kwargs))
-    if check_length:
-        limit = await asyncio.to_thread(prompt_byte_limit, engine)
-        if limit is not None and n_bytes > limit[0]:
-            ctx = engine.context_length
-            raise APIError(400, f"{where}: the prompt is {n_bytes} bytes of text, more than the {limit[0]} bytes "
-                                f"the model's context length of {ctx} tokens can hold (its longest token "
-                                f"is {limit[1]} bytes)",
-                           param=where, code="context_length_exceeded")
-    cap = max_text_bytes(engine)
-    if weight > cap:
-        raise APIError(400, f"{where}: {weight} bytes of text to tokenize; at most {cap} bytes per request",
-                       param=where, code="request_too_large")
-    try:
-        if weight > lanes.LARGE_TEXT_BYTES:
-            return await lanes.LARGE_TEXT.run(encode, *args, **kwargs)
-        return await asyncio.to_thread(encode, *args, **kwargs)
-    except APIError:
-        raise
-    except Exception as e:
-        if not template:
-            raise APIError(400, f"{where}: cannot tokenize the prompt: {e}", param=where) from None
-        raise APIError(400, f"{where}: the chat template rejected them: {e}", param=where) from None

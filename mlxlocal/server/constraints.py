@@ -1,6 +1,9 @@
-"""Structured output fields of every dialect -> one engine Grammar (or a 400 naming the field).
+"""The grammars a request decodes under, for every dialect: its output format's and its tools'
+(a 400 naming the field when one cannot be built). `parse` reads the format fields a router
+hands over (a `Format`), `constrain` fits the grammar to the prompt, `tool_grammar` forces or
+bounds tool calls.
 
-What each surface accepts:
+Output formats: what each surface accepts:
 - OpenAI chat / completions: `response_format` {"type": "text" | "json_object"} or
   {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}.
 - OpenAI Responses: `text.format` {"type": "text" | "json_object"} or
@@ -21,11 +24,14 @@ its think block (mlxlocal.grammar.with_reasoning), which may use at most half of
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from mlxlocal import grammar
 from mlxlocal.engine import Grammar, SamplingParams
+from mlxlocal.grammar.errors import GrammarError
 from mlxlocal.grammar.parse import starts_in_reasoning
+from mlxlocal.grammar.tools import tool_calls
 from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
 
@@ -174,6 +180,28 @@ async def anthropic(output_config: Any) -> Grammar | None:
     return await _lane(fmt).run(_build, "json", fmt["schema"], "output_config.format.schema")
 
 
+@dataclass(frozen=True)
+class Format:
+    """A request's output-format fields as its dialect sent them, parsed by `parse`."""
+
+    dialect: Literal["openai", "responses", "ollama", "anthropic"]
+    value: Any  # response_format, text, format or output_config
+    extensions: dict = field(default_factory=dict)  # structured_outputs, guided_*, grammar, regex
+
+
+async def parse(fmt: Format | None) -> Grammar | None:
+    """The format's grammar (None for plain text): a 400 naming the field for a bad one."""
+    if fmt is None:
+        return None
+    if fmt.dialect == "openai":
+        return await openai_chat(fmt.value, fmt.extensions)
+    if fmt.dialect == "responses":
+        return await responses(fmt.value, fmt.extensions)
+    if fmt.dialect == "ollama":
+        return await ollama(fmt.value)
+    return await anthropic(fmt.value)
+
+
 async def constrain(params: SamplingParams, constraint: Grammar | None, engine, ids: list[int],
                     parsed: bool = True, think_budget: int | None = None) -> None:
     """Set params.grammar for this prompt: after the model's think block when it has one.
@@ -182,8 +210,8 @@ async def constrain(params: SamplingParams, constraint: Grammar | None, engine, 
     before answering. Raw completions do not: their text must be the document itself, unless
     the prompt ends inside a think block, which the model then has to close first.
     `think_budget`: the grammar bounds the block to it (instead of half of max_tokens), so a
-    constrained request needs no second pass to close the block (events._budgeted).
-    A grammar already set (a forced tool call, tool_choice.py) wins: the call is the reply."""
+    constrained request needs no second pass to close the block.
+    A grammar already set (a forced tool call, tool_grammar) wins: the call is the reply."""
     if constraint is None or params.grammar is not None:
         return
     opened = starts_in_reasoning(engine, ids)
@@ -195,4 +223,59 @@ async def constrain(params: SamplingParams, constraint: Grammar | None, engine, 
         params.grammar = await lanes.grammar_lane(len(constraint.spec)).run(grammar.with_reasoning, constraint, engine.chat_format, opened,
                                                  max(1, budget))
     except grammar.GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+# --- tools --------------------------------------------------------------------------------
+# A tool choice that requires a call (a system hint is added to the prompt: pipeline.py),
+# the same way in every dialect.
+#
+# Decoding is constrained to the model family's own tool-call syntax (grammar/tools.py): the
+# reply is one call (or, when parallel calls are allowed, several) of an offered tool (only
+# the named one for a named choice), with arguments under the tool's parameters schema, and
+# nothing else (after a think block, for a thinking model). A system hint also tells the
+# model which call is wanted, so a real model fills the arguments in knowingly rather than
+# only because it must. A family whose calls the grammar cannot express is a 400 naming the
+# field, never a silently unforced reply.
+#
+# A forced call and a response format in one request: the call wins (its grammar replaces the
+# format's), as a reply cannot be both a tool call and a document.
+#
+# tool_choice auto with a `strict: true` tool (OpenAI function.strict, Responses and Anthropic
+# `strict`): the reply may be text or calls, and a call holds to its tool's schema (the
+# grammar's optional form); without strict tools auto is left unconstrained.
+
+
+def _strict_tool(tool: dict) -> bool:
+    return tool.get("strict") is True or (tool.get("function") or {}).get("strict") is True
+
+
+async def tool_grammar(engine, tools: list[dict] | None, required: bool, name: str | None, ids: list[int],
+                       max_tokens: int, parallel: bool = True, think_budget: int | None = None) -> Grammar | None:
+    """The grammar a request's tools ask for (None for none): a forced call (`required`, or
+    `name`d), or under auto optional calls when a tool is strict. Every dialect decides here."""
+    if not tools:
+        return None
+    if required or name is not None:
+        return await forced_call_grammar(engine, tools, name, ids, max_tokens, parallel, think_budget)
+    if any(_strict_tool(t) for t in tools):
+        return await forced_call_grammar(engine, tools, None, ids, max_tokens, parallel, think_budget,
+                                         param="tools", optional=True)
+    return None
+
+
+async def forced_call_grammar(engine, tools: list[dict], name: str | None, ids: list[int], max_tokens: int,
+                              parallel: bool = True, think_budget: int | None = None,
+                              param: str = "tool_choice", optional: bool = False) -> Grammar:
+    """The grammar for a required call of `tools` (chat-completions shaped, as rendered) or of
+    the one named, for the prompt `ids`. A thinking model may think first, for at most
+    `think_budget` tokens or else half of max_tokens (as `constrain` allows before a
+    response format), so the calls always get room. Built on a worker thread: compiling
+    many tools' schemas takes a while. GrammarError -> a 400 on `param`."""
+    budget = think_budget if think_budget is not None else max(1, max_tokens // 2)
+    try:
+        lane = lanes.grammar_lane(lanes.weight(tools))
+        return await lane.run(tool_calls, engine.chat_format, tools, name, param, starts_in_reasoning(engine, ids),
+                              parallel, budget, optional)
+    except GrammarError as e:
         raise APIError(400, str(e), param=e.param) from None

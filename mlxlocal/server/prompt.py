@@ -1,9 +1,9 @@
-"""AKV cache engineering on the chat routes: sessions, drop fields, the server's policy.
+"""A request's prompt: its tokens (template, tokenization on a worker thread, refused early
+when it cannot fit) and what it asks of the KV cache (its session, its cache edits).
 
-One place for the three chat dialects (OpenAI chat completions, Anthropic messages,
-Responses); the routers only say which body holds the fields, how their own list maps
-onto the chat messages (`Origins`), and put the usage fields in their format. See
-docs/akv.md for the client's view.
+Cache edits on the chat routes (AKV's fields, docs/akv.md for the client's view): the
+routers only say which body holds the fields and how their own list maps onto the chat
+messages (`Origins`).
 
 - A session is named by the `X-Session-Id` header or the body field `session_id` (the
   same value if both). Its KV stays pinned in the engine between turns (registry.Sessions:
@@ -18,17 +18,20 @@ docs/akv.md for the client's view.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from mlxlocal.compaction import DropPlan, PlanError, parse_drop_message, parse_reposition, to_edits
 from mlxlocal.compaction.spans import message_spans, think_spans
-from mlxlocal.engine import CacheEdit
+from mlxlocal.engine import CacheEdit, ChatFormat
+from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError
-from mlxlocal.server.validation import tokenize
 
 log = logging.getLogger("mlxlocal.server")
 
@@ -37,6 +40,10 @@ SESSION_FIELD = "session_id"
 DROP_FIELDS = ("drop_message", "reposition", "drop_rule")
 DROP_RULES = ("message_drop", "thinking_drop")
 MAX_SESSION_ID = 256
+# Text one tokenization takes at most (max_text_bytes): 2 MiB is ~500k tokens, more than
+# any context it is checked against; a 1.3 MB prompt briefly takes ~150 MB to tokenize.
+MAX_TEXT_BYTES = 2 << 20
+T = TypeVar("T")  # what a tokenize call's encoder returns
 
 
 @dataclass
@@ -72,7 +79,7 @@ class CacheRequest:
 
 @dataclass
 class CacheUse:
-    """What generation.run needs: the served model's name (its sessions), the session id,
+    """What generation.stream needs: the served model's name (its sessions), the session id,
     the prompt's edits, and the request field they came from (named in the engine's errors;
     None for the server's policy, whose edits are dropped where the engine cannot edit)."""
 
@@ -177,7 +184,7 @@ async def encode(request: Request | None, engine, model: str, req: CacheRequest 
                  origins: Origins | None, tools: list[dict] | None, where: str, sure: int,
                  template_kwargs: dict | None = None, check_length: bool = True) -> tuple[list[int], CacheUse]:
     """The prompt ids (as encode_chat makes them, on a worker thread after the early length
-    check) and what generation.run needs for the request's cache."""
+    check) and what generation.stream needs for the request's cache."""
     use = CacheUse(model, req.session_id if req is not None else None)
     # The server's --kv-compact policy; a request from outside HTTP (the MCP tools) has none.
     config = request.app.state.config if request is not None else None
@@ -221,12 +228,6 @@ def _own_words(error: PlanError, req: CacheRequest, origins: Origins | None, mes
             "hides think blocks before the last user message), so its tokens cannot be named by index")
 
 
-def usage_fields(stats) -> dict[str, int]:
-    """AKV's usage fields, beside each dialect's cached-token count."""
-    return {"drop_skipped_tokens": stats.dropped_tokens if stats else 0,
-            "repos_tokens": stats.repositioned_tokens if stats else 0}
-
-
 async def reset_quietly(sessions: list) -> None:
     """Free evicted or expired sessions' KV (on the engine thread, so off the event loop);
     an engine stopped meanwhile holds nothing to free."""
@@ -239,3 +240,120 @@ async def reset_quietly(sessions: list) -> None:
 
     if sessions:
         await asyncio.to_thread(reset_all)
+
+
+# --- prompts: tokenized on a worker thread, refused early when they cannot fit ----------------
+_BYTE_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _normalizer_shrink(n: dict | None) -> int | None:
+    """By how much a tokenizers normalizer can shrink UTF-8 text at most (None: unbounded)."""
+    if n is None:
+        return 1
+    kind = n.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in n.get("normalizers") or []:
+            f = _normalizer_shrink(inner)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in ("NFC", "NFD", "NFKC", "NFKD", "Lowercase"):
+        return 4  # at worst a 4-byte character becomes a 1-byte one (NFKC: U+1D400 -> "A")
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern = (n.get("pattern") or {}).get("String")
+        if isinstance(pattern, str) and len(n.get("content", "").encode()) >= len(pattern.encode()):
+            return 1
+    return None  # strip, strip accents, precompiled char maps: text can vanish
+
+
+def _byte_limit_uncached(fmt: ChatFormat) -> tuple[int, int] | None:
+    """(longest token in bytes, normalizer shrink factor), or None when no bound holds."""
+    backend = fmt.backend
+    if backend is None or fmt.hf is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    byte_level = "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+    # Only when every byte has a token: otherwise unknown text of any length can be one <unk>.
+    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+        return None
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None:
+        return None
+    # A vocabulary string's UTF-8 length is at least the bytes of text it stands for
+    # (byte-level symbols are 1-2 bytes per byte, "<0x41>" and "▁" are longer than theirs).
+    longest = max((len(s.encode("utf-8")) for s in fmt.hf.get_vocab()), default=0)
+    return (longest, shrink) if longest else None
+
+
+def prompt_byte_limit(engine) -> tuple[int, int] | None:
+    """(max UTF-8 bytes of prompt text that can fit the context, longest token's bytes).
+
+    A prompt of N tokens stands for at most N x (longest token) bytes of text after
+    normalization, so text longer than context x longest x shrink cannot fit. Computed once
+    per tokenizer (reading the vocabulary is slow for large ones): call it off the event loop.
+    """
+    tok = engine.chat_format
+    try:
+        cached = _BYTE_LIMITS.get(tok)
+    except TypeError:  # not weak-referenceable: compute each time
+        cached = None
+    if cached is None:
+        cached = _byte_limit_uncached(tok) or (0, 0)
+        try:
+            _BYTE_LIMITS[tok] = cached
+        except TypeError:
+            pass
+    longest, shrink = cached
+    if not longest:
+        return None
+    return engine.context_length * longest * shrink, longest
+
+
+def text_bytes(*texts: Any) -> int:
+    """UTF-8 size of the given strings (others are ignored)."""
+    return sum(len(t.encode("utf-8")) for t in texts if isinstance(t, str))
+
+
+def max_text_bytes(engine) -> int:
+    """Most text one tokenization takes (count_tokens, or a tokenizer with no byte bound):
+    MAX_TEXT_BYTES, or more for a context so long that it holds more (8 bytes a token)."""
+    return max(MAX_TEXT_BYTES, 8 * engine.context_length)
+
+
+async def tokenize(engine, n_bytes: int, where: str, encode: Callable[..., T], *args,
+                   template: bool = True, check_length: bool = True, **kwargs) -> T:
+    """`encode(*args)` on a worker thread; first refuse text that cannot fit the context.
+
+    `n_bytes` counts text the prompt is sure to contain (a template adds, never removes,
+    the user's messages). A chat template that raises is a 400 on `where`. Any prompt's
+    text is capped at max_text_bytes (a 400 naming it); large ones tokenize one at a time on
+    their own lane (lanes.LARGE_TEXT), so small requests never queue behind them.
+    """
+    weight = max(n_bytes, lanes.weight(args) + lanes.weight(kwargs))
+    if check_length:
+        limit = await asyncio.to_thread(prompt_byte_limit, engine)
+        if limit is not None and n_bytes > limit[0]:
+            ctx = engine.context_length
+            raise APIError(400, f"{where}: the prompt is {n_bytes} bytes of text, more than the {limit[0]} bytes "
+                                f"the model's context length of {ctx} tokens can hold (its longest token "
+                                f"is {limit[1]} bytes)",
+                           param=where, code="context_length_exceeded")
+    cap = max_text_bytes(engine)
+    if weight > cap:
+        raise APIError(400, f"{where}: {weight} bytes of text to tokenize; at most {cap} bytes per request",
+                       param=where, code="request_too_large")
+    try:
+        if weight > lanes.LARGE_TEXT_BYTES:
+            return await lanes.LARGE_TEXT.run(encode, *args, **kwargs)
+        return await asyncio.to_thread(encode, *args, **kwargs)
+    except APIError:
+        raise
+    except Exception as e:
+        if not template:
+            raise APIError(400, f"{where}: cannot tokenize the prompt: {e}", param=where) from None
+        raise APIError(400, f"{where}: the chat template rejected them: {e}", param=where) from None
