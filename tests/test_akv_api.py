@@ -17,7 +17,7 @@ import pytest
 from conftest import wait_for
 from server_util import running_server, steered_output
 
-from mlxlocal.compaction import parse_policy
+from mlxlocal.edits import parse_policy
 
 BLOCK = 16
 POOL_BLOCKS = 360  # 5760 tokens: the 20-output conversation (~7.5k tokens) does not fit whole

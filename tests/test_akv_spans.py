@@ -1,4 +1,4 @@
-"""compaction/spans.py: each message's token span in the prompt the server submits."""
+"""edits/spans.py: each message's token span in the prompt the server submits."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from mlxlocal.compaction import PlanError, to_edits
-from mlxlocal.compaction.policy import parse_policy
-from mlxlocal.compaction.spans import message_spans, think_spans
+from mlxlocal.edits import PlanError, to_edits
+from mlxlocal.edits.policy import parse_policy
+from mlxlocal.edits.spans import message_spans, think_spans
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
 

@@ -1,10 +1,10 @@
-"""compaction/plan.py and policy.py: AKV drop plans by message -> CacheEdits in token spans."""
+"""edits/plan.py and policy.py: AKV drop plans by message -> CacheEdits in token spans."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlxlocal.compaction import (
+from mlxlocal.edits import (
     CompactionPolicy,
     DropPlan,
     PlanError,

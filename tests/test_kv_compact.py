@@ -25,8 +25,8 @@ from mlxlocal.agents.loop import ToolLoop
 from mlxlocal.agents.policy import RuleOfTwo
 from mlxlocal.agents.types import ServerConfig, ToolInfo, ToolResult
 from mlxlocal.cli import app
-from mlxlocal.compaction import CompactionPolicy, parse_policy
-from mlxlocal.compaction.spans import ConversationSpans, token_bounds
+from mlxlocal.edits import CompactionPolicy, parse_policy
+from mlxlocal.edits.spans import ConversationSpans, token_bounds
 from mlxlocal.engine import SamplingParams, open_engine
 from mlxlocal.engine.base import EngineBase
 from mlxlocal.repl.agent import AgentRepl

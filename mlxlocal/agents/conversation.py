@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.compaction.spans import ConversationSpans
+from mlxlocal.edits import CompactionPolicy
+from mlxlocal.edits.spans import ConversationSpans
 from mlxlocal.engine import CacheEdit, Engine, EngineSession
 
 Message = dict[str, Any]

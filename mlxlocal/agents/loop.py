@@ -15,7 +15,7 @@ messages, the next assistant header), so the session's KV cache is a prefix of i
 the new tokens are prefilled (`StepStats.cached_tokens`).
 
 With a compaction policy (`compact`, `--kv-compact keep-last-tool-outputs=K`), the loop
-knows each message's token span (compaction/spans.py) and sends every step the policy's
+knows each message's token span (edits/spans.py) and sends every step the policy's
 cumulative cache edits: old tool results (and think blocks) leave the KV cache, the
 prompt's ids stay what they were, so the session keeps matching it.
 
@@ -46,7 +46,7 @@ from mlxlocal.agents.pruning import (
     search_tools_schema,
 )
 from mlxlocal.agents.types import Decision, ToolCall, ToolInfo, ToolResult
-from mlxlocal.compaction import CompactionPolicy
+from mlxlocal.edits import CompactionPolicy
 from mlxlocal.engine import Engine, EngineSession, GenerationStats, Grammar, SamplingParams
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.grammar.errors import GrammarError

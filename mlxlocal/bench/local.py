@@ -252,7 +252,7 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         res["speed"] = speed_bench(loaded, prompt_tokens=p, gen_tokens=g, batch=batch, repeats=repeats,
                                    warmup=warmup, compare=compare, bandwidth=bandwidth, kv=kv)
     elif scenario == "agent" and akv is not None:
-        from mlxlocal.bench.akv import akv_scenario
+        from mlxlocal.bench.edits import akv_scenario
 
         res["akv"] = akv_scenario(
             loaded, steps=turns or d["akv_steps"], keep=akv.get("keep") or d["akv_keep"],

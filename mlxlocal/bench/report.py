@@ -55,7 +55,7 @@ def print_report(res: dict, console: Console | None = None) -> None:
     if "agent" in res:
         print_agent(res["agent"], con)
     if "akv" in res:
-        from mlxlocal.bench.akv import print_akv
+        from mlxlocal.bench.edits import print_akv
 
         print_akv(res["akv"], con)
     if "concurrent" in res:

@@ -108,7 +108,7 @@ KV_COMPACT_HELP = ("Drop parts of the conversation from the KV cache as it grows
 
 def compaction_policy(text: Optional[str]):
     """--kv-compact parsed; exits 2 naming the option and the bad part otherwise."""
-    from mlxlocal.compaction import parse_policy
+    from mlxlocal.edits import parse_policy
 
     try:
         return parse_policy(text)

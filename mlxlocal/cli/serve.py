@@ -24,7 +24,7 @@ from mlxlocal.cli.common import (
     parse_size,
     speculation,
 )
-from mlxlocal.compaction.policy import POLICY_HELP
+from mlxlocal.edits.policy import POLICY_HELP
 
 
 def serve(
@@ -94,7 +94,7 @@ def serve(
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
     from mlxlocal.agents.pruning import parse_max_tools
-    from mlxlocal.compaction.policy import parse_policy
+    from mlxlocal.edits.policy import parse_policy
     from mlxlocal.embeddings import is_embedding_spec
     from mlxlocal.server import ServerConfig
     from mlxlocal.server.banner import run_server

@@ -22,7 +22,7 @@ from mlxlocal.agents.loop import AgentEvent, ToolLoop, short
 from mlxlocal.agents.policy import RuleOfTwo
 from mlxlocal.agents.pruning import DEFAULT_MAX_TOOLS
 from mlxlocal.agents.types import Decision, ServerConfig, ToolCall
-from mlxlocal.compaction import CompactionPolicy
+from mlxlocal.edits import CompactionPolicy
 from mlxlocal.engine import Engine, SamplingParams, open_engine
 from mlxlocal.errors import MlxLocalError
 from mlxlocal.repl.chat import (

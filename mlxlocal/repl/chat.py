@@ -25,7 +25,7 @@ from prompt_toolkit.key_binding import KeyBindings
 from rich.console import Console
 
 from mlxlocal.agents.conversation import Conversation, Message, parse_saved
-from mlxlocal.compaction import CompactionPolicy
+from mlxlocal.edits import CompactionPolicy
 from mlxlocal.engine import (
     Engine,
     EngineSession,
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history-file", type=Path)
     parser.add_argument("--kv-compact", default=None)
     args = parser.parse_args(argv)
-    from mlxlocal.compaction import parse_policy
+    from mlxlocal.edits import parse_policy
 
     try:
         compact = parse_policy(args.kv_compact)

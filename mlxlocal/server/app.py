@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from mlxlocal import __version__
-from mlxlocal.compaction.policy import CompactionPolicy
+from mlxlocal.edits.policy import CompactionPolicy
 from mlxlocal.server.errors import APIError, error_response
 from mlxlocal.server.metrics import Metrics
 from mlxlocal.server.pipeline import DROPPED_HEADER

@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from mlxlocal.compaction import DropPlan, PlanError, parse_drop_message, parse_reposition, to_edits
-from mlxlocal.compaction.spans import message_spans, think_spans
+from mlxlocal.edits import DropPlan, PlanError, parse_drop_message, parse_reposition, to_edits
+from mlxlocal.edits.spans import message_spans, think_spans
 from mlxlocal.engine import CacheEdit, ChatFormat
 from mlxlocal.server import lanes
 from mlxlocal.server.errors import APIError

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxlocal.compaction.plan import PlanError, Span, think_span, to_edits
-from mlxlocal.compaction.policy import CompactionPolicy
+from mlxlocal.edits.plan import PlanError, Span, think_span, to_edits
+from mlxlocal.edits.policy import CompactionPolicy
 from mlxlocal.engine import REPLY_MARKER, CacheEdit
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlxlocal.compaction.plan import DropPlan
+from mlxlocal.edits.plan import DropPlan
 
 POLICY_HELP = ("comma-separated: keep-last-tool-outputs=K (drop older tool results from the KV cache), "
                "drop-thinking (drop old think blocks at the next user message), reposition (close the gaps)")

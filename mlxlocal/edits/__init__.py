@@ -1,12 +1,13 @@
-"""Cache compaction for agents (AKV): which parts of a conversation leave the KV cache.
+"""Cache edits: which tokens leave the KV cache or move, planned by message.
 
-Front ends describe drops in messages, as AKV's server does (`drop_message`,
+Front ends describe edits in messages, as AKV's protocol does (`drop_message`,
 `reposition`, `drop_rule`) or by a policy (`--kv-compact keep-last-tool-outputs=K`);
 plan.py turns them into the engine's token-span `CacheEdit`s over the prompt it gets,
 given where each message's tokens are (spans.py); policy.py holds the policies.
+The engine applies them through `CacheEdit`.
 """
 
-from mlxlocal.compaction.plan import (
+from mlxlocal.edits.plan import (
            DropPlan,
            PlanError,
            parse_drop_message,
@@ -14,7 +15,7 @@ from mlxlocal.compaction.plan import (
            think_span,
            to_edits,
 )
-from mlxlocal.compaction.policy import CompactionPolicy, parse_policy
+from mlxlocal.edits.policy import CompactionPolicy, parse_policy
 
 __all__ = ["CompactionPolicy", "DropPlan", "PlanError", "parse_drop_message", "parse_policy", "parse_reposition",
            "think_span", "to_edits"]

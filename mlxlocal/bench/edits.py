@@ -32,8 +32,8 @@ from typing import Any
 
 from mlxlocal.bench.common import log
 from mlxlocal.bench.scenarios import SYSTEM_SENTENCES, TOOLS
-from mlxlocal.compaction import CompactionPolicy
-from mlxlocal.compaction.spans import ConversationSpans
+from mlxlocal.edits import CompactionPolicy
+from mlxlocal.edits.spans import ConversationSpans
 from mlxlocal.engine import REPLY_MARKER
 
 MODES = ("standard", "akv_drop", "akv_drop_reposition", "text")
