@@ -47,7 +47,7 @@ TASK = ("The nightly build of the payments service fails since yesterday. Find t
 FETCH_TOOL = {"type": "function", "function": {
     "name": "fetch_url", "description": "Fetch a web page and return its text.",
     "parameters": {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}}}
-AKV_TOOLS = TOOLS + [FETCH_TOOL]
+EDIT_TOOLS = TOOLS + [FETCH_TOOL]
 
 
 # ------------------------------------------------------------------ the scripted trace
@@ -138,7 +138,7 @@ def build_trace(engine, steps: int, system_tokens: int, budget: int) -> Trace:
             results.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": text})
             sizes.append(count(text))
         trace = Trace(system.strip(), TASK, calls, results, sizes, scale, 0)
-        trace.final_prompt_tokens = len(engine.encode_chat(trace.messages(steps), tools=AKV_TOOLS))
+        trace.final_prompt_tokens = len(engine.encode_chat(trace.messages(steps), tools=EDIT_TOOLS))
         if trace.final_prompt_tokens <= budget:
             return trace
         # Everything but the results (system, tools, calls, template glue) stays; the results
@@ -158,9 +158,9 @@ def reply_ids(engine, before: list[dict[str, Any]], message: dict[str, Any]) -> 
     """The ids a model would generate for `message` (an assistant reply) after `before`:
     the template's rendering of it between the generation prompt and the end of turn."""
     fmt = engine.chat_format
-    head = fmt.render(before, AKV_TOOLS, add_generation_prompt=True)
-    full = fmt.render(before + [message], AKV_TOOLS, add_generation_prompt=False)
-    marked = fmt.render(before + [{"role": "assistant", "content": REPLY_MARKER}], AKV_TOOLS,
+    head = fmt.render(before, EDIT_TOOLS, add_generation_prompt=True)
+    full = fmt.render(before + [message], EDIT_TOOLS, add_generation_prompt=False)
+    marked = fmt.render(before + [{"role": "assistant", "content": REPLY_MARKER}], EDIT_TOOLS,
                         add_generation_prompt=False)
     end = marked.partition(REPLY_MARKER)[2]
     if full.startswith(head) and full.endswith(end):
@@ -198,9 +198,9 @@ def run_mode(loaded, mode: str, trace: Trace, steps: int, keep: int, gen_tokens:
         peak_blocks = 0
         for k in range(steps):
             if mode == "text":
-                prompt, edits = engine.encode_chat(text_view(conv, keep), tools=AKV_TOOLS), None
+                prompt, edits = engine.encode_chat(text_view(conv, keep), tools=EDIT_TOOLS), None
             else:
-                prompt = spans.prompt(engine, conv, ids, reply_at, AKV_TOOLS)
+                prompt = spans.prompt(engine, conv, ids, reply_at, EDIT_TOOLS)
                 edits = spans.edits(conv)
             stats, blocks = None, 0
             t0 = time.perf_counter()
@@ -266,7 +266,7 @@ def median_run(passes: list[dict]) -> dict:
     return run
 
 
-def akv_scenario(loaded, *, steps: int = 30, keep: int = 12, gen_tokens: int = 16, system_tokens: int = 400,
+def edits_scenario(loaded, *, steps: int = 30, keep: int = 12, gen_tokens: int = 16, system_tokens: int = 400,
                  discount: float = 0.1, output_price: float = 4.0, modes: tuple[str, ...] = MODES,
                  repeats: int = 1, warmup: int = 1) -> dict:
     """Every mode on the same scripted trace, `repeats` passes alternating between the
@@ -312,7 +312,7 @@ def akv_scenario(loaded, *, steps: int = 30, keep: int = 12, gen_tokens: int = 1
 LABELS = {"standard": "standard", "akv_drop": "drop", "akv_drop_reposition": "drop+repos", "text": "text"}
 
 
-def print_akv(a: dict, con) -> None:
+def print_edits(a: dict, con) -> None:
     from rich.table import Table
 
     con.print(f"agent trace: {a['steps']} steps, tool results {min(a['tool_result_tokens'])}.."

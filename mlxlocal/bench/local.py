@@ -39,7 +39,7 @@ METAL_DEFAULTS = dict(model="synthetic:qwen3-0.6b", prompt_tokens=512, gen_token
                       akv_model="synthetic:qwen3-0.6b", akv_steps=30, akv_keep=12, akv_gen_tokens=32,
                       akv_repeats=3, spec_gen_tokens=128)
 # The CPU backend (reference BLAS) runs the 0.6B shape at a few tok/s: use the tiny preset.
-# The AKV trace (30 steps of tool results) needs more than tiny's 4096 positions.
+# The cache-edits trace (30 steps of tool results) needs more than tiny's 4096 positions.
 CPU_DEFAULTS = dict(model="synthetic:tiny", prompt_tokens=256, gen_tokens=64,
                     system_tokens=400, turn_tokens=8, concurrency=8,
                     sessions=8, session_tokens=2048, session_gen_tokens=8,
@@ -252,9 +252,9 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         res["speed"] = speed_bench(loaded, prompt_tokens=p, gen_tokens=g, batch=batch, repeats=repeats,
                                    warmup=warmup, compare=compare, bandwidth=bandwidth, kv=kv)
     elif scenario == "agent" and akv is not None:
-        from mlxlocal.bench.edits import akv_scenario
+        from mlxlocal.bench.edits import edits_scenario
 
-        res["akv"] = akv_scenario(
+        res["akv"] = edits_scenario(
             loaded, steps=turns or d["akv_steps"], keep=akv.get("keep") or d["akv_keep"],
             gen_tokens=gen_tokens or d["akv_gen_tokens"], system_tokens=system_tokens or d["system_tokens"],
             discount=akv["discount"], output_price=akv["output_price"],

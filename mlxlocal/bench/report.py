@@ -55,9 +55,9 @@ def print_report(res: dict, console: Console | None = None) -> None:
     if "agent" in res:
         print_agent(res["agent"], con)
     if "akv" in res:
-        from mlxlocal.bench.edits import print_akv
+        from mlxlocal.bench.edits import print_edits
 
-        print_akv(res["akv"], con)
+        print_edits(res["akv"], con)
     if "concurrent" in res:
         print_concurrent(res["concurrent"], con)
     if "sessions" in res:

@@ -1,4 +1,4 @@
-"""Re-rotating cached keys to new rope positions (AKV cache engineering: reposition).
+"""Re-rotating cached keys to new rope positions (cache edits: reposition).
 
 Keys sit in the pools after rope: a key stored for position p is R(θ(p))·k. Moving the token
 to position q needs R(θ(q))·k, so we undo the rotation at p and apply the one at q, both in

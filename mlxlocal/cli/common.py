@@ -100,7 +100,7 @@ FREQ_HELP = "Lower a token's logit by this times its count in the reply so far, 
 PRES_HELP = "Lower the logit of every token already in the reply by this, in [-2, 2]"
 
 
-KV_COMPACT_HELP = ("Drop parts of the conversation from the KV cache as it grows (AKV cache engineering): "
+KV_COMPACT_HELP = ("Drop parts of the conversation from the KV cache as it grows (cache edits): "
                    "comma-separated keep-last-tool-outputs=K (older tool results leave the cache), drop-thinking "
                    "(old think blocks leave at the next user message), reposition (re-rotate the keys after a "
                    "gap to close it); the text the model was given stays, /stats shows what was dropped")

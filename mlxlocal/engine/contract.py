@@ -82,7 +82,7 @@ class Engine(Protocol):
                cancel: threading.Event | None = None,
                loop: asyncio.AbstractEventLoop | None = None,
                edits: list[CacheEdit] | None = None) -> RequestHandle:
-        """Queue a request. `edits` drop / reposition spans of the prompt's cache (AKV);
+        """Queue a request. `edits` drop / reposition spans of the prompt's cache;
         an engine or model that cannot edits raises ValueError naming why. The handle's
         progress() says how far the prompt's prefill is; astream(idle=) ticks while quiet;
         with `loop`, batches() yields all chunks ready at each wake-up (one per step)."""

@@ -1,4 +1,4 @@
-"""Cache edits (AKV): a sequence's prompt tokens leaving its KV cache, the rest repositioned.
+"""Cache edits: a sequence's prompt tokens leaving its KV cache, the rest repositioned.
 
 A request with edits keeps, beside its tokens, where each cache slot came from in the
 prompt it was given (`origin`, "full" coordinates) and the rope position its key was

@@ -48,7 +48,7 @@ class Sequence:
     recurrent_prev: Any = None
     snapshot_at: int = 0  # hybrids: a prefill chunk ends here, so the state there is kept
     constraint: Any = None  # engine.constraint.Constraint: the request's grammar, if any
-    edit: Any = None  # engine.edits.EditState: a request with cache edits (AKV), else None
+    edit: Any = None  # engine.edits.EditState: a request with cache edits, else None
     spec: Any = None  # engine.speculative.SpecState: its draft length and lookup index, if it speculates
     think: Any = None  # engine.think.ThinkBudget: the request's thinking budget, if any
     written: int = 0  # tokens the engine wrote after the prompt unsampled (think): not output

@@ -46,7 +46,7 @@ class Grammar:
 
 @dataclass(frozen=True)
 class CacheEdit:
-    """An edit of a request's KV cache in the middle of its prompt (AKV cache engineering).
+    """An edit of a request's KV cache in the middle of its prompt.
 
     Once the first `at` prompt tokens are in the cache, the tokens of the `drop` spans leave
     it: their blocks are freed, the kept tokens keep their K/V (which saw the dropped ones)
