@@ -13,8 +13,19 @@ from mlxlocal.cache import KVPools
 from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.distributed.channel import Channel, world
 from mlxlocal.distributed.leader import _Rows, local_shapes
-from mlxlocal.distributed.messages import (Copy, Exit, Load, Message, Noop, Pools, Probe, ProbeCache, Report, Run,
-                                           Stop)
+from mlxlocal.distributed.messages import (
+    Copy,
+    Exit,
+    Load,
+    Message,
+    Noop,
+    Pools,
+    Probe,
+    ProbeCache,
+    Report,
+    Run,
+    Stop,
+)
 from mlxlocal.distributed.report import all_sum_probe, gather_rank_numbers
 from mlxlocal.distributed.tensor import weight_bytes
 from mlxlocal.engine import MlxLmRunner, NativeRunner, layer_windows
@@ -54,7 +65,7 @@ class Follower:
         if msg.pp:  # a pipeline stage: pipeline.py
             from mlxlocal.distributed.pipeline import StageRunner
 
-            self.runners[msg.model] = StageRunner(load(msg.spec, pp=msg.pp))  # type: ignore[assignment]
+            self.runners[msg.model] = StageRunner(load(msg.spec, pp=msg.pp))
             return
         loaded = load(msg.spec, tp=self.group.size(), pp=1)  # as rank 0 decided
         if not loaded.info.native:  # its runner comes with rank 0's cache probe (_probe_cache)
@@ -95,7 +106,7 @@ class Follower:
     def _run(self, msg: Run) -> None:
         runner, pools = self.pools[msg.engine]
         if msg.pp:  # a pipeline stage: its layers, hidden states from/to its neighbours
-            runner.follow(pools, msg)  # type: ignore[attr-defined]
+            runner.follow(pools, msg)
             self.forwards += 1
             return
         windows = msg.windows or [[] for _ in msg.tables]
