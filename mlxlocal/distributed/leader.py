@@ -116,7 +116,7 @@ class LeaderRunner(_Leading, NativeRunner):
     def run(self, pools, seqs, starts, inputs, every=False):
         # Collectives must run in the same order on every rank, and a follower runs forwards
         # one after the other: so does rank 0, the message and the whole forward evaluated
-        # under the channel's lock (Channel.turn): two engines, or a forward built before the
+        # under the channel's lock (self.channel.turn): two engines, or a forward built before the
         # last one ran, could otherwise interleave their all_sums.
         with self.channel.turn():
             mx.eval(inputs)  # the followers need the token ids themselves
