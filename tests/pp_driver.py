@@ -35,9 +35,9 @@ class Recording(Follower):
 
     pool_layers: dict = {}
 
-    def _pools(self, msg: dict) -> None:
+    def _pools(self, msg) -> None:
         super()._pools(msg)
-        self.pool_layers[msg["engine"]] = len(self.pools[msg["engine"]][1].k)
+        self.pool_layers[msg.engine] = len(self.pools[msg.engine][1].k)
 
 
 def follow() -> None:

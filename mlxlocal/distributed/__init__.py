@@ -8,10 +8,10 @@ measures what a cluster costs.
 
 from __future__ import annotations
 
-from mlxlocal.distributed.channel import launched, release
+from mlxlocal.distributed.channel import cluster_problem, launched, release
 from mlxlocal.distributed.follower import follower_main
 from mlxlocal.distributed.processes import free_ports, hosts_in, run_hosts, run_local
-from mlxlocal.distributed.report import cluster_problem, cluster_report
+from mlxlocal.distributed.report import cluster_report
 from mlxlocal.distributed.stages import stage_report
 from mlxlocal.distributed.tensor import shard_report
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -11,6 +13,19 @@ from mlxlocal.cache import KVPools
 from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.distributed.channel import Channel, world
 from mlxlocal.distributed.leader import _Rows, local_shapes
+from mlxlocal.distributed.messages import (
+    Copy,
+    Exit,
+    Load,
+    Message,
+    Noop,
+    Pools,
+    Probe,
+    ProbeCache,
+    Report,
+    Run,
+    Stop,
+)
 from mlxlocal.distributed.report import all_sum_probe, gather_rank_numbers
 from mlxlocal.distributed.tensor import weight_bytes
 from mlxlocal.engine import MlxLmRunner, NativeRunner, layer_windows
@@ -24,77 +39,85 @@ class Follower:
     rank 0 opened on them, and the step it is told to repeat."""
 
     def __init__(self, group: mx.distributed.Group):
-        self.group, self.channel = group, Channel(group)
+        self.group, self.channel = group, Channel.of(group)
         self.runners: dict[int, NativeRunner] = {}  # by model id
         self.loaded: dict = {}  # mlx-lm models loaded, waiting for their cache probe
         self.pools: dict[int, tuple[NativeRunner, KVPools]] = {}  # by engine id
         self.forwards = 0
+        # What each kind of message does here (bound now: a subclass's handlers count).
+        self.handlers: dict[type[Message], Callable[[Any], None]] = {
+            Load: self._load, Pools: self._pools, Copy: self._copy, Stop: self._stop,
+            ProbeCache: self._probe_cache, Noop: self._noop, Probe: self._probe, Report: self._report,
+            Run: self._run}
 
     def serve(self) -> int:
         """Repeat rank 0's messages until it exits; returns the number of forwards run."""
-        while (msg := self.channel.recv())["op"] != "exit":
-            getattr(self, "_" + msg["op"])(msg)
+        while not isinstance(msg := self.channel.recv(), Exit):
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                raise ClusterError(f"rank 0 sent a {msg.op!r} message, which this rank does not follow")
+            handler(msg)
         return self.forwards
 
-    def _load(self, msg: dict) -> None:
+    def _load(self, msg: Load) -> None:
         from mlxlocal.source.loader import load
 
-        if msg.get("pp"):  # a pipeline stage: pipeline.py
+        if msg.pp:  # a pipeline stage: pipeline.py
             from mlxlocal.distributed.pipeline import StageRunner
 
-            self.runners[msg["model"]] = StageRunner(load(msg["spec"], pp=msg["pp"]))
+            self.runners[msg.model] = StageRunner(load(msg.spec, pp=msg.pp))
             return
-        loaded = load(msg["spec"], tp=self.group.size(), pp=1)  # as rank 0 decided
+        loaded = load(msg.spec, tp=self.group.size(), pp=1)  # as rank 0 decided
         if not loaded.info.native:  # its runner comes with rank 0's cache probe (_probe_cache)
-            self.loaded[msg["model"]] = loaded
+            self.loaded[msg.model] = loaded
             return
-        self.runners[msg["model"]] = NativeRunner(loaded.model, local_shapes(loaded), layer_windows(loaded.model_config))
+        self.runners[msg.model] = NativeRunner(loaded.model, local_shapes(loaded), layer_windows(loaded.model_config))
 
-    def _pools(self, msg: dict) -> None:
-        runner = self.runners[msg["model"]]
-        pools = KVPools(runner.shapes, msg["num_blocks"], msg["block_size"], getattr(mx, msg["dtype"]),
-                        msg["windowed"], msg["window_blocks"], msg["bits"], msg["group_size"])
-        self.pools[msg["engine"]] = (runner, pools)
+    def _pools(self, msg: Pools) -> None:
+        runner = self.runners[msg.model]
+        pools = KVPools(runner.shapes, msg.num_blocks, msg.block_size, getattr(mx, msg.dtype),
+                        msg.windowed, msg.window_blocks, msg.bits, msg.group_size)
+        self.pools[msg.engine] = (runner, pools)
 
-    def _copy(self, msg: dict) -> None:
-        self.pools[msg["engine"]][1].copy_block(msg["src"], msg["dst"])
+    def _copy(self, msg: Copy) -> None:
+        self.pools[msg.engine][1].copy_block(msg.src, msg.dst)
 
-    def _stop(self, msg: dict) -> None:
-        self.pools.pop(msg["engine"], None)
+    def _stop(self, msg: Stop) -> None:
+        self.pools.pop(msg.engine, None)
 
-    def _probe_cache(self, msg: dict) -> None:
+    def _probe_cache(self, msg: ProbeCache) -> None:
         """An mlx-lm model's runner: its cache probe runs a forward, with rank 0's."""
-        loaded = self.loaded[msg["model"]]  # each engine rank 0 opens probes again
-        self.runners[msg["model"]] = MlxLmRunner(loaded.model, CacheLayout(loaded.model))
+        loaded = self.loaded[msg.model]  # each engine rank 0 opens probes again
+        self.runners[msg.model] = MlxLmRunner(loaded.model, CacheLayout(loaded.model))
 
-    def _noop(self, msg: dict) -> None:
+    def _noop(self, msg: Noop) -> None:
         pass
 
-    def _probe(self, msg: dict) -> None:
-        all_sum_probe(self.group, msg["shape"], msg["dtype"], msg["count"], msg.get("ring", False))
+    def _probe(self, msg: Probe) -> None:
+        all_sum_probe(self.group, msg.shape, msg.dtype, msg.count, msg.ring)
 
-    def _report(self, msg: dict) -> None:
+    def _report(self, msg: Report) -> None:
         gather_rank_numbers(self.group, self._numbers())
 
     def _numbers(self) -> list[int]:
         weights = sum(weight_bytes(r.model) for r in self.runners.values())
         return [mx.get_peak_memory(), weights]
 
-    def _run(self, msg: dict) -> None:
-        runner, pools = self.pools[msg["engine"]]
-        if msg.get("pp"):  # a pipeline stage: its layers, hidden states from/to its neighbours
+    def _run(self, msg: Run) -> None:
+        runner, pools = self.pools[msg.engine]
+        if msg.pp:  # a pipeline stage: its layers, hidden states from/to its neighbours
             runner.follow(pools, msg)
             self.forwards += 1
             return
-        windows = msg["windows"] or [[] for _ in msg["tables"]]
-        seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows)]
-        tokens = mx.array(msg["tokens"], mx.uint32)
-        if msg.get("mlx_lm"):
-            logits = runner._run(pools, seqs, msg["starts"], 0, tokens, msg["every"], False)
+        windows = msg.windows or [[] for _ in msg.tables]
+        seqs = [_Rows(t, w) for t, w in zip(msg.tables, windows)]
+        tokens = mx.array(msg.tokens, mx.uint32)
+        if msg.mlx_lm:
+            logits = runner._run(pools, seqs, msg.starts, 0, tokens, msg.every, False)
         else:
-            logits = runner.run(pools, seqs, msg["starts"], tokens, msg["every"])
+            logits = runner.run(pools, seqs, msg.starts, tokens, msg.every)
         # Everything up to the logits: rank 0 waits in each of this forward's all_sums.
-        Channel.evaluate(logits, pools.state(), watch=False)
+        self.channel.evaluate(logits, pools.state(), watch=False)
         self.forwards += 1
 
 

@@ -7,8 +7,8 @@ Each follower repeats it on its own shard (its KV heads, its weights); the all_s
 the forward keep the ranks in step, so a follower that dies surfaces on rank 0 as an error
 from the next forward (the engine then stops with that reason) rather than as a hang.
 
-Messages are broadcast (an all_sum) on the group the model was loaded with: a length, then
-that many bytes of JSON. Cache edits (KV compaction) are refused under
+Messages (messages.py) are broadcast (an all_sum) on the channel of the group the model was
+loaded with: a length, then that many bytes of JSON. Cache edits (KV compaction) are refused under
 tensor parallelism: their re-rotation would have to be mirrored too.
 """
 
@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlxlocal.cache import KVPools, KVShape
 from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.distributed.channel import Channel
+from mlxlocal.distributed.messages import Copy, Pools, ProbeCache, Run, Stop
 from mlxlocal.engine import MlxLmRunner, NativeRunner, layer_windows, step_inputs
 from mlxlocal.errors import ModelLoadError
 
@@ -58,26 +59,24 @@ class MirroredPools(KVPools):
                  window_blocks=0, bits=None, group_size=64):
         # One id per engine: an engine's pools on the followers (bench runs two engines on one model).
         self.engine = next(_engine_ids)
-        channel.send({"op": "pools", "model": model, "engine": self.engine, "num_blocks": num_blocks,
-                      "block_size": block_size, "dtype": str(dtype).rsplit(".", 1)[-1], "windowed": windowed,
-                      "window_blocks": window_blocks, "bits": bits, "group_size": group_size})
+        channel.send(Pools(model, self.engine, num_blocks, block_size, str(dtype).rsplit(".", 1)[-1], windowed,
+                           window_blocks, bits, group_size))
         super().__init__(shapes, num_blocks, block_size, dtype, windowed, window_blocks, bits, group_size)
         self.channel = channel
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.channel.send({"op": "copy", "engine": self.engine, "src": src, "dst": dst})
+        self.channel.send(Copy(self.engine, src, dst))
         super().copy_block(src, dst)
 
     def move_rows(self, *args, **kwargs) -> None:
         raise RuntimeError("cache edits are not supported under tensor parallelism")
 
 
-def step_message(pools: MirroredPools, seqs, starts: list[int], every: bool, **extra) -> dict:
+def step_message(pools: MirroredPools, seqs, starts: list[int], every: bool, **extra) -> Run:
     """A forward's announcement: which engine, where each sequence's tokens go, what it sees
     (the followers build the same StepBatch from it); `extra`: the runner's own fields."""
-    return {"op": "run", "engine": pools.engine, "starts": starts, "every": every,
-            "tables": [s.block_table for s in seqs],
-            "windows": [s.window_table for s in seqs] if any(pools.windowed) else None, **extra}
+    return Run(pools.engine, starts, every, [s.block_table for s in seqs],
+               [s.window_table for s in seqs] if any(pools.windowed) else None, **extra)
 
 
 class _Leading:
@@ -87,10 +86,11 @@ class _Leading:
 
     def _lead(self, loaded) -> None:
         self.model_id = loaded.shard.model
-        self.channel: Channel | None = Channel(loaded.shard.group)
+        self.channel = Channel.of(loaded.shard.group)
         self.pools: MirroredPools | None = None
+        self.released = False  # this engine's pools dropped on the followers (close)
         self.on_lost = None
-        Channel.on_lost.append(lambda reason: self.on_lost and self.on_lost(f"ClusterError: {reason}"))
+        self.channel.on_lost.append(lambda reason: self.on_lost and self.on_lost(f"ClusterError: {reason}"))
 
     def new_pools(self, *args, **kwargs) -> MirroredPools:
         self.pools = MirroredPools(self.channel, self.model_id, *args, **kwargs)
@@ -98,10 +98,10 @@ class _Leading:
 
     def close(self) -> None:
         """The followers drop this engine's pools; safe to call more than once."""
-        if self.channel is not None and self.pools is not None:
-            channel, self.channel = self.channel, None
-            if Channel.broken is None and not channel.send_bounded({"op": "stop", "engine": self.pools.engine}):
-                log.warning("tensor parallel: could not release the followers: %s", Channel.broken)
+        if not self.released and self.pools is not None:
+            self.released, channel = True, self.channel
+            if channel.broken is None and not channel.send_bounded(Stop(self.pools.engine)):
+                log.warning("tensor parallel: could not release the followers: %s", channel.broken)
 
 
 class LeaderRunner(_Leading, NativeRunner):
@@ -116,13 +116,13 @@ class LeaderRunner(_Leading, NativeRunner):
     def run(self, pools, seqs, starts, inputs, every=False):
         # Collectives must run in the same order on every rank, and a follower runs forwards
         # one after the other: so does rank 0, the message and the whole forward evaluated
-        # under the channel's lock (Channel.turn): two engines, or a forward built before the
+        # under the channel's lock (self.channel.turn): two engines, or a forward built before the
         # last one ran, could otherwise interleave their all_sums.
-        with Channel.turn():
+        with self.channel.turn():
             mx.eval(inputs)  # the followers need the token ids themselves
             self.channel.send(step_message(pools, seqs, starts, every, tokens=inputs.tolist()))
             logits = NativeRunner.run(self, pools, seqs, starts, inputs, every)
-            Channel.evaluate(logits, pools.state())
+            self.channel.evaluate(logits, pools.state())
         return logits
 
 
@@ -135,8 +135,8 @@ class MlxLmLeaderRunner(_Leading, MlxLmRunner):
     def __init__(self, loaded):
         self._lead(loaded)
         layout = CacheLayout(loaded.model)  # NotPageable before any message
-        with Channel.turn():  # the probe forward's all_sums, with the followers'
-            self.channel.send({"op": "probe_cache", "model": self.model_id})
+        with self.channel.turn():  # the probe forward's all_sums, with the followers'
+            self.channel.send(ProbeCache(self.model_id))
             MlxLmRunner.__init__(self, loaded.model, layout)
         if self.recurrent:
             raise ModelLoadError(f"{loaded.info.name}: tensor parallelism does not cover recurrent (hybrid) "
@@ -144,12 +144,12 @@ class MlxLmLeaderRunner(_Leading, MlxLmRunner):
         self.batched_decode = False
 
     def _run(self, pools, seqs, starts, n, inputs=None, every=False, snapshot=True):
-        with Channel.turn():
+        with self.channel.turn():
             inputs = step_inputs(seqs, starts, n) if inputs is None else inputs
             mx.eval(inputs)
             self.channel.send(step_message(pools, seqs, starts, every, tokens=inputs.tolist(), mlx_lm=True))
             logits = MlxLmRunner._run(self, pools, seqs, starts, 0, inputs, every, False)
-            Channel.evaluate(logits, pools.state())
+            self.channel.evaluate(logits, pools.state())
         return logits
 
 

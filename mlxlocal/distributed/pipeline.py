@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlxlocal.cache import KVPools, KVShape, PagedLayerView
 from mlxlocal.distributed.channel import Channel
 from mlxlocal.distributed.leader import LeaderRunner, _Rows, step_message
+from mlxlocal.distributed.messages import Run
 from mlxlocal.distributed.stages import PipelinePlan, embed, head, run_layers
 from mlxlocal.engine import layer_windows, step_batch
 
@@ -76,14 +77,14 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
         # As under tensor parallelism: the message and the whole forward under the channel's
         # lock, so two engines' sends and receives never interleave; waits watched (a stage
         # that stops answering stops the engine), a lost link a ClusterError.
-        with Channel.turn():
+        with self.channel.turn():
             self.channel.send(step_message(pools, seqs, starts, every, pp=True, n=n, parts=parts,
                                            dtype=str(self.dtype).rsplit(".", 1)[-1]))
             size, group = self.plan.size, self.group
             t0 = time.perf_counter()
             for lo, hi in parts:
                 h = self.layers(pools, seqs[lo:hi], starts[lo:hi], embed(self.model, inputs[lo:hi]), not every)
-                Channel.evaluate(mx.distributed.send(h.astype(self.dtype), 1, group=group))
+                self.channel.evaluate(mx.distributed.send(h.astype(self.dtype), 1, group=group))
                 self.sent += 1
             t1 = time.perf_counter()
             out = []
@@ -93,9 +94,9 @@ class PipelineLeaderRunner(_Stage, LeaderRunner):
                 # One receive per evaluation: nothing orders two recvs within one graph (MLX
                 # ran three of one graph in reverse order, every time), and the micro-batches'
                 # states arrive in order on the one link. Sends likewise, one per evaluation.
-                Channel.evaluate(out[-1])
+                self.channel.evaluate(out[-1])
             logits = out[0] if len(out) == 1 else mx.concatenate(out)
-            Channel.evaluate(logits, pools.state())
+            self.channel.evaluate(logits, pools.state())
             self.forwards += 1
             self.stage_seconds += t1 - t0
             self.wait_seconds += time.perf_counter() - t1
@@ -111,17 +112,19 @@ class StageRunner(_Stage):
         self.model, self.plan, self.group = loaded.model, loaded.shard.plan, loaded.shard.group
         self.shapes, self.windows = stage_layout(loaded)
         self.hidden = loaded.model_config.hidden_size
+        self.channel = Channel.of(self.group)
 
-    def follow(self, pools: KVPools, msg: dict) -> None:
+    def follow(self, pools: KVPools, msg: Run) -> None:
         rank, size, group = self.plan.rank, self.plan.size, self.group
-        dtype, n, starts = getattr(mx, msg["dtype"]), msg["n"], msg["starts"]
-        windows = msg["windows"] or [[] for _ in msg["tables"]]
-        seqs = [_Rows(t, w) for t, w in zip(msg["tables"], windows)]
-        for lo, hi in msg["parts"]:
+        dtype, n, starts = getattr(mx, msg.dtype), msg.n, msg.starts
+        windows = msg.windows or [[] for _ in msg.tables]
+        seqs = [_Rows(t, w) for t, w in zip(msg.tables, windows)]
+        for lo, hi in msg.parts:
             h = mx.distributed.recv((hi - lo, n, self.hidden), dtype, rank - 1, group=group)
-            h = self.layers(pools, seqs[lo:hi], starts[lo:hi], h, not msg["every"])
-            Channel.evaluate(mx.distributed.send(h.astype(dtype), (rank + 1) % size, group=group), watch=False)
-        Channel.evaluate(pools.state(), watch=False)
+            h = self.layers(pools, seqs[lo:hi], starts[lo:hi], h, not msg.every)
+            send = mx.distributed.send(h.astype(dtype), (rank + 1) % size, group=group)
+            self.channel.evaluate(send, watch=False)
+        self.channel.evaluate(pools.state(), watch=False)
 
 
 __all__ = ["PipelineLeaderRunner", "StageRunner", "split", "stage_layout"]

@@ -7,6 +7,7 @@ import time
 import mlx.core as mx
 
 from mlxlocal.distributed.channel import Channel
+from mlxlocal.distributed.messages import Noop, Probe, Report
 from mlxlocal.distributed.tensor import weight_bytes
 
 
@@ -16,17 +17,18 @@ def all_sum_probe(group, shape: list[int], dtype: str, count: int, ring: bool = 
     x = mx.zeros(shape, getattr(mx, dtype))
     mx.eval(x)
     rank, n, watch = group.rank(), group.size(), group.rank() == 0
+    channel = Channel.of(group)
     t0 = time.perf_counter()
     for _ in range(count):
         if not ring:
-            Channel.evaluate(mx.distributed.all_sum(x, group=group), watch=watch)
+            channel.evaluate(mx.distributed.all_sum(x, group=group), watch=watch)
             continue
         if rank != 0:  # each hop evaluated alone: two receives in one graph are not ordered
             x = mx.distributed.recv_like(x, rank - 1, group=group)
-            Channel.evaluate(x, watch=False)
-        Channel.evaluate(mx.distributed.send(x, (rank + 1) % n, group=group), watch=watch)
+            channel.evaluate(x, watch=False)
+        channel.evaluate(mx.distributed.send(x, (rank + 1) % n, group=group), watch=watch)
         if rank == 0:
-            Channel.evaluate(mx.distributed.recv_like(x, n - 1, group=group))
+            channel.evaluate(mx.distributed.recv_like(x, n - 1, group=group))
     return time.perf_counter() - t0
 
 
@@ -36,7 +38,7 @@ def gather_rank_numbers(group, numbers: list[int]) -> list[list[int]]:
     mine = mx.zeros((n, k), mx.int64)
     mine[group.rank()] = mx.array(numbers, mx.int64)
     out = mx.distributed.all_sum(mine, group=group)
-    Channel.evaluate(out, watch=group.rank() == 0)
+    Channel.of(group).evaluate(out, watch=group.rank() == 0)
     return out.tolist()
 
 
@@ -51,17 +53,17 @@ def cluster_report(loaded, batch: int, repeats: int = 5) -> dict:
     pipeline = loaded.shard.plan.kind == "pipeline"
     dtype = str(loaded.model.model.embed_tokens.weight.dtype).rsplit(".", 1)[-1]
     shape, count = [batch, 1, mc.hidden_size], 1 if pipeline else 2 * mc.num_hidden_layers
-    channel = Channel(group)
-    with Channel.turn():
-        channel.send({"op": "report"})
+    channel = Channel.of(group)
+    with channel.turn():
+        channel.send(Report())
         ranks = gather_rank_numbers(group, [mx.get_peak_memory(), weight_bytes(loaded.model)])
         times, sends = [], []
         for _ in range(repeats):
-            channel.send({"op": "probe", "shape": shape, "dtype": dtype, "count": count, "ring": pipeline})
+            channel.send(Probe(shape, dtype, count, pipeline))
             times.append(all_sum_probe(group, shape, dtype, count, pipeline))
             # The step's own message (block tables and tokens of `batch` sequences, ~100 B each).
             t0 = time.perf_counter()
-            channel.send({"op": "noop", "pad": "x" * 100 * batch})
+            channel.send(Noop("x" * 100 * batch))
             sends.append(time.perf_counter() - t0)
     itemsize = mx.zeros((1,), getattr(mx, dtype)).itemsize
     n, payload = group.size(), batch * mc.hidden_size * itemsize
@@ -76,9 +78,4 @@ def cluster_report(loaded, batch: int, repeats: int = 5) -> dict:
     }
 
 
-def cluster_problem() -> str | None:
-    """Why this process's cluster cannot run any more (None while it can, or when not launched)."""
-    return Channel.broken
-
-
-__all__ = ["all_sum_probe", "cluster_problem", "cluster_report", "gather_rank_numbers"]
+__all__ = ["all_sum_probe", "cluster_report", "gather_rank_numbers"]
