@@ -23,9 +23,9 @@ from server_util import running_server
 
 from mlxlocal.engine import chat_format_of
 from mlxlocal.server import ServerConfig
-from mlxlocal.server.prompt import Origins
 from mlxlocal.server.anthropic_request import convert_messages, convert_tools
 from mlxlocal.server.pipeline import place_system_turns, renders_later_system
+from mlxlocal.server.prompt import Origins
 from mlxlocal.server.responses_items import chat_tools, input_messages
 from mlxlocal.source.loader import load_from_dir
 
