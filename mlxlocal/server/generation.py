@@ -149,8 +149,8 @@ async def _session(request: Request, engine: Engine, prompt: list[int], params: 
 
 
 async def stream(request: Request, engine: Engine, prompt: list[int], params: SamplingParams,
-              metrics: Metrics, cache: CacheUse | None = None,
-              keepalive: float | None = None) -> AsyncGenerator[list[Chunk] | Waiting, None]:
+                 metrics: Metrics, cache: CacheUse | None = None,
+                 keepalive: float | None = None) -> AsyncGenerator[list[Chunk] | Waiting, None]:
     """Stream a request's chunks, a list of all that are ready at each wake-up (the routers
     parse and frame them together: one write per step, not per token); a client that goes
     away cancels it (blocks freed next step). With `keepalive` (seconds), a Waiting right

@@ -1,8 +1,8 @@
 """Request checks shared by the three dialects, so a bad value is a 400 naming its field.
 
 Routers translate their dialect's fields into SamplingParams; SamplingParams.validate and
-EngineBase.validate hold the ranges, and `check_params` turns their ValueError into an
-APIError that names the field as the dialect calls it. What the engine cannot check (JSON
+EngineBase.validate hold the ranges, and `pipeline.check_params` turns their ValueError into
+an APIError that names the field as the dialect calls it. What the engine cannot check (JSON
 depth, text that cannot be encoded, JSON value types, list sizes) is checked here.
 """
 
