@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from mlxlocal.cache.disk import DiskStore
+from mlxlocal.cache.disk import DiskStore, _norm
 from mlxlocal.cache.disk_format import Fingerprint, chain_hashes, to_mx
 
 
@@ -91,21 +91,15 @@ def test_foreign_fingerprint_and_wrong_key(tmp_path):
     s = DiskStore(tmp_path, 1 << 20, fp())
     assert s.get(key(0)) is None  # another directory: simply a miss
     os.makedirs(s.dir, exist_ok=True)
-    os.replace(only_file(other), s._path(key_str := __import__(
-        "mlxlocal.cache.disk", fromlist=["_norm"])._norm(key(0))))
+    key_str = _norm(key(0))
+    os.replace(only_file(other), s._path(key_str))
     assert s.get(key(0)) is None and s.stats()["corrupt_removed"] == 1  # foreign fingerprint
     s.put(key(1), block(1))
     assert s.flush()
-    os.replace(s._path(s_norm(key(1))), s._path(key_str))
+    os.replace(s._path(_norm(key(1))), s._path(key_str))
     assert s.get(key(0)) is None and s.stats()["corrupt_removed"] == 2  # wrong key
     other.close()
     s.close()
-
-
-def s_norm(k):
-    from mlxlocal.cache.disk import _norm
-
-    return _norm(k)
 
 
 def test_leftover_temp_removed_on_open(tmp_path):
