@@ -1,0 +1,257 @@
+"""Disk tier for KV blocks: one checksummed file per block under root/<fingerprint digest>/.
+
+put() never blocks: a background writer with a bounded queue writes each block to a temp
+file and os.replace()s it in (atomic: kill -9 loses only blocks in flight); a full queue
+drops the write. get() verifies everything and removes a file that does not verify. LRU by
+file mtime (get and put touch it), so a restart or another process sees the same order.
+Writes and evictions hold an fcntl lock, so two processes may share a store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+
+from mlxlocal.cache.disk_format import Fingerprint, decode, encode
+
+Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
+_SUFFIX = ".kv"
+_TMP = ".tmp-"
+_STALE_TMP_S = 3600
+
+
+def _norm(key: Key) -> str:
+    chain, tag = (key, None) if isinstance(key, bytes | bytearray) else key
+    return bytes(chain).hex() + ("" if tag is None else "/" + repr(tag))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (OSError, OverflowError, ValueError):
+        return False
+    return True
+
+
+class DiskStore:
+    def __init__(self, root: str | os.PathLike, budget_bytes: int, fingerprint: Fingerprint,
+                 queue_size: int = 64, fsync: bool = False):
+        self.fp = fingerprint.digest
+        self.dir = os.path.join(os.fspath(root), self.fp)
+        os.makedirs(self.dir, exist_ok=True)
+        self.budget = int(budget_bytes)
+        self.fsync = fsync
+        self._stats = dict(hits=0, misses=0, reads=0, read_bytes=0, writes=0, write_bytes=0,
+                           dropped_writes=0, corrupt_removed=0, evictions=0, write_errors=0)
+        self._mu = threading.Lock()
+        self._clock = time.time_ns()
+        self._lockfd = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._run = threading.Event()
+        self._run.set()
+        self._closing = False
+        with self._locked():
+            self._clean_tmp()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    # -- paths, lock, clock ------------------------------------------------------------
+
+    def _path(self, k: str) -> str:
+        return os.path.join(self.dir, hashlib.blake2b(k.encode(), digest_size=20).hexdigest()
+                            + _SUFFIX)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        fcntl.flock(self._lockfd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lockfd, fcntl.LOCK_UN)
+
+    def _touch(self, path: str) -> None:
+        """Mark as most recently used: strictly increasing mtimes within this process."""
+        with self._mu:
+            self._clock = max(self._clock + 1, time.time_ns())
+            now = self._clock
+        with contextlib.suppress(OSError):
+            os.utime(path, ns=(now, now))
+
+    def _count(self, **kw) -> None:
+        with self._mu:
+            for k, v in kw.items():
+                self._stats[k] += v
+
+    def _clean_tmp(self) -> None:
+        """Temp files of dead writers (crashed mid-write), or very old ones."""
+        for e in os.scandir(self.dir):
+            if not e.name.startswith(_TMP):
+                continue
+            try:
+                pid = int(e.name[len(_TMP):].split("-")[0])
+            except ValueError:
+                pid = -1
+            with contextlib.suppress(OSError):
+                old = time.time() - e.stat().st_mtime > _STALE_TMP_S
+                if old or not _pid_alive(pid) or pid < 0:
+                    os.unlink(e.path)
+
+    def _scan(self) -> list[tuple[int, int, str]]:
+        out = []
+        for e in os.scandir(self.dir):
+            if e.name.endswith(_SUFFIX):
+                with contextlib.suppress(OSError):
+                    st = e.stat()
+                    out.append((st.st_mtime_ns, st.st_size, e.path))
+        return out
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, key: Key, with_dtypes: bool = False):
+        """The block's arrays, or None (missing, or did not verify: then removed).
+
+        with_dtypes: (arrays, stored dtype names), for to_mx() (bfloat16 without ml_dtypes).
+        """
+        k = _norm(key)
+        path = self._path(k)
+        try:
+            with open(path, "rb") as f:
+                ino = os.fstat(f.fileno()).st_ino
+                blob = f.read()
+        except OSError:  # missing, or removed by another process meanwhile
+            self._count(misses=1)
+            return None
+        try:
+            arrays, dtypes = decode(blob, self.fp, k)
+        except Exception:  # CorruptBlock, or anything odd: never an exception to the caller
+            self._remove_corrupt(path, ino)
+            self._count(misses=1)
+            return None
+        self._touch(path)
+        self._count(hits=1, reads=1, read_bytes=len(blob))
+        return (arrays, dtypes) if with_dtypes else arrays
+
+    def _remove_corrupt(self, path: str, ino: int) -> None:
+        with self._locked(), contextlib.suppress(OSError):
+            if os.stat(path).st_ino == ino:  # not a good copy written meanwhile
+                os.unlink(path)
+                self._count(corrupt_removed=1)
+
+    def __contains__(self, key: Key) -> bool:
+        return os.path.exists(self._path(_norm(key)))
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put(self, key: Key, arrays: dict) -> bool:
+        """Queue a write (arrays: name -> np or mx array, not mutated after); False: dropped."""
+        if self._closing:
+            self._count(dropped_writes=1)
+            return False
+        try:
+            self._q.put_nowait((_norm(key), arrays))
+        except queue.Full:
+            self._count(dropped_writes=1)
+            return False
+        return True
+
+    def pause(self) -> None:
+        """Hold the writer (tests: fill the queue)."""
+        self._run.clear()
+
+    def resume(self) -> None:
+        self._run.set()
+
+    def _write_loop(self) -> None:
+        while True:
+            self._run.wait()
+            try:
+                item = self._q.get(timeout=0.05)
+            except queue.Empty:
+                if self._closing:
+                    return
+                continue
+            try:
+                self._write(*item)
+            except Exception:  # a full or failing disk: drop, count, keep serving
+                self._count(write_errors=1, dropped_writes=1)
+            finally:
+                self._q.task_done()
+
+    def _write(self, k: str, arrays: dict) -> None:
+        blob = encode(self.fp, k, arrays)
+        path = self._path(k)
+        tmp = os.path.join(self.dir, f"{_TMP}{os.getpid()}-{threading.get_ident()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            with self._locked():
+                os.replace(tmp, path)
+                self._touch(path)
+                self._evict()
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        self._count(writes=1, write_bytes=len(blob))
+
+    def _evict(self) -> None:
+        """Under the lock: remove least recently used files until within budget."""
+        files = self._scan()
+        total = sum(s for _, s, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.budget:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                self._count(evictions=1)
+            total -= size
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued writes are done (tests, shutdown); False on timeout."""
+        end = time.monotonic() + timeout
+        while self._q.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Drain pending writes within timeout; what is left is dropped and counted."""
+        if self._closing:
+            return
+        self._closing = True
+        self._run.set()
+        self._writer.join(timeout)
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+            self._count(dropped_writes=1)
+        os.close(self._lockfd)
+
+    # -- stats ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self._mu:
+            out = dict(self._stats)
+        files = self._scan()
+        out.update(files=len(files), bytes_on_disk=sum(s for _, s, _ in files),
+                   queued=self._q.qsize(), budget_bytes=self.budget)
+        return out
+
+
+def nbytes(arrays: dict) -> int:
+    """Payload bytes of a block's arrays (to size budgets)."""
+    return sum(np.asarray(a).nbytes if isinstance(a, np.ndarray) else a.nbytes
+               for a in arrays.values())

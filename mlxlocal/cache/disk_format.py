@@ -1,0 +1,205 @@
+"""What keys the disk KV tier: the model fingerprint, block chain hashes, the block file format.
+
+A block file is: a fixed prefix (magic, format version, header length, payload length,
+blake2b checksum over header + payload), a JSON header (fingerprint digest, key, array
+table) and the payload (each array's raw bytes). Anything that does not verify is not KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MLXKVBLK"
+VERSION = 1
+PREFIX = struct.Struct("<8sIIQ16s")  # magic, version, header len, payload len, checksum
+MAX_HEADER = 1 << 20
+
+# config.json keys that change what K/V a token gets (rope and position handling).
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_traditional", "partial_rotary_factor",
+              "rotary_dim", "rope_local_base_freq", "max_position_embeddings", "head_dim",
+              "sliding_window", "attention_bias", "position_embedding_type")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                    "special_tokens_map.json", "vocab.json", "merges.txt",
+                    "added_tokens.json")
+_SAMPLE = 64 * 1024  # bytes of weight data hashed at each of a few offsets per file
+
+
+class CorruptBlock(ValueError):
+    """A block file that does not verify (the store removes it)."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything that changes a block's KV; blocks are only reused under an equal one."""
+
+    weights: str
+    dtype: str
+    kv_bits: int | None
+    kv_group_size: int
+    rope: str  # canonical JSON of the rope/position configuration
+    block_size: int
+    tokenizer: str
+    model_type: str
+    config: str = ""  # digest of the whole config.json (conservative: any change misses)
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+    @classmethod
+    def from_model_dir(cls, path: str | os.PathLike, *, dtype: str, kv_bits: int | None,
+                       kv_group_size: int, block_size: int) -> Fingerprint:
+        """From config.json, safetensors headers (+ sampled bytes), tokenizer files: fast."""
+        root = Path(path)
+        raw = (root / "config.json").read_bytes()
+        config = json.loads(raw)
+        text = config.get("text_config") or {}
+        rope = {k: text.get(k, config.get(k)) for k in _ROPE_KEYS
+                if k in config or k in text}
+        return cls(weights=weights_digest(root), dtype=str(dtype), kv_bits=kv_bits,
+                   kv_group_size=int(kv_group_size),
+                   rope=json.dumps(rope, sort_keys=True, separators=(",", ":")),
+                   block_size=int(block_size), tokenizer=tokenizer_digest(root),
+                   model_type=str(config.get("model_type", "")),
+                   config=hashlib.blake2b(raw, digest_size=16).hexdigest())
+
+
+def weights_digest(root: Path) -> str:
+    """Each safetensors file's name, size, header and a few sampled data chunks.
+
+    Headers alone cannot tell two fine-tunes of one architecture apart, so a few 64 KiB
+    chunks of the data are hashed too; no whole-file read, and no mtime (a copy still hits).
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for f in sorted(root.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(fh.read(min(n, 100 << 20)))
+            start = 8 + n
+            for off in sorted({start, (start + size) // 2, max(start, size - _SAMPLE)}):
+                fh.seek(off)
+                h.update(fh.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def tokenizer_digest(root: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in _TOKENIZER_FILES:
+        f = root / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def chain_hashes(tokens: list[int], block_size: int, tags: list | None = None) -> list[bytes]:
+    """One hash per full block: it covers the block's tokens, its tag and all before it."""
+    out, prev = [], b""
+    for i in range(len(tokens) // block_size):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64).tobytes())
+        tag = tags[i] if tags is not None and i < len(tags) else None
+        if tag is not None:
+            h.update(b"\0tag\0" + repr(tag).encode())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def _raw(value) -> tuple[bytes, str, tuple[int, ...]]:
+    """An array's bytes, dtype name and shape; mx arrays included (bfloat16 as its bits)."""
+    if not isinstance(value, np.ndarray) and type(value).__module__.startswith("mlx"):
+        import mlx.core as mx  # only when given mx arrays: the store itself needs no MLX
+
+        name = str(value.dtype).removeprefix("mlx.core.")
+        if value.dtype == mx.bfloat16:
+            value = value.view(mx.uint16)
+        arr = np.array(value, copy=False)
+    else:
+        arr = np.asarray(value)
+        name = arr.dtype.name
+    return np.ascontiguousarray(arr).tobytes(), name, tuple(arr.shape)
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            return np.dtype(np.uint16)  # the bits; to_mx() views them back as bfloat16
+    return np.dtype(name)
+
+
+def encode(fp_digest: str, key: str, arrays: dict) -> bytes:
+    table, chunks, off = [], [], 0
+    for name, value in arrays.items():
+        data, dtype, shape = _raw(value)
+        table.append([str(name), dtype, list(shape), off, len(data)])
+        chunks.append(data)
+        off += len(data)
+    header = json.dumps({"fp": fp_digest, "key": key, "arrays": table},
+                        separators=(",", ":")).encode()
+    payload = b"".join(chunks)
+    digest = hashlib.blake2b(header + payload, digest_size=16).digest()
+    return PREFIX.pack(MAGIC, VERSION, len(header), len(payload), digest) + header + payload
+
+
+def decode(blob: bytes, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict]:
+    """(arrays, dtype names) or CorruptBlock naming what did not verify."""
+    if len(blob) < PREFIX.size:
+        raise CorruptBlock("short file")
+    magic, version, hlen, plen, digest = PREFIX.unpack_from(blob)
+    if magic != MAGIC:
+        raise CorruptBlock("bad magic")
+    if version != VERSION:
+        raise CorruptBlock(f"format version {version}")
+    if hlen > MAX_HEADER or len(blob) != PREFIX.size + hlen + plen:
+        raise CorruptBlock("length mismatch (truncated or padded)")
+    body = memoryview(blob)[PREFIX.size:]
+    if hashlib.blake2b(body, digest_size=16).digest() != digest:
+        raise CorruptBlock("checksum mismatch")
+    try:
+        header = json.loads(bytes(body[:hlen]))
+    except ValueError as e:
+        raise CorruptBlock("bad header") from e
+    if header.get("fp") != fp_digest:
+        raise CorruptBlock("foreign fingerprint")
+    if header.get("key") != key:
+        raise CorruptBlock("wrong key")
+    payload = body[hlen:]
+    arrays, dtypes = {}, {}
+    try:
+        for name, dtype, shape, off, n in header["arrays"]:
+            dt = _np_dtype(dtype)
+            if off < 0 or off + n > plen or int(np.prod(shape)) * dt.itemsize != n:
+                raise CorruptBlock(f"array table entry {name!r} does not fit")
+            arrays[name] = np.frombuffer(payload[off:off + n], dt).reshape(shape).copy()
+            dtypes[name] = dtype
+    except (TypeError, ValueError, KeyError) as e:
+        raise CorruptBlock(f"bad array table: {e}") from e
+    return arrays, dtypes
+
+
+def to_mx(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> dict:
+    """Numpy arrays from get() as mx arrays in their stored dtypes (bfloat16 included)."""
+    import mlx.core as mx
+
+    out = {}
+    for name, arr in arrays.items():
+        if dtypes.get(name) == "bfloat16":
+            out[name] = mx.array(arr.view(np.uint16)).view(mx.bfloat16)
+        else:
+            out[name] = mx.array(arr)
+    return out

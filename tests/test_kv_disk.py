@@ -1,0 +1,194 @@
+"""Disk KV tier storage: round trips, every corruption kind, LRU budget, restart, drops, 2 procs."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from mlxlocal.cache.disk import DiskStore, _norm
+from mlxlocal.cache.disk_format import Fingerprint, chain_hashes, to_mx
+
+
+def fp(**kw) -> Fingerprint:
+    base = dict(weights="w", dtype="bfloat16", kv_bits=None, kv_group_size=64, rope="{}",
+                block_size=16, tokenizer="t", model_type="llama")
+    return Fingerprint(**{**base, **kw})
+
+
+def block(seed: int, n: int = 64) -> dict:
+    r = np.random.default_rng(seed)
+    return {"k0": r.standard_normal(n).astype(np.float16),
+            "v0": r.integers(0, 2**32 - 1, n, dtype=np.uint32).reshape(4, -1)}
+
+
+def key(i: int, tag=None):
+    h = chain_hashes(list(range(16 * (i + 1))), 16)[-1]
+    return h if tag is None else (h, tag)
+
+
+def only_file(store: DiskStore) -> str:
+    (name,) = [n for n in os.listdir(store.dir) if n.endswith(".kv")]
+    return os.path.join(store.dir, name)
+
+
+def test_round_trip_dtypes(tmp_path):
+    import mlx.core as mx
+
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    arrays = {"f32": np.arange(6, dtype=np.float32).reshape(2, 3), "i8": np.arange(5, dtype=np.int8),
+              "u32": np.arange(4, dtype=np.uint32), "bf16": mx.array([1.5, -2.0, 3.25], mx.bfloat16)}
+    s.put(key(0), arrays)
+    s.put(key(0, tag="drop:3"), {"x": np.ones(2, np.float16)})
+    assert s.flush()
+    got, dtypes = s.get(key(0), with_dtypes=True)
+    for name in ("f32", "i8", "u32"):
+        assert got[name].dtype == arrays[name].dtype
+        np.testing.assert_array_equal(got[name], arrays[name])
+    assert dtypes["bf16"] == "bfloat16"
+    back = to_mx(got, dtypes)["bf16"]
+    assert back.dtype == mx.bfloat16 and mx.array_equal(back, arrays["bf16"]).item()
+    assert list(s.get(key(0, tag="drop:3"))) == ["x"]  # the tag is part of the key
+    assert s.get(key(1)) is None
+    st = s.stats()
+    assert st["hits"] == 2 and st["misses"] == 1 and st["writes"] == 2
+    s.close()
+
+
+def _truncate(p):
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) - 3)
+
+
+def _flip(p):
+    b = bytearray(open(p, "rb").read())
+    b[len(b) // 2] ^= 0x40
+    open(p, "wb").write(bytes(b))
+
+
+def _garbage(p):
+    open(p, "wb").write(os.urandom(200))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip, _garbage])
+def test_corruption_removed(tmp_path, damage):
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    s.put(key(0), block(0))
+    assert s.flush()
+    p = only_file(s)
+    damage(p)
+    assert s.get(key(0)) is None
+    assert not os.path.exists(p) and s.stats()["corrupt_removed"] == 1
+    s.close()
+
+
+def test_foreign_fingerprint_and_wrong_key(tmp_path):
+    other = DiskStore(tmp_path, 1 << 20, fp(kv_bits=8))
+    other.put(key(0), block(0))
+    assert other.flush()
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    assert s.get(key(0)) is None  # another directory: simply a miss
+    os.makedirs(s.dir, exist_ok=True)
+    key_str = _norm(key(0))
+    os.replace(only_file(other), s._path(key_str))
+    assert s.get(key(0)) is None and s.stats()["corrupt_removed"] == 1  # foreign fingerprint
+    s.put(key(1), block(1))
+    assert s.flush()
+    os.replace(s._path(_norm(key(1))), s._path(key_str))
+    assert s.get(key(0)) is None and s.stats()["corrupt_removed"] == 2  # wrong key
+    other.close()
+    s.close()
+
+
+def test_leftover_temp_removed_on_open(tmp_path):
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    s.close()
+    stale = os.path.join(s.dir, ".tmp-999999999-1")
+    open(stale, "wb").write(b"half")
+    DiskStore(tmp_path, 1 << 20, fp()).close()
+    assert not os.path.exists(stale)
+
+
+def test_lru_budget_and_restart(tmp_path):
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    s.put(key(0), block(0))
+    assert s.flush()
+    size = os.path.getsize(only_file(s))
+    s.close()
+    s = DiskStore(tmp_path, int(size * 3.5), fp())
+    assert s.get(key(0)) is not None  # restart finds it
+    for i in (1, 2):
+        s.put(key(i), block(i))
+    assert s.flush()
+    assert s.get(key(0)) is not None  # now most recent: key(1) is the oldest
+    s.put(key(3), block(3))
+    assert s.flush()
+    assert s.stats()["evictions"] == 1 and s.stats()["bytes_on_disk"] <= 3.5 * size
+    assert s.get(key(1)) is None
+    for i in (0, 2, 3):
+        np.testing.assert_array_equal(s.get(key(i))["k0"], block(i)["k0"])
+    s.close()
+
+
+def test_full_queue_drops(tmp_path):
+    s = DiskStore(tmp_path, 1 << 20, fp(), queue_size=2)
+    s.pause()
+    results = [s.put(key(i), block(i)) for i in range(5)]
+    # the paused writer may hold one item already; at most 3 accepted
+    assert results.count(False) >= 2 and s.stats()["dropped_writes"] == results.count(False)
+    s.resume()
+    assert s.flush()
+    assert s.stats()["writes"] == results.count(True)
+    s.close()
+
+
+def _worker(root, seed, q):
+    s = DiskStore(root, 6 * 400, fp())  # small budget: evictions race with writes
+    bad = 0
+    for j in range(60):
+        i = (seed * 7 + j) % 12
+        s.put(key(i), block(i))
+        got = s.get(key((i + 5) % 12))
+        if got is not None and not all(np.array_equal(got[n], block((i + 5) % 12)[n])
+                                       for n in got):
+            bad += 1
+    s.flush()
+    s.close()
+    q.put(bad)
+
+
+def test_two_processes(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_worker, args=(str(tmp_path), n, q)) for n in range(2)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(60)
+    assert [q.get(timeout=5) for _ in ps] == [0, 0]
+    s = DiskStore(tmp_path, 6 * 400, fp())
+    for i in range(12):
+        got = s.get(key(i))
+        assert got is None or np.array_equal(got["k0"], block(i)["k0"])
+    assert s.stats()["corrupt_removed"] == 0 and s.stats()["bytes_on_disk"] <= 6 * 400
+    s.close()
+
+
+def test_fingerprint_from_model_dir(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 1e4}))
+    hdr = json.dumps({"w": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(hdr).to_bytes(8, "little") + hdr + b"\1" * 8)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    a = Fingerprint.from_model_dir(tmp_path, dtype="bfloat16", kv_bits=None, kv_group_size=64,
+                                   block_size=16)
+    assert a == Fingerprint.from_model_dir(tmp_path, dtype="bfloat16", kv_bits=None,
+                                           kv_group_size=64, block_size=16)
+    assert len(a.digest) == 32 and "rope_theta" in a.rope
+    (tmp_path / "model.safetensors").write_bytes(len(hdr).to_bytes(8, "little") + hdr + b"\2" * 8)
+    b = Fingerprint.from_model_dir(tmp_path, dtype="bfloat16", kv_bits=None, kv_group_size=64,
+                                   block_size=16)
+    assert a.digest != b.digest  # other weights, same header
