@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from mlxlocal.cache.disk_format import Fingerprint, decode, encode
+from mlxlocal.cache.disk.format import Fingerprint, decode, encode
 
 Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
 _SUFFIX = ".kv"
