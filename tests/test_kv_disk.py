@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from mlxlocal.cache.disk.store import DiskStore, _norm
 from mlxlocal.cache.disk.format import Fingerprint, chain_hashes, to_mx
+from mlxlocal.cache.disk.store import DiskStore, _norm
 
 
 def fp(**kw) -> Fingerprint:
