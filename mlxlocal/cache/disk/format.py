@@ -118,7 +118,7 @@ def chain_hashes(tokens: list[int], block_size: int, tags: list | None = None) -
 
 def _raw(value) -> tuple[bytes, str, tuple[int, ...]]:
     """An array's bytes, dtype name and shape; mx arrays included (bfloat16 as its bits)."""
-    if not isinstance(value, np.ndarray) and type(value).__module__.startswith("mlx"):
+    if not isinstance(value, np.ndarray) and type(value).__module__ == "mlx.core":
         import mlx.core as mx  # only when given mx arrays: the store itself needs no MLX
 
         name = str(value.dtype).removeprefix("mlx.core.")
@@ -185,7 +185,7 @@ def decode(blob: bytes, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray]
             dt = _np_dtype(dtype)
             if off < 0 or off + n > plen or int(np.prod(shape)) * dt.itemsize != n:
                 raise CorruptBlock(f"array table entry {name!r} does not fit")
-            arrays[name] = np.frombuffer(payload[off:off + n], dt).reshape(shape).copy()
+            arrays[name] = np.frombuffer(payload[off:off + n], dt).reshape(shape)  # read-only views of blob
             dtypes[name] = dtype
     except (TypeError, ValueError, KeyError) as e:
         raise CorruptBlock(f"bad array table: {e}") from e

@@ -17,8 +17,6 @@ import queue
 import threading
 import time
 
-import numpy as np
-
 from mlxlocal.cache.disk.format import Fingerprint, decode, encode
 
 Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
@@ -250,8 +248,3 @@ class DiskStore:
                    queued=self._q.qsize(), budget_bytes=self.budget)
         return out
 
-
-def nbytes(arrays: dict) -> int:
-    """Payload bytes of a block's arrays (to size budgets)."""
-    return sum(np.asarray(a).nbytes if isinstance(a, np.ndarray) else a.nbytes
-               for a in arrays.values())
