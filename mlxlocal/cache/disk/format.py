@@ -185,7 +185,7 @@ def decode(blob: bytes, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray]
             dt = _np_dtype(dtype)
             if off < 0 or off + n > plen or int(np.prod(shape)) * dt.itemsize != n:
                 raise CorruptBlock(f"array table entry {name!r} does not fit")
-            arrays[name] = np.frombuffer(payload[off:off + n], dt).reshape(shape)  # read-only views of blob
+            arrays[name] = np.frombuffer(payload[off:off + n], dt).reshape(shape)
             dtypes[name] = dtype
     except (TypeError, ValueError, KeyError) as e:
         raise CorruptBlock(f"bad array table: {e}") from e
