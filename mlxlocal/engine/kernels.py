@@ -2,8 +2,9 @@
 Metal compiled, and under auto measured) when the engine is built, not on the first request.
 
 Each projection (N, K, dtype, quantization) at decode rows 1..the most the engine forwards
-(max_num_seqs, times 1 + draft tokens when speculating), and paged attention for each
-attention layer's (Hq, Hkv, D, block size, dtype, kv bits).
+(max_num_seqs, times 1 + draft tokens when speculating), paged attention for each
+attention layer's (Hq, Hkv, D, block size, dtype, kv bits), and a native model's norms and
+ropes (compiled or mx.fast, metal/fused.py) at those rows in powers of two.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import mlx.core as mx
 from mlxlocal.cache import quantized
 from mlxlocal.engine.config import EngineConfig
 from mlxlocal.engine.runner import NativeRunner
-from mlxlocal.metal import dispatch
-from mlxlocal.models.kernel_sites import attention_heads, projection_sites
+from mlxlocal.metal import dispatch, fused
+from mlxlocal.models.kernel_sites import attention_heads, fused_sites, projection_sites
 
 kernel_status = dispatch.status  # mode, Metal or not, the cache file and the chip, for reports
 describe_plan = dispatch.describe  # the plan as table rows (op, shape, dtype, path)
@@ -53,7 +54,13 @@ def warm_up(runner, cfg: EngineConfig, draft_runner=None) -> list[dict]:
     sites = decode_sites(runner, cfg)
     if draft_runner is not None:
         sites += decode_sites(draft_runner, replace(cfg, kv_bits=None))
-    return [c.as_dict() for c in dispatch.warm_up(sites)]
+    plan = [c.as_dict() for c in dispatch.warm_up(sites)]
+    rows = sorted({1 << (r - 1).bit_length() for r in range(1, decode_rows(cfg) + 1)})
+    for r in [runner] + ([draft_runner] if draft_runner is not None else []):
+        norms, ropes = fused_sites(r.model)
+        if norms or ropes:
+            fused.warm_up(norms, ropes, rows, r.dtype)
+    return plan + fused.choices.plan()
 
 
 def kernel_plan(loaded, cfg: EngineConfig | None = None) -> list[dict]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxlocal.models.layers import Linear, QuantizedLinear
+from mlxlocal.models.layers import Linear, QuantizedLinear, RMSNorm
+from mlxlocal.models.llama import Attention
 
 
 def _head(model: nn.Module) -> nn.Module | None:
@@ -48,3 +49,18 @@ def attention_heads(model: nn.Module) -> list[tuple[int, int]]:
     """(query heads, head dim of the queries) per attention layer of a native model that this
     process holds (a pipeline stage holds a range; the others are emptied: distributed/stages.py)."""
     return [(layer.self_attn.n_heads, layer.self_attn.head_dim) for layer in model.layers if "self_attn" in layer]
+
+
+def fused_sites(model: nn.Module) -> tuple[list[tuple[mx.array, float]], list[tuple]]:
+    """The norms (weight, eps: one per distinct width) and ropes (args, heads, head dim) of a
+    native model, for metal.fused.warm_up; nothing for models on mlx-lm's code."""
+    norms: dict[int, tuple[mx.array, float]] = {}
+    ropes: dict[tuple, tuple] = {}
+    if not getattr(model, "native", False):
+        return [], []
+    for _, m in model.named_modules():
+        if isinstance(m, RMSNorm):
+            norms.setdefault(m.weight.shape[0], (m.weight, m.eps))
+        if isinstance(m, Attention) and m.rope_args is not None:
+            ropes.setdefault((id(m.rope_args), m.n_heads, m.head_dim), (m.rope_args, m.n_heads, m.head_dim))
+    return list(norms.values()), list(ropes.values())

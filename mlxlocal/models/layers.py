@@ -39,3 +39,8 @@ def embedding_as_linear(embed: nn.Module, x: mx.array) -> mx.array:
             embed.group_size, embed.bits, embed.mode,
         )
     return metal.linear(x, embed.weight)
+
+
+class RMSNorm(nn.RMSNorm):
+    def __call__(self, x: mx.array) -> mx.array:
+        return metal.rms_norm(x, self["weight"], self.eps)

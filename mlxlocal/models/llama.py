@@ -12,9 +12,10 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
+from mlxlocal import metal
 from mlxlocal.models.config import ModelConfig
 from mlxlocal.models.kv import DenseKV, LayerKV
-from mlxlocal.models.layers import Linear, embedding_as_linear
+from mlxlocal.models.layers import Linear, RMSNorm, embedding_as_linear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -34,11 +35,13 @@ class Attention(nn.Module):
         o_bias = bias and cfg.model_type != "qwen2"
         self.o_proj = Linear(self.n_heads * d, cfg.hidden_size, bias=o_bias)
         if cfg.qk_norm:
-            self.q_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps)
         self.rope = initialize_rope(
             d, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
         )
+        # The rope's arguments, for the dispatch (None: a kind only its module applies).
+        self.rope_args = metal.RopeArgs.of(self.rope)
 
     def __call__(self, x: mx.array, kv: LayerKV, last_only: bool = False) -> mx.array:
         B, L, _ = x.shape
@@ -50,10 +53,17 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        q = self.rope(q, offset=kv.offset + (L - Lq))
-        k = self.rope(k, offset=kv.offset)
+        # The step's offset object as is when no position is skipped: the rope's angles are
+        # computed once per step for every layer that passes the same offset.
+        q = self._rotate(q, kv.offset if L == Lq else kv.offset + (L - Lq))
+        k = self._rotate(k, kv.offset)
         out = kv.attend(q, k, v, self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, Lq, -1))
+
+    def _rotate(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        if self.rope_args is None:
+            return self.rope(x, offset=offset)
+        return metal.rope(self.rope_args, x, offset)
 
 
 class MLP(nn.Module):
@@ -73,8 +83,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(self, x: mx.array, kv: LayerKV, last_only: bool = False) -> mx.array:
         h = x[:, -1:] if last_only else x
@@ -87,7 +97,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
 class Model(nn.Module):

@@ -1,0 +1,237 @@
+"""RMSNorm and RoPE as one compiled kernel each, for backends where mx.fast's are not.
+
+On Metal (and CUDA) `mx.fast.rms_norm` and `mx.fast.rope` are single kernels. On MLX's CPU
+backend they fall back to their definitions in primitive ops, evaluated one op at a time:
+~80 us a norm and ~200 us a rope at decode shapes here, most of a small model's step. The
+same definitions under `mx.compile` run as one fused kernel (bitwise equal on the CPU, where
+the fallback computes exactly this). Which one runs is measured once per (op, width, dtype,
+rows) in each process, as the kernel dispatch does; `--kernels mlx` forces mx.fast, `ours` this.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import rope_utils
+
+from mlxlocal.metal import dispatch
+
+FUSED, BUILTIN = "ours (compiled)", "mlx built-in"
+REPEATS = 5  # alternating timings per side; the median decides
+
+
+# ------------------------------------------------------------------ the compositions
+def rms_norm_reference(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def _rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
+    # MLX's own fallback: float32 statistics, the normalised row cast back, then the weight.
+    x32 = x.astype(mx.float32)
+    y = x32 * mx.rsqrt(mx.mean(mx.square(x32), axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def _angles(positions: mx.array, inv_freqs: mx.array, like: mx.array) -> tuple[mx.array, mx.array]:
+    """cos and sin [B or 1, 1, L, dims/2] of positions [B or 1, L] (float32, scaled): angles
+    in float32, the rotation in the dtype of `like` (x's), as MLX's fallback computes them."""
+    theta = positions[:, None, :, None] * inv_freqs
+    return mx.cos(theta).astype(like.dtype), mx.sin(theta).astype(like.dtype)
+
+
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.array:
+    """x [..., L, D] rotated; the dims past 2 * cos.shape[-1] pass through (partial rotary)."""
+    dims = 2 * cos.shape[-1]
+    rot = x[..., :dims]
+    if traditional:  # pairs (2j, 2j + 1)
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(rot.shape)
+    else:  # pairs (j, j + dims/2)
+        x1, x2 = rot[..., : dims // 2], rot[..., dims // 2 :]
+        out = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out if dims == x.shape[-1] else mx.concatenate([out, x[..., dims:]], axis=-1)
+
+
+_compiled_rms = mx.compile(_rms_norm)
+_compiled_angles = mx.compile(_angles)
+_compiled_rotate = {t: mx.compile(lambda x, c, s, t=t: _rotate(x, c, s, t)) for t in (False, True)}
+
+
+# ------------------------------------------------------------------ rope modules we rotate
+class RopeArgs:
+    """What mx.fast.rope gets from one of mlx-lm's rope modules (the kinds we rotate
+    ourselves); `inv_freqs` as float32, built once. Layers with equal ropes share one, and
+    with it the angles of the step's positions: computed once per step, not per layer."""
+
+    def __init__(self, module: nn.Module):
+        if type(module) is nn.RoPE:
+            self.dims, self.traditional, self.scale = module.dims, module.traditional, module.scale
+            half = module.dims // 2
+            self.inv_freqs = mx.exp(-mx.arange(half, dtype=mx.float32) * (math.log(module.base) / half))
+            self.base: float | None = module.base
+            self.freqs = None
+        else:  # Llama3RoPE: frequencies fixed at construction
+            self.dims, self.traditional, self.scale = module.dims, module.traditional, 1.0
+            self.base, self.freqs = None, module._freqs
+            self.inv_freqs = (1.0 / module._freqs).astype(mx.float32)
+        mx.eval(self.inv_freqs)
+        self._last = threading.local()  # .angles: (offset, L, dtype, cos, sin) of this thread's step
+
+    @staticmethod
+    def of(module: nn.Module) -> RopeArgs | None:
+        """Exact types only: a subclass (or YaRN's input scaling) may change the rotation."""
+        if type(module) is not nn.RoPE and type(module) is not rope_utils.Llama3RoPE:
+            return None
+        freqs = getattr(module, "_freqs", None)
+        key = (type(module), module.dims, module.traditional, getattr(module, "base", None),
+               getattr(module, "scale", 1.0), None if freqs is None else tuple(freqs.tolist()))
+        if key not in _shared:
+            if len(_shared) > 64:
+                _shared.clear()
+            _shared[key] = RopeArgs(module)
+        return _shared[key]
+
+    def builtin(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
+                            scale=self.scale, offset=offset, freqs=self.freqs)
+
+    def fused(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        cos, sin = self._angles(offset, x.shape[-2], x.dtype)
+        return _compiled_rotate[self.traditional](x, cos, sin)
+
+    def _angles(self, offset: int | mx.array, L: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        last = getattr(self._last, "angles", None)
+        # The step's offset array is the same object in every layer (an int: the same value).
+        if last is not None and last[1] == L and last[2] == dtype and (
+                last[0] is offset or (isinstance(offset, int) and isinstance(last[0], int) and last[0] == offset)):
+            return last[3], last[4]
+        steps = mx.arange(L, dtype=mx.float32)
+        if isinstance(offset, mx.array) and offset.ndim == 1:  # one offset per batch row
+            positions = (offset.astype(mx.float32)[:, None] + steps) * self.scale
+        else:
+            positions = ((steps + offset) * self.scale)[None]
+        cos, sin = _compiled_angles(positions, self.inv_freqs, _dtype_token(dtype))
+        self._last.angles = (offset, L, dtype, cos, sin)
+        return cos, sin
+
+
+_shared: dict[tuple, RopeArgs] = {}
+_tokens: dict[mx.Dtype, mx.array] = {}
+
+
+def _dtype_token(dtype: mx.Dtype) -> mx.array:
+    """A one-element array of `dtype`: how a compiled function is told a dtype."""
+    if dtype not in _tokens:
+        _tokens[dtype] = mx.zeros((1,), dtype)
+        mx.eval(_tokens[dtype])
+    return _tokens[dtype]
+
+
+# ------------------------------------------------------------------ the measured choice
+class Choices:
+    """Per (op, width, dtype, rows up to a power of two): FUSED or BUILTIN, timed once on
+    inputs of the first call's shape."""
+
+    def __init__(self, timer: Callable[[Callable[[], mx.array]], float] | None = None):
+        self.timer = timer or _seconds
+        self.made: dict[tuple, tuple[str, float, float]] = {}  # key -> (path, fused us, builtin us)
+        self._lock = threading.Lock()
+
+    def fused(self, key: tuple, fused: Callable[[], mx.array], builtin: Callable[[], mx.array]) -> bool:
+        hit = self.made.get(key)
+        if hit is None:
+            with self._lock:
+                hit = self.made.get(key) or self._measure(key, fused, builtin)
+        return hit[0] == FUSED
+
+    def _measure(self, key: tuple, fused: Callable[[], mx.array], builtin: Callable[[], mx.array]):
+        times: dict[str, list[float]] = {FUSED: [], BUILTIN: []}
+        for _ in range(REPEATS):
+            for path, fn in ((FUSED, fused), (BUILTIN, builtin)):
+                times[path].append(self.timer(fn))
+        f, b = (sorted(times[p])[REPEATS // 2] * 1e6 for p in (FUSED, BUILTIN))
+        self.made[key] = hit = (FUSED if f < b else BUILTIN, f, b)
+        return hit
+
+    def plan(self) -> list[dict]:
+        """The choices so far, as dispatch.Choice dicts (bench and `show` print them)."""
+        return [{"op": op, "key": {"M": rows, "D": d, "dtype": dt}, "path": path, "how": "measured",
+                 "ours_us": round(f, 3), "mlx_us": round(b, 3)}
+                for (op, d, dt, rows), (path, f, b) in sorted(self.made.items())]
+
+
+def _seconds(fn: Callable[[], mx.array], calls: int = 8, rounds: int = 3) -> float:
+    """Seconds per call, `calls` calls evaluated together (one evaluation's fixed cost, ~0.1 ms
+    on the CPU, would otherwise hide the difference)."""
+    mx.eval(fn())  # compiled and warm before the clock
+    t = time.perf_counter()
+    for _ in range(rounds):
+        mx.eval([fn() for _ in range(calls)])
+    return (time.perf_counter() - t) / (calls * rounds)
+
+
+choices = Choices()
+_eps: dict[float, mx.array] = {}
+
+
+def _use_fused(op: str, x: mx.array, fused: Callable[[mx.array], mx.array],
+               builtin: Callable[[mx.array], mx.array]) -> bool:
+    """Forced by the kernel mode, else the measured choice for x's width and dtype (timed on
+    a random input of x's shape the first time)."""
+    m = dispatch.mode()
+    if m != "auto":
+        return m == "ours"
+    # Rows by powers of two: the compiled kernel wins at decode sizes, may lose at long prefills.
+    rows = 1 << max(0, math.prod(x.shape[:-1]) - 1).bit_length()
+    key = (op, x.shape[-1], str(x.dtype).rsplit(".", 1)[-1], rows)
+    if key in choices.made:
+        return choices.made[key][0] == FUSED
+    sample = _sample(x)
+    return choices.fused(key, lambda: fused(sample), lambda: builtin(sample))
+
+
+def _sample(x: mx.array) -> mx.array:
+    """Random input of x's shape (x itself is lazy: part of the step being built)."""
+    # Its own key: the global one is the seeded sampling's.
+    s = mx.random.normal(x.shape, key=mx.random.key(0)).astype(x.dtype)
+    mx.eval(s)
+    return s
+
+
+# ------------------------------------------------------------------ dispatch points
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """Dispatch point for RMSNorm: mx.fast.rms_norm, or its definition as one compiled kernel."""
+    eps_ = _eps.get(eps)
+    if eps_ is None:
+        eps_ = _eps[eps] = mx.array(eps, mx.float32)
+    if _use_fused("rms_norm", x, lambda s: _compiled_rms(s, weight, eps_),
+                  lambda s: rms_norm_reference(s, weight, eps)):
+        return _compiled_rms(x, weight, eps_)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rope(args: RopeArgs, x: mx.array, offset: int | mx.array) -> mx.array:
+    """Dispatch point for the RoPE of one of mlx-lm's rope modules (RopeArgs.of)."""
+    def at():  # offsets of the same kind, but not the step's own (lazy) array
+        return offset if isinstance(offset, int) else mx.zeros(offset.shape, offset.dtype)
+    if _use_fused("rope", x, lambda s: args.fused(s, at()), lambda s: args.builtin(s, at())):
+        return args.fused(x, offset)
+    return args.builtin(x, offset)
+
+
+def warm_up(norms: list[tuple[mx.array, float]], ropes: list[tuple[RopeArgs, int, int]],
+            rows: list[int], dtype: mx.Dtype) -> list[dict]:
+    """Decide ahead of serving, at each decode row count: `norms` (weight, eps) over rows of
+    the weight's width, `ropes` (args, heads, head dim) over [rows, heads, 1, head dim]. The
+    plan of every choice made so far (Choices.plan)."""
+    for r in rows:
+        for weight, eps in norms:
+            rms_norm(mx.zeros((r, weight.shape[0]), dtype), weight, eps)
+        for args, heads, d in ropes:
+            rope(args, mx.zeros((r, heads, 1, d), dtype), 0)
+    return choices.plan()
