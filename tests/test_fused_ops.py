@@ -23,7 +23,8 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8192}
 ROPES = {
     "default": lambda: initialize_rope(64, 1e6, False),
-    "traditional, linear scale": lambda: initialize_rope(64, 1e4, True, {"type": "linear", "factor": 2.0}),
+    "traditional, linear scale": lambda: initialize_rope(64, 1e4, True, {"type": "linear",
+                                                                           "factor": 2.0}),
     "partial rotary": lambda: nn.RoPE(32, traditional=False, base=5e5),
     "llama3": lambda: initialize_rope(64, 5e5, False, LLAMA3, 131072),
 }
@@ -35,7 +36,8 @@ def same(a: mx.array, b: mx.array) -> None:
         tol = 1e-5 if a.dtype == mx.float32 else 1e-2
         assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=tol, rtol=tol).item()
     else:
-        assert mx.array_equal(a, b).item(), float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+        gap = float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+        assert mx.array_equal(a, b).item(), gap
 
 
 def labels(*arrays: mx.array, tmp_path) -> list[str]:
@@ -115,8 +117,8 @@ def test_the_choice_is_measured_once_and_follows_the_faster(mode):
         return mx.zeros(1)
     assert not slow.fused(("rope", 32, "float16", 8), compiled, lambda: mx.zeros(1))
     plan = slow.plan()
-    assert plan == [{"op": "rope", "key": {"M": 8, "D": 32, "dtype": "float16"}, "path": fused.BUILTIN,
-                     "how": "measured", "ours_us": 1e6, "mlx_us": 5e5}]
+    assert plan == [{"op": "rope", "key": {"M": 8, "D": 32, "dtype": "float16"},
+                     "path": fused.BUILTIN, "how": "measured", "ours_us": 1e6, "mlx_us": 5e5}]
 
 
 @pytest.mark.parametrize("forced", ["ours", "mlx"])
@@ -124,7 +126,8 @@ def test_kernel_modes_force_a_side_without_measuring(mode, forced, tmp_path):
     mode(forced)
     x, w = mx.ones((2, 1, 64)), mx.ones((64,))
     args = fused.RopeArgs.of(nn.RoPE(64))
-    ops = labels(fused.rms_norm(x, w, 1e-5), fused.rope(args, mx.ones((2, 4, 1, 64)), 3), tmp_path=tmp_path)
+    ops = labels(fused.rms_norm(x, w, 1e-5), fused.rope(args, mx.ones((2, 4, 1, 64)), 3),
+                 tmp_path=tmp_path)
     compiled = [o for o in ops if o.startswith("Compiled")]
     assert bool(compiled) == (forced == "ours")
     assert fused.choices.made == {}
@@ -136,8 +139,10 @@ def test_auto_measures_per_width_dtype_and_rows(mode):
     for rows in (1, 2, 3, 4):
         fused.rms_norm(mx.ones((rows, 64)), w, 1e-5)
     fused.rms_norm(mx.ones((1, 64), mx.float16), w.astype(mx.float16), 1e-5)
-    assert sorted(fused.choices.made) == [("rms_norm", 64, "float16", 1), ("rms_norm", 64, "float32", 1),
-                                          ("rms_norm", 64, "float32", 2), ("rms_norm", 64, "float32", 4)]
+    assert sorted(fused.choices.made) == [("rms_norm", 64, "float16", 1),
+                                          ("rms_norm", 64, "float32", 1),
+                                          ("rms_norm", 64, "float32", 2),
+                                          ("rms_norm", 64, "float32", 4)]
 
 
 def test_native_model_gives_the_same_logits_on_either_path(mode, tiny_model):

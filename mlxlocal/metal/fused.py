@@ -72,7 +72,8 @@ class RopeArgs:
         if type(module) is nn.RoPE:
             self.dims, self.traditional, self.scale = module.dims, module.traditional, module.scale
             half = module.dims // 2
-            self.inv_freqs = mx.exp(-mx.arange(half, dtype=mx.float32) * (math.log(module.base) / half))
+            steps = mx.arange(half, dtype=mx.float32)
+            self.inv_freqs = mx.exp(-steps * (math.log(module.base) / half))
             self.base: float | None = module.base
             self.freqs = None
         else:  # Llama3RoPE: frequencies fixed at construction
@@ -80,7 +81,8 @@ class RopeArgs:
             self.base, self.freqs = None, module._freqs
             self.inv_freqs = (1.0 / module._freqs).astype(mx.float32)
         mx.eval(self.inv_freqs)
-        self._last = threading.local()  # .angles: (offset, L, dtype, cos, sin) of this thread's step
+        # .angles: (offset, L, dtype, cos, sin) of this thread's step
+        self._last = threading.local()
 
     @staticmethod
     def of(module: nn.Module) -> RopeArgs | None:
@@ -107,8 +109,8 @@ class RopeArgs:
     def _angles(self, offset: int | mx.array, L: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         last = getattr(self._last, "angles", None)
         # The step's offset array is the same object in every layer (an int: the same value).
-        if last is not None and last[1] == L and last[2] == dtype and (
-                last[0] is offset or (isinstance(offset, int) and isinstance(last[0], int) and last[0] == offset)):
+        if last is not None and last[1] == L and last[2] == dtype and (last[0] is offset or (
+                isinstance(offset, int) and isinstance(last[0], int) and last[0] == offset)):
             return last[3], last[4]
         steps = mx.arange(L, dtype=mx.float32)
         if isinstance(offset, mx.array) and offset.ndim == 1:  # one offset per batch row
@@ -142,7 +144,8 @@ class Choices:
         self.made: dict[tuple, tuple[str, float, float]] = {}  # key -> (path, fused us, builtin us)
         self._lock = threading.Lock()
 
-    def fused(self, key: tuple, fused: Callable[[], mx.array], builtin: Callable[[], mx.array]) -> bool:
+    def fused(self, key: tuple, fused: Callable[[], mx.array],
+              builtin: Callable[[], mx.array]) -> bool:
         hit = self.made.get(key)
         if hit is None:
             with self._lock:

@@ -62,5 +62,6 @@ def fused_sites(model: nn.Module) -> tuple[list[tuple[mx.array, float]], list[tu
         if isinstance(m, RMSNorm):
             norms.setdefault(m.weight.shape[0], (m.weight, m.eps))
         if isinstance(m, Attention) and m.rope_args is not None:
-            ropes.setdefault((id(m.rope_args), m.n_heads, m.head_dim), (m.rope_args, m.n_heads, m.head_dim))
+            site = (m.rope_args, m.n_heads, m.head_dim)
+            ropes.setdefault((id(m.rope_args), *site[1:]), site)
     return list(norms.values()), list(ropes.values())
