@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlxlocal.cache import quantized
 from mlxlocal.engine.config import EngineConfig
 from mlxlocal.engine.runner import NativeRunner
-from mlxlocal.metal import dispatch, fused
+from mlxlocal.metal import dispatch, fused, layout
 from mlxlocal.models.kernel_sites import attention_heads, fused_sites, projection_sites
 
 kernel_status = dispatch.status  # mode, Metal or not, the cache file and the chip, for reports
@@ -60,7 +60,7 @@ def warm_up(runner, cfg: EngineConfig, draft_runner=None) -> list[dict]:
         norms, ropes = fused_sites(r.model)
         if norms or ropes:
             fused.warm_up(norms, ropes, rows, r.dtype)
-    return plan + fused.choices.plan()
+    return plan + fused.choices.plan() + layout.layouts.plan()
 
 
 def kernel_plan(loaded, cfg: EngineConfig | None = None) -> list[dict]:

@@ -16,7 +16,8 @@ from mlxlocal.models.llama import Attention
 
 def _head(model: nn.Module) -> nn.Module | None:
     """The embedding a native model's tied output head multiplies by (embedding_as_linear)."""
-    if getattr(model, "native", False) and "lm_head" not in model:
+    # A pipeline stage without the head holds no embedding either (distributed/stages.py).
+    if getattr(model, "native", False) and "lm_head" not in model and "embed_tokens" in model.model:
         return model.model.embed_tokens
     return None
 
@@ -65,3 +66,16 @@ def fused_sites(model: nn.Module) -> tuple[list[tuple[mx.array, float]], list[tu
             site = (m.rope_args, m.n_heads, m.head_dim)
             ropes.setdefault((id(m.rope_args), *site[1:]), site)
     return list(norms.values()), list(ropes.values())
+
+
+def projection_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, "weight") of every float projection a native model multiplies by through
+    metal.linear (its Linear layers and a tied head's embedding): metal.layout.relayout."""
+    if not getattr(model, "native", False):
+        return []
+    owners: list[tuple[nn.Module, str]] = [(m, "weight") for _, m in model.named_modules()
+                                           if type(m) is Linear]
+    head = _head(model)
+    if head is not None and not isinstance(head, nn.QuantizedEmbedding):
+        owners.append((head, "weight"))
+    return owners

@@ -13,8 +13,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxlocal.errors import ModelLoadError
+from mlxlocal.metal.layout import relayout
 from mlxlocal.models import build_model, is_native, quantize_for_checkpoint
 from mlxlocal.models.config import ModelConfig, read_config_file
+from mlxlocal.models.kernel_sites import projection_weights
 from mlxlocal.source.chat_format import ChatFormat, chat_format_of
 from mlxlocal.weights import WeightsReport, load_model_weights
 
@@ -185,6 +187,8 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     if kind == "mlx_lm":
         model.shard(shard.group)  # mlx-lm's own tensor-parallel split (distributed.tensor.MlxLmPlan)
     mx.eval(model.parameters())
+    # Without Metal the weights are copies anyway: projections take the faster layout.
+    relayout(projection_weights(model))
     # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
     # graphs built on this thread's stream.
     mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])

@@ -1,0 +1,98 @@
+"""Weight layout for the MLX reference matmul: projections stored column-major where faster.
+
+`x @ W.T` with W [N, K] row-major, as checkpoints store it, is the transposed-operand case of
+the BLAS MLX's CPU backend calls, which there runs 1.2-1.6x slower than the same product on
+a [K, N] row-major operand. Storing W as the transpose of a contiguous [K, N] array (a
+column-major view: same shape, same values, so every consumer is unchanged) makes `W.T` that
+operand. Where weights are copied at load anyway (no Metal: nothing is memory-mapped in
+place) each distinct projection shape is timed in both layouts at decode rows and takes the
+faster; on Metal the mapped weights stay as they are (our kernels and MLX's read row-major).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import mlx.core as mx
+
+from mlxlocal.metal import dispatch
+from mlxlocal.metal.kernel import dtype_name, metal_available
+
+COLUMN, ROW = "ours (column-major)", "mlx built-in (row-major)"
+ROWS = (1, 8)  # decode rows timed; the sum decides
+TIMED_N = 2048  # output rows timed at most: a 150k-row vocabulary head is timed on a slice
+REPEATS = 3
+
+
+def column_major(w: mx.array) -> mx.array:
+    """The same [N, K] values, laid out so that w.T is a row-contiguous [K, N] array."""
+    return mx.contiguous(w.T).T
+
+
+class Layouts:
+    """Per (N, K, dtype): COLUMN or ROW, timed once per process (`timer(fn)`: seconds)."""
+
+    def __init__(self, timer: Callable[[Callable[[], mx.array]], float] | None = None):
+        self.timer = timer or _seconds
+        self.made: dict[tuple[int, int, str], tuple[str, float, float]] = {}
+        self._lock = threading.Lock()
+
+    def column(self, w: mx.array) -> bool:
+        key = (w.shape[0], w.shape[1], dtype_name(w.dtype))
+        with self._lock:
+            if key not in self.made:
+                self.made[key] = self._measure(min(w.shape[0], TIMED_N), w.shape[1], w.dtype)
+        return self.made[key][0] == COLUMN
+
+    def _measure(self, n: int, k: int, dtype: mx.Dtype) -> tuple[str, float, float]:
+        rnd = mx.random.key(0)  # not the global key: that one is the seeded sampling's
+        w = mx.random.normal((n, k), key=rnd).astype(dtype)
+        wc = column_major(w)
+        xs = [mx.random.normal((m, k), key=rnd).astype(dtype) for m in ROWS]
+        mx.eval(w, wc, xs)
+        col = row = 0.0
+        for x in xs:
+            c, r = [], []
+            for _ in range(REPEATS):  # alternating
+                c.append(self.timer(lambda: x @ wc.T))
+                r.append(self.timer(lambda: x @ w.T))
+            col += sorted(c)[REPEATS // 2]
+            row += sorted(r)[REPEATS // 2]
+        return (COLUMN if col < row else ROW), col * 1e6, row * 1e6
+
+    def plan(self) -> list[dict]:
+        """The choices so far, as dispatch.Choice dicts (bench and `show` print them)."""
+        return [{"op": "weight_layout", "key": {"N": n, "K": k, "dtype": dt}, "path": path,
+                 "how": "measured", "ours_us": round(c, 3), "mlx_us": round(r, 3)}
+                for (n, k, dt), (path, c, r) in sorted(self.made.items())]
+
+
+def _seconds(fn: Callable[[], mx.array], calls: int = 4) -> float:
+    mx.eval(fn())
+    t = time.perf_counter()
+    mx.eval([fn() for _ in range(calls)])
+    return (time.perf_counter() - t) / calls
+
+
+layouts = Layouts()
+
+
+def relayout(owners: Iterable[tuple[object, str]]) -> int:
+    """Store each (module, parameter name)'s float 2-D weight column-major where the layout
+    measures faster (`--kernels ours`: always; `mlx` or Metal: never). Returns the number
+    of weights moved; each is evaluated at once, so the row-major copy is freed as it goes."""
+    m = dispatch.mode()
+    if metal_available() or m == "mlx":
+        return 0
+    moved = 0
+    for module, name in owners:
+        w = module[name]  # type: ignore[index]
+        if w.ndim != 2 or not mx.issubdtype(w.dtype, mx.floating):
+            continue
+        if m == "ours" or layouts.column(w):
+            module[name] = column_major(w)  # type: ignore[index]
+            mx.eval(module[name])  # type: ignore[index]
+            moved += 1
+    return moved
