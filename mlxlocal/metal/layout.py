@@ -56,8 +56,8 @@ class Layouts:
         for x in xs:
             c, r = [], []
             for _ in range(REPEATS):  # alternating
-                c.append(self.timer(lambda: x @ wc.T))
-                r.append(self.timer(lambda: x @ w.T))
+                c.append(self.timer(lambda x=x: x @ wc.T))
+                r.append(self.timer(lambda x=x: x @ w.T))
             col += sorted(c)[REPEATS // 2]
             row += sorted(r)[REPEATS // 2]
         return (COLUMN if col < row else ROW), col * 1e6, row * 1e6
