@@ -170,3 +170,46 @@ def test_the_engine_plan_lists_the_norms_and_ropes(mode, tiny_model):
                                             ("rope", 4), ("rope", 8), ("rope", 16)}
     assert all(c["path"] in (fused.FUSED, fused.BUILTIN) and c["ours_us"] > 0 for c in plan
                if c["op"] in ("rms_norm", "rope"))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
+def test_attention_with_keys_transposed_matches_mx_fast(heads, dtype):
+    from mlxlocal.metal.attention import step_mask
+
+    (hq, hkv), B, L, S = heads, 2, 6, 40
+    q, k, v = (mx.random.normal(shape, key=mx.random.key(i)).astype(dtype)
+               for i, shape in enumerate([(B, hq, L, 16), (B, hkv, S, 16), (B, hkv, S, 16)]))
+    lens = mx.array([S, S - 9])  # the second sequence's last keys are padding: masked
+    for mask in (None, "causal", step_mask(lens, L, S, None), step_mask(lens, L, S, 7),
+                 mx.where(step_mask(lens, L, S, None), 0.0, -1e4).astype(dtype)):
+        same(fused.sdpa_keys_transposed(q, k, v, 0.25, mask),
+             fused.sdpa_reference(q, k, v, 0.25, mask))
+
+
+def test_a_decode_step_never_copies_its_keys(mode, monkeypatch):
+    from mlxlocal.metal import attention
+
+    mode("ours")
+
+    def refuse(*args):
+        raise AssertionError("the keys were transposed")
+    monkeypatch.setattr(fused, "sdpa_keys_transposed", refuse)
+    k = mx.zeros((1, 2, 64, 16))
+    attention.sdpa(mx.zeros((1, 4, 1, 16)), k, k, 0.25, None)  # one query: mx.fast as it is
+    with pytest.raises(AssertionError, match="transposed"):
+        attention.sdpa(mx.zeros((1, 4, 3, 16)), k, k, 0.25, "causal")
+
+
+def test_attention_choice_is_per_size_class(mode):
+    from mlxlocal.metal import attention
+
+    mode("auto")
+    k = mx.zeros((1, 2, 3000, 16))
+    for L in (2, 100, 130, 4000):
+        attention.sdpa(mx.zeros((1, 4, L, 16)), k, k, 0.25, "causal")
+    keys = sorted(key for key in fused.choices.made if key[0] == "sdpa")
+    # Queries and keys by powers of two, capped where the timing stops growing with them.
+    assert keys == [("sdpa", 16, "float32", 4, 2, 2, fused.SDPA_TIMED_KEYS),
+                    ("sdpa", 16, "float32", 4, 2, fused.SDPA_TIMED_QUERIES, fused.SDPA_TIMED_KEYS)]
+    assert {c["op"] for c in fused.choices.plan()} == {"sdpa"}

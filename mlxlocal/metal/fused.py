@@ -57,6 +57,36 @@ def _rotate(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.
     return out if dims == x.shape[-1] else mx.concatenate([out, x[..., dims:]], axis=-1)
 
 
+def sdpa_reference(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                   mask: mx.array | str | None) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def sdpa_keys_transposed(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                         mask: mx.array | str | None) -> mx.array:
+    """mx.fast's definition of attention, with the keys copied to [D, S] first: the scores'
+    matmul then takes both operands as they lie (a prefill chunk's many queries amortize the
+    copy; the transposed-operand matmul is the slow case of the CPU backend's BLAS)."""
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    r = Hq // Hkv
+    scores = (q * scale).reshape(B, Hkv, r * L, D) @ mx.contiguous(k.swapaxes(-1, -2))
+    if mask is not None:
+        scores = scores.reshape(B, Hkv, r, L, S)
+        if isinstance(mask, str):  # "causal": the queries are the last L positions
+            mask = mx.arange(S)[None] <= (S - L + mx.arange(L))[:, None]
+        elif mask.ndim == 4:  # [B, 1 or Hq, L, S] -> the folded heads' layout
+            mask = mask.reshape(mask.shape[0], -1 if mask.shape[1] == 1 else Hkv,
+                                1 if mask.shape[1] == 1 else r, L, S)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+        scores = scores.reshape(B, Hkv, r * L, S)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ v).reshape(B, Hq, L, D)
+
+
 _compiled_rms = mx.compile(_rms_norm)
 _compiled_angles = mx.compile(_angles)
 _compiled_rotate = {t: mx.compile(lambda x, c, s, t=t: _rotate(x, c, s, t)) for t in (False, True)}
@@ -163,9 +193,13 @@ class Choices:
 
     def plan(self) -> list[dict]:
         """The choices so far, as dispatch.Choice dicts (bench and `show` print them)."""
-        return [{"op": op, "key": {"M": rows, "D": d, "dtype": dt}, "path": path, "how": "measured",
-                 "ours_us": round(f, 3), "mlx_us": round(b, 3)}
-                for (op, d, dt, rows), (path, f, b) in sorted(self.made.items())]
+        out = []
+        for k, (path, f, b) in sorted(self.made.items()):
+            op, d, dt, *rest = k
+            shape = {"M": rest[0]} if len(rest) == 1 else dict(zip(("Hq", "Hkv", "L", "S"), rest))
+            out.append({"op": op, "key": {**shape, "D": d, "dtype": dt}, "path": path,
+                        "how": "measured", "ours_us": round(f, 3), "mlx_us": round(b, 3)})
+        return out
 
 
 def _seconds(fn: Callable[[], mx.array], calls: int = 8, rounds: int = 3) -> float:
@@ -216,6 +250,35 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
                   lambda s: rms_norm_reference(s, weight, eps)):
         return _compiled_rms(x, weight, eps_)
     return rms_norm_reference(x, weight, eps)
+
+
+SDPA_TIMED_QUERIES, SDPA_TIMED_KEYS = 128, 1024  # timed at most: the choice is per size class
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
+         mask: mx.array | str | None) -> mx.array:
+    """Attention over contiguous K/V: mx.fast's, or (several queries: prefill chunks, draft
+    verification) the same with the keys transposed first, where that measures faster. A
+    decode step (one query) never copies its context."""
+    L, S = q.shape[2], k.shape[2]
+    if L == 1 or q.shape[1] % k.shape[1]:
+        return sdpa_reference(q, k, v, scale, mask)
+    m = dispatch.mode()
+    if m == "auto":
+        bucket = (min(1 << (L - 1).bit_length(), SDPA_TIMED_QUERIES),
+                  min(1 << (S - 1).bit_length(), SDPA_TIMED_KEYS))
+        dtype = str(q.dtype).rsplit(".", 1)[-1]
+        key = ("sdpa", q.shape[-1], dtype, q.shape[1], k.shape[1], *bucket)
+        if key not in choices.made:
+            n, s = bucket[0], max(bucket)
+            tq, tk, tv = (_sample(mx.zeros((1, h, rows, q.shape[-1]), q.dtype))
+                          for h, rows in ((q.shape[1], n), (k.shape[1], s), (k.shape[1], s)))
+            choices.fused(key, lambda: sdpa_keys_transposed(tq, tk, tv, scale, "causal"),
+                          lambda: sdpa_reference(tq, tk, tv, scale, "causal"))
+        use = choices.made[key][0] == FUSED
+    else:
+        use = m == "ours"
+    return (sdpa_keys_transposed if use else sdpa_reference)(q, k, v, scale, mask)
 
 
 def rope(args: RopeArgs, x: mx.array, offset: int | mx.array) -> mx.array:
