@@ -51,10 +51,10 @@ def mode(monkeypatch):
     """Set the kernel mode for one test; the choices start empty and are put back after."""
     monkeypatch.delenv(dispatch.ENV, raising=False)
     saved = dict(fused.choices.made)
-    fused.choices.made.clear()
+    fused.reset()
     yield dispatch.set_mode
     dispatch.set_mode(None)
-    fused.choices.made.clear()
+    fused.reset()
     fused.choices.made.update(saved)
 
 

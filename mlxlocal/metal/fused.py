@@ -232,6 +232,16 @@ def _use_fused(op: str, x: mx.array, fused: Callable[[mx.array], mx.array],
     return choices.fused(key, lambda: fused(sample), lambda: builtin(sample))
 
 
+# The per-call path: (op, shape, dtype, mode) -> fused or not, the answer _use_fused gave.
+_known: dict[tuple, bool] = {}
+
+
+def reset() -> None:
+    """Forget every choice (the next call of each shape measures again)."""
+    choices.made.clear()
+    _known.clear()
+
+
 def _sample(x: mx.array) -> mx.array:
     """Random input of x's shape (x itself is lazy: part of the step being built)."""
     # Its own key: the global one is the seeded sampling's.
@@ -246,10 +256,12 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     eps_ = _eps.get(eps)
     if eps_ is None:
         eps_ = _eps[eps] = mx.array(eps, mx.float32)
-    if _use_fused("rms_norm", x, lambda s: _compiled_rms(s, weight, eps_),
-                  lambda s: rms_norm_reference(s, weight, eps)):
-        return _compiled_rms(x, weight, eps_)
-    return rms_norm_reference(x, weight, eps)
+    known = ("rms_norm", x.shape, x.dtype, dispatch.mode())
+    use = _known.get(known)
+    if use is None:
+        use = _known[known] = _use_fused("rms_norm", x, lambda s: _compiled_rms(s, weight, eps_),
+                                         lambda s: rms_norm_reference(s, weight, eps))
+    return _compiled_rms(x, weight, eps_) if use else rms_norm_reference(x, weight, eps)
 
 
 SDPA_TIMED_QUERIES, SDPA_TIMED_KEYS = 128, 1024  # timed at most: the choice is per size class
@@ -283,11 +295,14 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
 
 def rope(args: RopeArgs, x: mx.array, offset: int | mx.array) -> mx.array:
     """Dispatch point for the RoPE of one of mlx-lm's rope modules (RopeArgs.of)."""
-    def at():  # offsets of the same kind, but not the step's own (lazy) array
-        return offset if isinstance(offset, int) else mx.zeros(offset.shape, offset.dtype)
-    if _use_fused("rope", x, lambda s: args.fused(s, at()), lambda s: args.builtin(s, at())):
-        return args.fused(x, offset)
-    return args.builtin(x, offset)
+    known = ("rope", x.shape, x.dtype, dispatch.mode())
+    use = _known.get(known)
+    if use is None:
+        def at():  # offsets of the same kind, but not the step's own (lazy) array
+            return offset if isinstance(offset, int) else mx.zeros(offset.shape, offset.dtype)
+        use = _known[known] = _use_fused("rope", x, lambda s: args.fused(s, at()),
+                                         lambda s: args.builtin(s, at()))
+    return args.fused(x, offset) if use else args.builtin(x, offset)
 
 
 def warm_up(norms: list[tuple[mx.array, float]], ropes: list[tuple[RopeArgs, int, int]],
