@@ -1,11 +1,13 @@
-"""RMSNorm and RoPE as one compiled kernel each, for backends where mx.fast's are not.
+"""RMSNorm, RoPE and prefill attention for backends where mx.fast's are not single kernels.
 
-On Metal (and CUDA) `mx.fast.rms_norm` and `mx.fast.rope` are single kernels. On MLX's CPU
-backend they fall back to their definitions in primitive ops, evaluated one op at a time:
-~80 us a norm and ~200 us a rope at decode shapes here, most of a small model's step. The
-same definitions under `mx.compile` run as one fused kernel (bitwise equal on the CPU, where
-the fallback computes exactly this). Which one runs is measured once per (op, width, dtype,
-rows) in each process, as the kernel dispatch does; `--kernels mlx` forces mx.fast, `ours` this.
+On Metal (and CUDA) `mx.fast.rms_norm`, `mx.fast.rope` and the sdpa are single kernels. On
+MLX's CPU backend they fall back to their definitions in primitive ops, evaluated one op at a
+time: ~80 us a norm and ~200 us a rope at decode shapes here, most of a small model's step.
+The same definitions under `mx.compile` run as fused kernels, bitwise equal (the fallback
+computes exactly this); attention with several queries takes its keys transposed first, so
+the scores' matmul is not the BLAS's slow transposed-operand case. Which one runs is measured
+once per size class in each process, as the kernel dispatch does; `--kernels mlx` forces
+mx.fast, `ours` these.
 """
 
 from __future__ import annotations
