@@ -17,7 +17,12 @@ from mlxlocal.cache import quantized
 from mlxlocal.engine.config import EngineConfig
 from mlxlocal.engine.runner import NativeRunner
 from mlxlocal.metal import dispatch, fused, layout
-from mlxlocal.models.kernel_sites import attention_heads, fused_sites, projection_sites
+from mlxlocal.models.kernel_sites import (
+    attention_heads,
+    fused_sites,
+    projection_sites,
+    projection_weights,
+)
 
 kernel_status = dispatch.status  # mode, Metal or not, the cache file and the chip, for reports
 describe_plan = dispatch.describe  # the plan as table rows (op, shape, dtype, path)
@@ -59,8 +64,9 @@ def warm_up(runner, cfg: EngineConfig, draft_runner=None) -> list[dict]:
     for r in [runner] + ([draft_runner] if draft_runner is not None else []):
         norms, ropes = fused_sites(r.model)
         if norms or ropes:
-            fused.warm_up(norms, ropes, rows, r.dtype)
-    return plan + fused.choices.plan() + layout.layouts.plan()
+            plan += fused.warm_up(norms, ropes, rows, r.dtype)
+        plan += layout.layouts.plan(m[name] for m, name in projection_weights(r.model))
+    return plan
 
 
 def kernel_plan(loaded, cfg: EngineConfig | None = None) -> list[dict]:

@@ -193,10 +193,13 @@ class Choices:
         self.made[key] = hit = (FUSED if f < b else BUILTIN, f, b)
         return hit
 
-    def plan(self) -> list[dict]:
-        """The choices so far, as dispatch.Choice dicts (bench and `show` print them)."""
+    def plan(self, keys: set[tuple] | None = None) -> list[dict]:
+        """The choices so far (of `keys` only, when given), as dispatch.Choice dicts (bench
+        and `show` print them)."""
         out = []
         for k, (path, f, b) in sorted(self.made.items()):
+            if keys is not None and k not in keys:
+                continue
             op, d, dt, *rest = k
             shape = {"M": rest[0]} if len(rest) == 1 else dict(zip(("Hq", "Hkv", "L", "S"), rest))
             out.append({"op": op, "key": {**shape, "D": d, "dtype": dt}, "path": path,
@@ -225,13 +228,17 @@ def _use_fused(op: str, x: mx.array, fused: Callable[[mx.array], mx.array],
     m = dispatch.mode()
     if m != "auto":
         return m == "ours"
-    # Rows by powers of two: the compiled kernel wins at decode sizes, may lose at long prefills.
-    rows = 1 << max(0, math.prod(x.shape[:-1]) - 1).bit_length()
-    key = (op, x.shape[-1], str(x.dtype).rsplit(".", 1)[-1], rows)
+    key = _key(op, x)
     if key in choices.made:
         return choices.made[key][0] == FUSED
     sample = _sample(x)
     return choices.fused(key, lambda: fused(sample), lambda: builtin(sample))
+
+
+def _key(op: str, x: mx.array) -> tuple:
+    # Rows by powers of two: the compiled kernel wins at decode sizes, may lose at long prefills.
+    rows = 1 << max(0, math.prod(x.shape[:-1]) - 1).bit_length()
+    return (op, x.shape[-1], str(x.dtype).rsplit(".", 1)[-1], rows)
 
 
 # The per-call path: (op, shape, dtype, mode) -> fused or not, the answer _use_fused gave.
@@ -311,10 +318,15 @@ def warm_up(norms: list[tuple[mx.array, float]], ropes: list[tuple[RopeArgs, int
             rows: list[int], dtype: mx.Dtype) -> list[dict]:
     """Decide ahead of serving, at each decode row count: `norms` (weight, eps) over rows of
     the weight's width, `ropes` (args, heads, head dim) over [rows, heads, 1, head dim]. The
-    plan of every choice made so far (Choices.plan)."""
+    plan of these choices (none when the kernel mode forces a side)."""
+    keys = set()
     for r in rows:
         for weight, eps in norms:
-            rms_norm(mx.zeros((r, weight.shape[0]), dtype), weight, eps)
+            x = mx.zeros((r, weight.shape[0]), dtype)
+            rms_norm(x, weight, eps)
+            keys.add(_key("rms_norm", x))
         for args, heads, d in ropes:
-            rope(args, mx.zeros((r, heads, 1, d), dtype), 0)
-    return choices.plan()
+            x = mx.zeros((r, heads, 1, d), dtype)
+            rope(args, x, 0)
+            keys.add(_key("rope", x))
+    return choices.plan(keys) if dispatch.mode() == "auto" else []

@@ -39,8 +39,12 @@ class Layouts:
         self.made: dict[tuple[int, int, str], tuple[str, float, float]] = {}
         self._lock = threading.Lock()
 
+    @staticmethod
+    def key(w: mx.array) -> tuple[int, int, str]:
+        return (w.shape[0], w.shape[1], dtype_name(w.dtype))
+
     def column(self, w: mx.array) -> bool:
-        key = (w.shape[0], w.shape[1], dtype_name(w.dtype))
+        key = self.key(w)
         with self._lock:
             if key not in self.made:
                 self.made[key] = self._measure(min(w.shape[0], TIMED_N), w.shape[1], w.dtype)
@@ -62,11 +66,16 @@ class Layouts:
             row += sorted(r)[REPEATS // 2]
         return (COLUMN if col < row else ROW), col * 1e6, row * 1e6
 
-    def plan(self) -> list[dict]:
-        """The choices so far, as dispatch.Choice dicts (bench and `show` print them)."""
+    def plan(self, weights: Iterable[mx.array] | None = None) -> list[dict]:
+        """The choices so far (for these weights' shapes, when given), as dispatch.Choice
+        dicts (bench and `show` print them)."""
+        if weights is not None and (metal_available() or dispatch.mode() != "auto"):
+            return []  # not measured: forced, or no layout change on Metal
+        keys = None if weights is None else {self.key(w) for w in weights}
         return [{"op": "weight_layout", "key": {"N": n, "K": k, "dtype": dt}, "path": path,
                  "how": "measured", "ours_us": round(c, 3), "mlx_us": round(r, 3)}
-                for (n, k, dt), (path, c, r) in sorted(self.made.items())]
+                for (n, k, dt), (path, c, r) in sorted(self.made.items())
+                if keys is None or (n, k, dt) in keys]
 
 
 def _seconds(fn: Callable[[], mx.array], calls: int = 4) -> float:
