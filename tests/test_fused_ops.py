@@ -213,3 +213,19 @@ def test_attention_choice_is_per_size_class(mode):
     assert keys == [("sdpa", 16, "float32", 4, 2, 2, fused.SDPA_TIMED_KEYS),
                     ("sdpa", 16, "float32", 4, 2, fused.SDPA_TIMED_QUERIES, fused.SDPA_TIMED_KEYS)]
     assert {c["op"] for c in fused.choices.plan()} == {"sdpa"}
+
+
+def test_split_attention_runs_from_any_thread():
+    """The second CPU stream is per thread (an MLX stream belongs to the thread that made it):
+    the engine thread and another both attend, each on streams of its own."""
+    import threading
+
+    q, k = mx.random.normal((1, 4, 9, 16), key=mx.random.key(5)), mx.random.normal((1, 2, 30, 16))
+    want = fused.sdpa_reference(q, k, k, 0.25, "causal")
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(mx.array(fused.sdpa_keys_transposed(
+        q, k, k, 0.25, "causal"))))
+    worker.start()
+    worker.join()
+    same(fused.sdpa_keys_transposed(q, k, k, 0.25, "causal"), want)
+    same(got[0], want)

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models import rope_utils
 
 from mlxlocal.metal import dispatch
+from mlxlocal.metal.kernel import metal_available
 
 FUSED, BUILTIN = "ours (compiled)", "mlx built-in"
 REPEATS = 5  # alternating timings per side; the median decides
@@ -68,7 +69,36 @@ def sdpa_keys_transposed(q: mx.array, k: mx.array, v: mx.array, scale: float,
                          mask: mx.array | str | None) -> mx.array:
     """mx.fast's definition of attention, with the keys copied to [D, S] first: the scores'
     matmul then takes both operands as they lie (a prefill chunk's many queries amortize the
-    copy; the transposed-operand matmul is the slow case of the CPU backend's BLAS)."""
+    copy; the transposed-operand matmul is the slow case of the CPU backend's BLAS). Without
+    Metal, the second half of the KV heads runs on a second CPU stream: MLX runs each CPU
+    stream on a thread of its own, and its ops on one thread each (two cores: 1.8x here)."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hkv < 2 or Hkv % 2 or metal_available():
+        return _attend_keys_transposed(q, k, v, scale, mask)
+    h, hq = Hkv // 2, Hq // 2
+    halves = []
+    for i, stream in enumerate((None, _second_stream())):
+        part = mask
+        if isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] == Hq:
+            part = mask[:, i * hq : (i + 1) * hq]
+        with mx.stream(stream or mx.default_stream(mx.default_device())):
+            heads, kv = slice(i * hq, (i + 1) * hq), slice(i * h, (i + 1) * h)
+            halves.append(_attend_keys_transposed(q[:, heads], k[:, kv], v[:, kv], scale, part))
+    return mx.concatenate(halves, axis=1)
+
+
+_second = threading.local()  # .stream: MLX streams belong to the thread that made them
+
+
+def _second_stream() -> mx.Stream:
+    stream = getattr(_second, "stream", None)
+    if stream is None:
+        stream = _second.stream = mx.new_stream(mx.cpu)
+    return stream
+
+
+def _attend_keys_transposed(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                            mask: mx.array | str | None) -> mx.array:
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     r = Hq // Hkv
