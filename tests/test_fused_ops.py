@@ -223,8 +223,12 @@ def test_split_attention_runs_from_any_thread():
     q, k = mx.random.normal((1, 4, 9, 16), key=mx.random.key(5)), mx.random.normal((1, 2, 30, 16))
     want = fused.sdpa_reference(q, k, k, 0.25, "causal")
     got: list = []
-    worker = threading.Thread(target=lambda: got.append(mx.array(fused.sdpa_keys_transposed(
-        q, k, k, 0.25, "causal"))))
+
+    def attend():  # evaluated where it was built, as the engine thread does
+        out = fused.sdpa_keys_transposed(q, k, k, 0.25, "causal")
+        mx.eval(out)
+        got.append(out)
+    worker = threading.Thread(target=attend)
     worker.start()
     worker.join()
     same(fused.sdpa_keys_transposed(q, k, k, 0.25, "causal"), want)
