@@ -82,13 +82,15 @@ def openai_chat(url, model):
 
 def openai_completions(url, model):
     with openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0) as c:
-        stream = c.completions.create(model=model, prompt=long_prompt(), stream=True, max_tokens=3)
+        stream = c.completions.create(model=model, prompt=long_prompt(), stream=True, max_tokens=3,
+                                       temperature=0)
         return [ch.choices[0].finish_reason for ch in stream if ch.choices][-1]
 
 
 def responses(url, model):
     with openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0) as c:
-        stream = c.responses.create(model=model, input=long_prompt(), stream=True, max_output_tokens=3)
+        stream = c.responses.create(model=model, input=long_prompt(), stream=True, max_output_tokens=3,
+                                     temperature=0)  # greedy: a sampled EOS would end it early
         return [e.type for e in stream][-1]
 
 
