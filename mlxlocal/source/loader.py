@@ -179,6 +179,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
         from mlxlocal.distributed.tensor import shard_model
 
         shard_model(model, shard.plan, shard.group)
+    given = weights
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     quantize_for_checkpoint(model, config, weights)
@@ -187,6 +188,10 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     if kind == "mlx_lm":
         model.shard(shard.group)  # mlx-lm's own tensor-parallel split (distributed.tensor.MlxLmPlan)
     mx.eval(model.parameters())
+    # The model holds the weights now: the loaded dicts must not keep a second reference,
+    # or each relaid-out weight would be held twice until the load returns.
+    given.clear()
+    weights.clear()
     # Without Metal the weights are copies anyway: projections take the faster layout.
     relayout(projection_weights(model))
     # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
