@@ -62,9 +62,7 @@ def warm_up(runner, cfg: EngineConfig, draft_runner=None) -> list[dict]:
     plan = [c.as_dict() for c in dispatch.warm_up(sites)]
     rows = sorted({1 << (r - 1).bit_length() for r in range(1, decode_rows(cfg) + 1)})
     for r in [runner] + ([draft_runner] if draft_runner is not None else []):
-        norms, ropes = fused_sites(r.model)
-        if norms or ropes:
-            plan += fused.warm_up(norms, ropes, rows, r.dtype)
+        plan += fused.warm_up(*fused_sites(r.model), rows, r.dtype)
         plan += layout.layouts.plan(m[name] for m, name in projection_weights(r.model))
     return plan
 

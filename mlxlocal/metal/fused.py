@@ -202,7 +202,7 @@ class Choices:
     inputs of the first call's shape."""
 
     def __init__(self, timer: Callable[[Callable[[], mx.array]], float] | None = None):
-        self.timer = timer or _seconds
+        self.timer = timer or seconds
         self.made: dict[tuple, tuple[str, float, float]] = {}  # key -> (path, fused us, builtin us)
         self._lock = threading.Lock()
 
@@ -237,7 +237,7 @@ class Choices:
         return out
 
 
-def _seconds(fn: Callable[[], mx.array], calls: int = 8, rounds: int = 3) -> float:
+def seconds(fn: Callable[[], mx.array], calls: int = 8, rounds: int = 3) -> float:
     """Seconds per call, `calls` calls evaluated together (one evaluation's fixed cost, ~0.1 ms
     on the CPU, would otherwise hide the difference)."""
     mx.eval(fn())  # compiled and warm before the clock
@@ -261,7 +261,7 @@ def _use_fused(op: str, x: mx.array, fused: Callable[[mx.array], mx.array],
     key = _key(op, x)
     if key in choices.made:
         return choices.made[key][0] == FUSED
-    sample = _sample(x)
+    sample = _sample(x.shape, x.dtype)
     return choices.fused(key, lambda: fused(sample), lambda: builtin(sample))
 
 
@@ -281,10 +281,10 @@ def reset() -> None:
     _known.clear()
 
 
-def _sample(x: mx.array) -> mx.array:
-    """Random input of x's shape (x itself is lazy: part of the step being built)."""
+def _sample(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """A random timing input (the call's own input is lazy: part of the step being built)."""
     # Its own key: the global one is the seeded sampling's.
-    s = mx.random.normal(x.shape, key=mx.random.key(0)).astype(x.dtype)
+    s = mx.random.normal(shape, key=mx.random.key(0)).astype(dtype)
     mx.eval(s)
     return s
 
@@ -322,7 +322,7 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
         key = ("sdpa", q.shape[-1], dtype, q.shape[1], k.shape[1], *bucket)
         if key not in choices.made:
             n, s = bucket[0], max(bucket)
-            tq, tk, tv = (_sample(mx.zeros((1, h, rows, q.shape[-1]), q.dtype))
+            tq, tk, tv = (_sample((1, h, rows, q.shape[-1]), q.dtype)
                           for h, rows in ((q.shape[1], n), (k.shape[1], s), (k.shape[1], s)))
             choices.fused(key, lambda: sdpa_keys_transposed(tq, tk, tv, scale, "causal"),
                           lambda: sdpa_reference(tq, tk, tv, scale, "causal"))

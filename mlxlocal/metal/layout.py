@@ -12,12 +12,12 @@ faster; on Metal the mapped weights stay as they are (our kernels and MLX's read
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 
 from mlxlocal.metal import dispatch
+from mlxlocal.metal.fused import seconds
 from mlxlocal.metal.kernel import dtype_name, metal_available
 
 COLUMN, ROW = "ours (column-major)", "mlx built-in (row-major)"
@@ -84,11 +84,8 @@ class Layouts:
                 if keys is None or (n, k, dt) in keys]
 
 
-def _seconds(fn: Callable[[], mx.array], calls: int = 2) -> float:
-    mx.eval(fn())
-    t = time.perf_counter()
-    mx.eval([fn() for _ in range(calls)])
-    return (time.perf_counter() - t) / calls
+def _seconds(fn: Callable[[], mx.array]) -> float:
+    return seconds(fn, calls=2, rounds=1)
 
 
 layouts = Layouts()
