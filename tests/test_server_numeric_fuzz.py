@@ -167,7 +167,10 @@ def test_non_finite_logits_are_an_error_that_says_so_and_the_server_serves_on(fu
     def spoiled(pools, seqs, n, after: int):
         logits = forward(pools, seqs, n)
         rows = mx.array([s.num_generated >= after for s in seqs])[:, None]
-        return mx.where(rows, mx.array(float("nan"), logits.dtype), logits)
+        # Tokens before the spoiled one are forced to an ordinary token: a sampled EOS would end
+        # the reply before the NaN is reached.
+        ordinary = mx.where(mx.arange(logits.shape[-1]) == 100, 0.0, -1e9).astype(logits.dtype)
+        return mx.where(rows, mx.array(float("nan"), logits.dtype), ordinary)
     monkeypatch.setattr(engine.runner, "forward", lambda p, s, n: spoiled(p, s, n, 0))
     r = client.post("/v1/chat/completions", json=body)  # before any byte: a 500 naming it
     assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_logits", r.text
