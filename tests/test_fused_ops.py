@@ -8,6 +8,7 @@ there the outputs must be bitwise equal; on Metal (a real fused kernel) within r
 from __future__ import annotations
 
 import re
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -119,6 +120,24 @@ def test_the_choice_is_measured_once_and_follows_the_faster(mode):
     plan = slow.plan()
     assert plan == [{"op": "rope", "key": {"M": 8, "D": 32, "dtype": "float16"},
                      "path": fused.BUILTIN, "how": "measured", "ours_us": 1e6, "mlx_us": 5e5}]
+
+
+def test_a_slow_op_is_timed_a_few_calls_not_dozens(mode):
+    """Prefill-sized ops take milliseconds a call: timed 8 x 3 times per repeat, the first
+    request of a server waited seconds for the choice (4.5 s on the tiny model here)."""
+    mode(None)
+    made = {"slow": 0, "fast": 0}
+
+    def op(name: str, ms: float):
+        def fn():
+            made[name] += 1
+            time.sleep(ms / 1e3)  # at build time: the call's cost, whatever the backend
+            return mx.zeros(1)
+        return fn
+    fused.Choices().fused(("sdpa", 32, "float32", 4, 2, 128, 512), op("slow", 3), op("fast", 2))
+    assert made["slow"] == made["fast"] == 1 + fused.REPEATS  # warmed once, then once a repeat
+    assert fused.seconds(op("fast", 0)) < fused.SLOW_CALL_S
+    assert made["fast"] == (1 + fused.REPEATS) + (1 + 1 + 8 * 3)  # a fast one: batched, as before
 
 
 @pytest.mark.parametrize("forced", ["ours", "mlx"])
