@@ -22,6 +22,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # draft tokens and verify them in one forward
     kv_bits: int | None = None  # 8 or 4: K/V stored quantized in the pools (None: model dtype)
     kv_group_size: int = 64  # elements sharing one scale and bias in quantized K/V
+    kv_disk: int = 0  # bytes of block files the disk tier may keep (0: no disk tier)
+    kv_disk_dir: str | None = None  # where (default: $MLXLOCAL_HOME/kv)
 
 
 def default_kv_memory() -> int:

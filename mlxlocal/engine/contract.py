@@ -16,6 +16,8 @@ from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
 from mlxlocal.source.chat_format import ChatFormat
 from mlxlocal.source.loader import ModelInfo
 
+DISK_STATS_KEYS = ("disk_hit_blocks", "disk_read_bytes", "disk_write_blocks", "disk_write_bytes",
+                   "disk_dropped_writes", "disk_corrupt_removed", "disk_bytes")
 # The keys of Engine.stats(), identical for both engines (a dense engine reports 0 blocks);
 # a stopped engine adds "dead_reason".
 STATS_KEYS = frozenset({
@@ -24,6 +26,9 @@ STATS_KEYS = frozenset({
     "tokens_dropped", "tokens_repositioned",
     # Speculative decoding: verify steps, tokens drafted, drafted tokens accepted.
     "spec_steps", "spec_drafted", "spec_accepted",
+    # The disk tier (--kv-disk): blocks read back, bytes read, blocks and bytes written,
+    # writes dropped (queue full, disk failing), bad files removed, bytes the store holds.
+    *DISK_STATS_KEYS,
 })
 
 

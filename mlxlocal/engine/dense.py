@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.constraint import Constraint, allowed_tokens
+from mlxlocal.engine.contract import DISK_STATS_KEYS
 from mlxlocal.engine.errors import EngineDeadError
 from mlxlocal.engine.handle import RequestHandle
 from mlxlocal.engine.output import Output
@@ -190,6 +191,7 @@ class SimpleEngine(EngineBase):
             "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
             "tokens_dropped": 0, "tokens_repositioned": 0,
             "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0,
+            **dict.fromkeys(DISK_STATS_KEYS, 0),
         }
         if self.dead_reason is not None:
             stats["dead_reason"] = self.dead_reason

@@ -18,12 +18,15 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from mlxlocal.cache import BlockManager
+from mlxlocal.cache import BlockManager, KVPools
+from mlxlocal.cache.disk import default_kv_dir
+from mlxlocal.cache.disk.tier import DiskTier
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine import edits as cache_edits
 from mlxlocal.engine.base import WORKER_STREAM, EngineBase
 from mlxlocal.engine.config import EngineConfig, size_pools
+from mlxlocal.engine.contract import DISK_STATS_KEYS
 from mlxlocal.engine.errors import EngineDeadError, OutOfCapacity, QueueFull
 from mlxlocal.engine.handle import Outbox, RequestHandle
 from mlxlocal.engine.kernels import warm_up
@@ -73,10 +76,12 @@ class PagedEngine(EngineBase, StepPhases):
         whole = self.reuse.whole_blocks
         if drafter is not None:
             drafter.allocate(self.num_blocks, bs)
+        self.tier = self.reuse.tier = self._open_tier(cfg, loaded, drafter)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens,
                                    None if whole else self._copy_block, self.reuse.resume if whole else None,
                                    self.windows, snapshot_chunks=runner.recurrent, apply_edit=self._apply_edit,
-                                   match_edited=self.reuse.match_edited)
+                                   match_edited=self.reuse.match_edited,
+                                   restore=self.tier.restore if self.tier is not None else None)
         self.spec = spec and Speculator(spec, runner, self.pools, self.scheduler, self.context_length, drafter)
         # Kernels decided (measured) and compiled for every decode shape before any request.
         self.kernel_plan = warm_up(runner, cfg, drafter.runner if drafter is not None else None)
@@ -166,6 +171,22 @@ class PagedEngine(EngineBase, StepPhases):
             self._rotator = cache_edits.Rotator(self.runner.model)
         return cache_edits.fit(len(prompt), edits, self.context_length)
 
+    def _open_tier(self, cfg: EngineConfig, loaded: LoadedModel, drafter) -> DiskTier | None:
+        """The disk tier under the prefix cache (--kv-disk), where this engine's state is
+        all in its K/V pools; else None, and the log says why."""
+        if not cfg.kv_disk or not cfg.prefix_cache:
+            return None
+        why = ("sliding-window layers" if any(self.pools.windowed) else
+               "recurrent layers" if self.runner.recurrent else
+               "a draft model" if drafter is not None else
+               "tensor parallelism" if type(self.pools) is not KVPools else None)
+        if why is not None:
+            log.warning("--kv-disk: not used for %s (%s): its state is not all in its K/V blocks",
+                        self.info.name, why)
+            return None
+        return DiskTier.open(cfg.kv_disk_dir or str(default_kv_dir()), cfg.kv_disk, str(loaded.info.path),
+                             self.pools, self.blocks, self.runner.dtype, cfg.kv_bits, cfg.kv_group_size)
+
     def _copy_block(self, src: int, dst: int) -> None:
         self.pools.copy_block(src, dst)
         if self.spec is not None and self.spec.drafter is not None:
@@ -225,6 +246,8 @@ class PagedEngine(EngineBase, StepPhases):
         self._die("the engine was shut down")
         if thread is None or not thread.is_alive():
             self.runner.close()  # tensor parallel: the followers' loops end too
+        if self.tier is not None:  # queued block writes get `timeout` to reach the disk
+            self.tier.close(timeout)
 
     def _dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine for {self.info.name} has stopped: {self.dead_reason}")
@@ -533,4 +556,5 @@ class PagedEngine(EngineBase, StepPhases):
             "spec_steps": self.spec.steps if self.spec else 0,
             "spec_drafted": self.spec.drafted if self.spec else 0,
             "spec_accepted": self.spec.accepted if self.spec else 0,
+            **(self.tier.stats() if self.tier is not None else dict.fromkeys(DISK_STATS_KEYS, 0)),
         }

@@ -13,6 +13,7 @@ One place for the rules, over the block manager and the extra state some models 
 from __future__ import annotations
 
 from mlxlocal.cache import BlockManager
+from mlxlocal.cache.disk.tier import DiskTier
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.cache.window import HOLE, WindowBlocks
 from mlxlocal.engine.edits import EditState, block_tags, first_touched, replay
@@ -23,6 +24,7 @@ from mlxlocal.engine.session import Session, common_prefix
 class PrefixReuse:
     def __init__(self, blocks: BlockManager, windows: WindowBlocks | None, snapshots: StateSnapshots | None):
         self.blocks, self.windows, self.snapshots = blocks, windows, snapshots
+        self.tier: DiskTier | None = None  # the disk tier: cached full blocks written through
         self.block_size = blocks.block_size
         blocks.on_free, blocks.on_move = self._block_freed, self._block_moved
 
@@ -181,12 +183,17 @@ class PrefixReuse:
         (with the window layers' blocks at those positions), and (no session pins it) its
         partial last block as a leaf they may copy from."""
         computed = seq.tokens[: seq.num_computed]
+        tags = None
         if seq.edit is not None and seq.edit.applied:
             # Blocks from the first edited one on hold a history of their own: keyed by it.
             tags = block_tags(seq.edit, len(computed) // self.block_size, self.block_size)
             seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, tags=tags)
         else:
             seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
+        if self.tier is not None:
+            full = len(computed) // self.block_size
+            self.tier.save(computed, seq.block_table[:full], tags if seq.edit is not None and seq.edit.applied
+                           else None)
         if self.windows is not None and self.blocks.radix is not None:
             n_full = len(computed) // self.block_size
             self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])

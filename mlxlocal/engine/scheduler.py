@@ -39,7 +39,8 @@ class Scheduler:
                  copy_block: Callable[[int, int], None] | None = None,
                  resume: Callable[[Sequence], None] | None = None, windows: WindowBlocks | None = None,
                  snapshot_chunks: bool = False, apply_edit: Callable[[Sequence], None] | None = None,
-                 match_edited: Callable[[Sequence], bool] | None = None):
+                 match_edited: Callable[[Sequence], bool] | None = None,
+                 restore: Callable[[list[int]], int] | None = None):
         self.blocks = blocks
         self.windows = windows  # sliding-window layers' blocks, if the model has such layers
         self.copy_block = copy_block  # KVPools.copy_block: reuse a partly matching block by copying it
@@ -49,6 +50,7 @@ class Scheduler:
         self.snapshot_chunks = snapshot_chunks  # hybrids: chunks end where snapshots are wanted
         self.apply_edit = apply_edit  # a cache edit due now (engine.edits); raises OutOfBlocks
         self.match_edited = match_edited  # a request with edits: reuse of blocks under its history
+        self.restore = restore  # the disk tier: a prefix's blocks past the RAM cache read back
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
@@ -123,9 +125,12 @@ class Scheduler:
                 shared = seq.tokens[:-1]
                 if edited:  # untagged blocks: only the prefix no edit touches
                     shared = shared[: min(first_touched(e) for e in seq.edit.pending)]
+                restored = self.restore(shared) if self.restore is not None else 0
                 seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
                 if self.resume is not None:
                     self.resume(seq)
+                if restored and seq.preemptions == 0:
+                    seq.stats.disk_tokens = min(restored, seq.num_computed)
             if seq.preemptions == 0:
                 seq.stats.cached_tokens = seq.num_computed
                 self.prefix_hit_tokens += seq.num_computed

@@ -185,6 +185,7 @@ class SamplingParams:
 class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    disk_tokens: int = 0  # of cached_tokens: read back from the disk tier (--kv-disk)
     completion_tokens: int = 0
     ttft_s: float = 0.0
     prefill_tps: float = 0.0

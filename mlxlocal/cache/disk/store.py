@@ -40,7 +40,7 @@ def _pid_alive(pid: int) -> bool:
 
 class DiskStore:
     def __init__(self, root: str | os.PathLike, budget_bytes: int, fingerprint: Fingerprint,
-                 queue_size: int = 64, fsync: bool = False):
+                 queue_size: int = 4096, fsync: bool = False, queue_bytes: int = 256 << 20):
         self.fp = fingerprint.digest
         self.dir = os.path.join(os.fspath(root), self.fp)
         os.makedirs(self.dir, exist_ok=True)
@@ -52,6 +52,8 @@ class DiskStore:
         self._clock = time.time_ns()
         self._lockfd = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.queue_bytes = queue_bytes  # what the queue may hold: past it, writes are dropped
+        self._queued_bytes = 0
         self._run = threading.Event()
         self._run.set()
         self._closing = False
@@ -149,16 +151,22 @@ class DiskStore:
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: Key, arrays: dict) -> bool:
-        """Queue a write (arrays: name -> np or mx array, not mutated after); False: dropped."""
-        if self._closing:
-            self._count(dropped_writes=1)
-            return False
-        try:
-            self._q.put_nowait((_norm(key), arrays))
-        except queue.Full:
-            self._count(dropped_writes=1)
-            return False
-        return True
+        """Queue a write (arrays: name -> np or mx array, not mutated after); False: dropped
+        (closing, or the queue holds queue_size blocks or queue_bytes already)."""
+        n = sum(int(getattr(a, "nbytes", 0)) for a in arrays.values())
+        with self._mu:
+            full = self._closing or self._queued_bytes + n > self.queue_bytes
+            if not full:
+                self._queued_bytes += n
+        if not full:
+            try:
+                self._q.put_nowait((_norm(key), arrays, n))
+                return True
+            except queue.Full:
+                with self._mu:
+                    self._queued_bytes -= n
+        self._count(dropped_writes=1)
+        return False
 
     def pause(self) -> None:
         """Hold the writer (tests: fill the queue)."""
@@ -176,11 +184,14 @@ class DiskStore:
                 if self._closing:
                     return
                 continue
+            k, arrays, n = item
             try:
-                self._write(*item)
+                self._write(k, arrays)
             except Exception:  # a full or failing disk: drop, count, keep serving
                 self._count(write_errors=1, dropped_writes=1)
             finally:
+                with self._mu:
+                    self._queued_bytes -= n
                 self._q.task_done()
 
     def _write(self, k: str, arrays: dict) -> None:

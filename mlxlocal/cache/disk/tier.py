@@ -1,0 +1,164 @@
+"""DiskTier: the seam between the prefix cache in RAM and the block files on disk.
+
+Write-through: when a prompt's full blocks enter the radix tree (PrefixReuse.cache_prefix),
+the ones not yet on disk are copied out of the pools in one gather per pool, on the engine
+thread, and queued for the store's writer (which drops work rather than wait). On admission,
+a prompt whose cached prefix in RAM ends before its full blocks do continues on disk: the
+next blocks, as long as they verify, are read back into fresh pool blocks in one scatter per
+pool and join the radix tree, so the normal match finds them. Keys are chain hashes (with
+the blocks' cache-edit tags) in a store per model fingerprint: KV is never reused across a
+change of weights, dtype, KV precision, rope, block size or tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mlxlocal.cache import quantized
+from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
+from mlxlocal.cache.disk.format import Fingerprint, chain_hashes
+from mlxlocal.cache.disk.store import DiskStore
+from mlxlocal.cache.paged import KVPools
+
+log = logging.getLogger("mlxlocal.engine")
+
+
+class DiskTier:
+    def __init__(self, store: DiskStore, pools: KVPools, blocks: BlockManager):
+        self.store, self.pools, self.blocks = store, pools, blocks
+        self.block_size = blocks.block_size
+        # Every pool array, named: "<layer>.<k|v>.<part>" (quantized pools have 3 parts).
+        self.names = [f"{i}.{kv}.{j}" for i in range(len(pools.k)) for kv in "kv"
+                      for j in range(len(quantized.parts(pools.k[i] if kv == "k" else pools.v[i])))]
+        self._on_disk: set[bytes | tuple] = set()  # keys written or read by this process
+        self.restored_blocks = self.restored_tokens = 0
+        self.restore_seconds = 0.0
+
+    @classmethod
+    def open(cls, root: str, budget: int, model_dir: str, pools: KVPools, blocks: BlockManager,
+             dtype: mx.Dtype, kv_bits: int | None, kv_group_size: int) -> DiskTier:
+        """The store for this model's fingerprint under root (made if new)."""
+        fp = Fingerprint.from_model_dir(model_dir, dtype=str(dtype), kv_bits=kv_bits,
+                                        kv_group_size=kv_group_size, block_size=blocks.block_size)
+        return cls(DiskStore(root, budget, fp), pools, blocks)
+
+    def _parts(self) -> list[mx.array]:
+        return [p for i in range(len(self.pools.k)) for pool in (self.pools.k[i], self.pools.v[i])
+                for p in quantized.parts(pool)]
+
+    @staticmethod
+    def _key(chain: bytes, tags: list | None, i: int):
+        tag = tags[i] if tags is not None and i < len(tags) else None
+        return chain if tag is None else (chain, tag)
+
+    # --- write-through ----------------------------------------------------------------
+    def save(self, tokens: list[int], table: list[int], tags: list | None = None) -> int:
+        """Queue the full blocks of `tokens` (held in `table`) that are not on disk yet;
+        returns how many were queued."""
+        bs = self.block_size
+        n_full = min(len(tokens) // bs, len(table))
+        if n_full == 0:
+            return 0
+        chains = chain_hashes(tokens[: n_full * bs], bs, tags)
+        keys = [self._key(c, tags, i) for i, c in enumerate(chains)]
+        todo = [i for i, k in enumerate(keys) if k not in self._on_disk and k not in self.store]
+        if not todo:
+            return 0
+        ids = mx.array([table[i] for i in todo])
+        rows = [p[:, ids] for p in self._parts()]  # [heads, len(todo), block_size, ...] each
+        mx.eval(rows)
+        host = [_host(r) for r in rows]  # views of the evaluated arrays: no MLX op off this thread
+        queued = 0
+        for j, i in enumerate(todo):
+            if self.store.put(keys[i], {n: h[:, j] for n, h in zip(self.names, host)}):
+                self._on_disk.add(keys[i])
+                queued += 1
+            else:
+                break  # the writer is behind: the rest waits for a later save
+        return queued
+
+    # --- read-back ----------------------------------------------------------------------
+    def restore(self, tokens: list[int], tags: list | None = None) -> int:
+        """Read the full blocks of `tokens` past what the prefix cache holds back from disk,
+        into the radix tree (cached, unreferenced); returns the tokens restored."""
+        radix, bs = self.blocks.radix, self.block_size
+        n_full = len(tokens) // bs
+        if radix is None or n_full == 0:
+            return 0
+        t0 = time.perf_counter()
+        held, _ = self.blocks.match_tokens(tokens[: n_full * bs], None, tags)  # shared meanwhile
+        try:
+            m = len(held)
+            if m == n_full:
+                return 0
+            chains = chain_hashes(tokens[: n_full * bs], bs, tags)
+            found: list[dict] = []
+            for i in range(m, n_full):
+                got = self.store.get(self._key(chains[i], tags, i))
+                if got is None or not self._fits(got):
+                    break
+                found.append(got)
+            if not found:
+                return 0
+            new = self._allocate(len(found))
+            if not new:
+                return 0
+            found = found[: len(new)]
+            ids = mx.array(new)
+            for part, name in zip(self._parts(), self.names):
+                stacked = np.stack([f[name] for f in found], axis=1)
+                part[:, ids] = mx.array(stacked).view(part.dtype) if stacked.dtype == np.uint16 \
+                    and part.dtype == mx.bfloat16 else mx.array(stacked)
+            mx.eval(self._parts())
+            n = m + len(new)
+            for i in range(m, n):
+                self._on_disk.add(self._key(chains[i], tags, i))
+            table = self.blocks.cache_prefix(tokens[: n * bs], held + new, tags=tags)
+            self.blocks.release(table)
+            held = []
+            self.restored_blocks += len(new)
+            self.restored_tokens += len(new) * bs
+            self.restore_seconds += time.perf_counter() - t0
+            return len(new) * bs
+        finally:
+            self.blocks.release(held)
+
+    def _fits(self, arrays: dict) -> bool:
+        """The file's arrays are this pool's blocks (a stale layout is a miss, never KV)."""
+        for part, name in zip(self._parts(), self.names):
+            a = arrays.get(name)
+            want = (part.shape[0], *part.shape[2:])
+            if a is None or tuple(a.shape) != want or a.dtype.itemsize != part.dtype.size:
+                return False
+        return len(arrays) == len(self.names)
+
+    def _allocate(self, n: int) -> list[int]:
+        """Up to n fresh blocks (fewer where the pool is short)."""
+        while n:
+            try:
+                return self.blocks.allocate(n)
+            except OutOfBlocks:
+                n //= 2
+        return []
+
+    def stats(self) -> dict:
+        st = self.store.stats()
+        return {"disk_hit_blocks": self.restored_blocks, "disk_read_bytes": st["read_bytes"],
+                "disk_write_blocks": st["writes"], "disk_write_bytes": st["write_bytes"],
+                "disk_dropped_writes": st["dropped_writes"],
+                "disk_corrupt_removed": st["corrupt_removed"], "disk_bytes": st["bytes_on_disk"]}
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.store.close(timeout)
+
+
+def _host(a: mx.array) -> np.ndarray:
+    """An evaluated array as numpy (bfloat16 as its bits: numpy has no such dtype)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+        mx.eval(a)
+    return np.array(a, copy=False)

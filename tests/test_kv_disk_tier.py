@@ -1,0 +1,116 @@
+"""The disk tier under the prefix cache (--kv-disk): a prefix written by one engine is read back by
+the next (a restart), and the tokens and logprobs after it equal a cold run's; quantized pools,
+the mlx-lm-path models, edited (AKV) histories, a foreign fingerprint, corrupt files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import BASE, FAMILY_CONFIGS, build_tiny
+
+from mlxlocal.engine import EngineConfig, PagedEngine, SamplingParams
+from mlxlocal.source.loader import load_from_dir
+
+WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+PROMPT = [(i * 37 + 11) % 300 for i in range(150)]  # 9 full blocks of 16, and 6 tokens
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tier")
+    return {"native": build_tiny(root / "llama", dict(FAMILY_CONFIGS["llama"], **WIDE), template="llama3", seed=1),
+            "mlx_lm": build_tiny(root / "gemma", dict(BASE, **WIDE, model_type="gemma", rope_theta=10000.0), seed=1)}
+
+
+def engine(path: Path, disk: Path | None, **kw) -> PagedEngine:
+    cfg = {"block_size": 16, "kv_blocks": 64, **kw}
+    if disk is not None:
+        cfg.update(kv_disk=64 << 20, kv_disk_dir=str(disk))
+    return PagedEngine(load_from_dir(path), EngineConfig(**cfg))
+
+
+def run(eng: PagedEngine, prompt: list[int], n: int = 8):
+    """(tokens, logprobs, cached prompt tokens, of them from disk)."""
+    chunks = list(eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0)))
+    toks = [c for c in chunks if c.token is not None]
+    stats = chunks[-1].stats
+    return [c.token for c in toks], [c.logprob for c in toks], stats.cached_tokens, stats.disk_tokens
+
+
+def written(eng: PagedEngine) -> int:
+    assert eng.tier is not None and eng.tier.store.flush()
+    return eng.tier.store.stats()["files"]
+
+
+@pytest.mark.parametrize("kind,bits", [("native", None), ("native", 8), ("mlx_lm", None)])
+def test_a_restart_reads_the_prefix_back_and_decodes_as_cold(models, tmp_path, kind, bits):
+    q = {"kv_bits": bits} if bits else {}
+    cold = engine(models[kind], None, **q)
+    want = run(cold, PROMPT)
+    cold.shutdown()
+    first = engine(models[kind], tmp_path, **q)
+    assert run(first, PROMPT)[:2] == want[:2]
+    assert written(first) == len(PROMPT) // 16  # the prompt's full blocks, and the reply's
+    first.shutdown()
+
+    second = engine(models[kind], tmp_path, **q)  # a new process would see the same files
+    toks, lps, cached, disk = run(second, PROMPT)
+    assert (cached, disk) == (144, 144)  # every full block of the prompt, from disk
+    assert toks == want[0]
+    assert max(abs(a - b) for a, b in zip(lps, want[1])) < 1e-4, (lps, want[1])
+    st = second.stats()
+    assert st["disk_hit_blocks"] == 9 and st["disk_read_bytes"] > 0
+    # Now in RAM: the next request hits there and reads nothing more from disk.
+    assert run(second, PROMPT)[2:] == (149, 0)
+    assert second.stats()["disk_hit_blocks"] == 9
+    second.shutdown()
+
+
+def test_a_longer_prompt_continues_on_disk_after_ram(models, tmp_path):
+    first = engine(models["native"], tmp_path)
+    run(first, PROMPT)
+    written(first)
+    first.shutdown()
+    second = engine(models["native"], tmp_path)
+    # 3 blocks restored (a prompt's last token is always computed), the 4th computed: RAM
+    # holds 64 tokens of the prefix ...
+    assert run(second, PROMPT[:64])[2:] == (48, 48)
+    longer = PROMPT + [5, 6, 7]
+    toks, _, cached, disk = run(second, longer)
+    assert cached == 144 and disk == 144 - 64  # ... and the rest comes from disk after them
+    cold = engine(models["native"], None)
+    assert toks == run(cold, longer)[0]
+    for e in (second, cold):
+        e.shutdown()
+
+
+def test_other_kv_precision_is_another_store(models, tmp_path):
+    first = engine(models["native"], tmp_path)
+    run(first, PROMPT)
+    written(first)
+    first.shutdown()
+    other = engine(models["native"], tmp_path, kv_bits=8)  # fingerprint differs: nothing to reuse
+    assert run(other, PROMPT)[2:] == (0, 0)
+    other.shutdown()
+    assert len([d for d in os.listdir(tmp_path) if not d.startswith(".")]) == 2
+
+
+def test_corrupt_block_files_are_removed_and_the_request_served_by_prefill(models, tmp_path):
+    first = engine(models["native"], tmp_path)
+    want = run(first, PROMPT)
+    written(first)
+    first.shutdown()
+    (store,) = [tmp_path / d for d in os.listdir(tmp_path)]
+    files = sorted(store.glob("*.kv"))
+    for i, f in enumerate(files):  # every kind at once: truncated, flipped, emptied, garbage
+        data = f.read_bytes()
+        f.write_bytes([data[: len(data) // 2], data[:-9] + bytes([data[-9] ^ 1]) + data[-8:], b"",
+                       b"not a block"][i % 4])
+    second = engine(models["native"], tmp_path)
+    toks, lps, cached, disk = run(second, PROMPT)
+    assert (cached, disk) == (0, 0) and toks == want[0]
+    st = second.stats()
+    assert st["disk_corrupt_removed"] >= 1 and st["disk_hit_blocks"] == 0
+    second.shutdown()
