@@ -6,6 +6,7 @@ convert on models), never on the package."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import NoReturn, Optional
 
 import typer
@@ -45,9 +46,20 @@ def parse_size(text: str) -> int:
 
 
 def engine_options(kv_cache_memory: Optional[str], kv_blocks: Optional[int], block_size: int,
-                   no_prefix_cache: bool, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> dict:
+                   no_prefix_cache: bool, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                   kv_disk: Optional[str] = None, kv_disk_dir: Optional[Path] = None) -> dict:
     options: dict = {"block_size": block_size, "prefix_cache": not no_prefix_cache,
                      **kv_precision(kv_bits, kv_group_size)}
+    if kv_disk_dir is not None and kv_disk is None:
+        fail("--kv-disk-dir applies with --kv-disk only (the tier's size, e.g. --kv-disk 20GB)", 2)
+    if kv_disk is not None:
+        if no_prefix_cache:
+            fail("--kv-disk is a tier under the prefix cache: it cannot go with --no-prefix-cache", 2)
+        options["kv_disk"] = parse_size(kv_disk)
+        if kv_disk_dir is not None:
+            if kv_disk_dir.exists() and not kv_disk_dir.is_dir():
+                fail(f"--kv-disk-dir {kv_disk_dir}: not a directory", 2)
+            options["kv_disk_dir"] = str(kv_disk_dir)
     if kv_blocks is not None:
         if kv_blocks < 1:
             fail("--kv-blocks must be >= 1", 2)
@@ -75,6 +87,9 @@ def kv_precision(kv_bits: Optional[int], kv_group_size: int) -> dict:
     return {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
 
 
+KV_DISK_HELP = ("Keep prefix KV blocks on disk too, up to this size (e.g. 20GB): they outlive restarts and "
+                "evictions, and a prompt whose prefix is there is read back instead of recomputed")
+KV_DISK_DIR_HELP = "With --kv-disk: where the block files go [default: $MLXLOCAL_HOME/kv]"
 KERNELS_HELP = ("Decode kernels: auto (per op and shape, the faster of ours and MLX's built-in, timed once per chip "
                 "and kept in $MLXLOCAL_HOME/kernel_choices.json), ours, or mlx [default: $MLXLOCAL_KERNELS or auto]")
 

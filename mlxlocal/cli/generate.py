@@ -15,6 +15,8 @@ from mlxlocal.cli.common import (
     KERNELS_HELP,
     KV_BITS_HELP,
     KV_COMPACT_HELP,
+    KV_DISK_DIR_HELP,
+    KV_DISK_HELP,
     KV_GROUP_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
@@ -68,6 +70,8 @@ def generate(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
+    kv_disk: Optional[str] = typer.Option(None, "--kv-disk", help=KV_DISK_HELP),
+    kv_disk_dir: Optional[Path] = typer.Option(None, "--kv-disk-dir", help=KV_DISK_DIR_HELP),
     kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the output to JSON "
                                                "valid against the JSON schema in this file"),
@@ -92,7 +96,8 @@ def generate(
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, grammar=constraint,
     )
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size,
+                             kv_disk, kv_disk_dir)
     kernels_mode(kernels)
     spec = speculation(draft_model, prompt_lookup, num_draft_tokens, options)
     try:
@@ -247,6 +252,8 @@ def chat(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
+    kv_disk: Optional[str] = typer.Option(None, "--kv-disk", help=KV_DISK_HELP),
+    kv_disk_dir: Optional[Path] = typer.Option(None, "--kv-disk-dir", help=KV_DISK_DIR_HELP),
     kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
     mcp: list[Path] = typer.Option([], "--mcp", help="MCP config file (mcpServers, as Claude Desktop / Cursor "
                                    "write it): the model may call its servers' tools; repeatable"),
@@ -269,7 +276,8 @@ def chat(
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         think_budget=thinking_budget,
     )
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size,
+                             kv_disk, kv_disk_dir)
     kernels_mode(kernels)
     speculation(draft_model, prompt_lookup, num_draft_tokens, options)  # exits 2 when they clash
     if mcp:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -11,6 +12,8 @@ from mlxlocal.cli.common import (
     DRAFT_MODEL_HELP,
     KERNELS_HELP,
     KV_BITS_HELP,
+    KV_DISK_DIR_HELP,
+    KV_DISK_HELP,
     KV_GROUP_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
@@ -60,6 +63,8 @@ def serve(
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
+    kv_disk: Optional[str] = typer.Option(None, "--kv-disk", help=KV_DISK_HELP),
+    kv_disk_dir: Optional[Path] = typer.Option(None, "--kv-disk-dir", help=KV_DISK_DIR_HELP),
     kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
     mcp_endpoint: bool = typer.Option(True, "--mcp-endpoint/--no-mcp-endpoint", help="The models as MCP tools "
                                       "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks"),
@@ -108,7 +113,8 @@ def serve(
     if served_model_name and not model:
         fail("--served-model-name names --model models; embedding models answer to their --embed-model "
              "value and their own name", 2)
-    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size)
+    options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size,
+                             kv_disk, kv_disk_dir)
     kernels_mode(kernels)
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
     if speculation(draft_model, prompt_lookup, num_draft_tokens, options) is not None and not model:

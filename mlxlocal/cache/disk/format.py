@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import asdict, dataclass
@@ -183,7 +184,7 @@ def decode(blob: bytes, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray]
     try:
         for name, dtype, shape, off, n in header["arrays"]:
             dt = _np_dtype(dtype)
-            if off < 0 or off + n > plen or int(np.prod(shape)) * dt.itemsize != n:
+            if off < 0 or off + n > plen or math.prod(shape) * dt.itemsize != n:
                 raise CorruptBlock(f"array table entry {name!r} does not fit")
             arrays[name] = np.frombuffer(payload[off:off + n], dt).reshape(shape)
             dtypes[name] = dtype
