@@ -17,6 +17,7 @@ from mlxlocal import __version__
 from mlxlocal.cli import (
     agent,
     bench,
+    cache,
     cluster,
     convert,
     embed,
@@ -68,6 +69,7 @@ agent.register(app)
 embed.register(app)
 models.register(app)
 serve.register(app)
+cache.register(app)
 mcp_serve.register(app)
 launch.register(app)
 cluster.register(app)

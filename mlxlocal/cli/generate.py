@@ -204,7 +204,8 @@ def stats_line(stats, context_length: int) -> str:
         finish += f" ({why})"
     if stats.grammar_complete is False:  # cut short: what was printed does not parse
         finish += ", output incomplete: the constraint was not finished"
-    return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), {stats.prefill_tps:.1f} tok/s"
+    disk = f", {stats.disk_tokens} from disk" if stats.disk_tokens else ""
+    return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached{disk}), {stats.prefill_tps:.1f} tok/s"
             f" · reply {stats.completion_tokens} tokens, {stats.decode_tps:.1f} tok/s"
             f" · TTFT {stats.ttft_s * 1000:.0f} ms · peak memory {human_bytes(stats.peak_memory_bytes)}"
             f" · finish: {finish}")

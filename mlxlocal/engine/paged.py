@@ -185,7 +185,8 @@ class PagedEngine(EngineBase, StepPhases):
                         self.info.name, why)
             return None
         return DiskTier.open(cfg.kv_disk_dir or str(default_kv_dir()), cfg.kv_disk, str(loaded.info.path),
-                             self.pools, self.blocks, self.runner.dtype, cfg.kv_bits, cfg.kv_group_size)
+                             self.pools, self.blocks, self.runner.dtype, cfg.kv_bits, cfg.kv_group_size,
+                             self.info.name)
 
     def _copy_block(self, src: int, dst: int) -> None:
         self.pools.copy_block(src, dst)

@@ -36,6 +36,7 @@ def format_footer(stats: GenerationStats) -> str:
         f"decode {format_rate(stats.decode_tps)} tok/s",
         f"prefill {format_rate(stats.prefill_tps)} tok/s",
         f"prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached"
+        + (f", {stats.disk_tokens} from disk" if stats.disk_tokens else "")
         + (f", {stats.dropped_tokens} dropped from the KV cache)" if stats.dropped_tokens else ")"),
         f"reply {stats.completion_tokens} tokens"
         + (f" ({stats.accepted_tokens}/{stats.draft_tokens} drafted accepted)" if stats.draft_tokens else ""),

@@ -6,6 +6,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from mlxlocal.engine import Engine
 
+DISK_GAUGES = {
+    "disk_hit_blocks": "KV blocks read back from the disk tier",
+    "disk_read_bytes": "Bytes of KV block files read from the disk tier",
+    "disk_write_blocks": "KV blocks written to the disk tier",
+    "disk_write_bytes": "Bytes of KV block files written to the disk tier",
+    "disk_dropped_writes": "KV block writes dropped (the writer's queue full, or the disk failing)",
+    "disk_corrupt_removed": "KV block files that did not verify and were removed",
+    "disk_bytes": "Bytes of KV block files the disk tier holds",
+}
+
 
 class Metrics:
     def __init__(self):
@@ -29,6 +39,9 @@ class Metrics:
         self.spec_steps = Gauge("mlxlocal_spec_verify_steps", "Speculative verify steps", registry=r)
         self.spec_drafted = Gauge("mlxlocal_spec_draft_tokens", "Tokens drafted for speculative decoding", registry=r)
         self.spec_accepted = Gauge("mlxlocal_spec_accepted_tokens", "Drafted tokens the model accepted", registry=r)
+        # The disk tier (--kv-disk), per tier as the RAM cache's prefix_hits is: blocks read
+        # back, bytes read and written, blocks written, writes dropped, bad files removed.
+        self.disk = {k: Gauge(f"mlxlocal_kv_{k}", h, registry=r) for k, h in DISK_GAUGES.items()}
         self.ttft = Histogram("mlxlocal_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram("mlxlocal_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
@@ -42,7 +55,7 @@ class Metrics:
     def refresh(self, engines: list[Engine]) -> None:
         """Gauges from the engines' own counters, at scrape time."""
         totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "prefix_hit_tokens": 0,
-                  "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0}
+                  "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, **dict.fromkeys(DISK_GAUGES, 0)}
         for engine in engines:
             stats = engine.stats()
             for key in totals:
@@ -55,6 +68,8 @@ class Metrics:
         self.spec_steps.set(totals["spec_steps"])
         self.spec_drafted.set(totals["spec_drafted"])
         self.spec_accepted.set(totals["spec_accepted"])
+        for k, gauge in self.disk.items():
+            gauge.set(totals[k])
 
 
 class _WithoutCreated:

@@ -12,15 +12,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import queue
 import threading
 import time
+from dataclasses import asdict
 
 from mlxlocal.cache.disk.format import Fingerprint, decode, encode
 
 Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
 _SUFFIX = ".kv"
+MANIFEST = "manifest.json"
 _TMP = ".tmp-"
 _STALE_TMP_S = 3600
 
@@ -28,6 +31,55 @@ _STALE_TMP_S = 3600
 def _norm(key: Key) -> str:
     chain, tag = (key, None) if isinstance(key, bytes | bytearray) else key
     return bytes(chain).hex() + ("" if tag is None else "/" + repr(tag))
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def stores(root: str | os.PathLike) -> list[dict]:
+    """Every store under root: its digest, directory, manifest (may be {}), block files and
+    bytes, last use (newest file mtime, 0 if none)."""
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for e in sorted(os.scandir(root), key=lambda e: e.name):
+        if not e.is_dir() or e.name.startswith("."):
+            continue
+        try:
+            with open(os.path.join(e.path, MANIFEST)) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError):
+            manifest = {}
+        files = [f.stat() for f in os.scandir(e.path) if f.name.endswith(_SUFFIX)]
+        out.append({"digest": e.name, "dir": e.path, "manifest": manifest, "blocks": len(files),
+                    "bytes": sum(st.st_size for st in files),
+                    "last_used": max((st.st_mtime for st in files), default=0.0)})
+    return out
+
+
+def remove_store(path: str | os.PathLike) -> int:
+    """Delete one store (under its lock, so no writer of ours is mid-replace); its bytes."""
+    path = os.fspath(path)
+    lock = os.path.join(path, ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        freed = 0
+        for e in os.scandir(path):
+            if e.name != ".lock":
+                with contextlib.suppress(OSError):
+                    freed += e.stat().st_size
+                    os.unlink(e.path)
+        os.unlink(lock)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+    return freed
 
 
 def _pid_alive(pid: int) -> bool:
@@ -40,10 +92,15 @@ def _pid_alive(pid: int) -> bool:
 
 class DiskStore:
     def __init__(self, root: str | os.PathLike, budget_bytes: int, fingerprint: Fingerprint,
-                 queue_size: int = 4096, fsync: bool = False, queue_bytes: int = 256 << 20):
+                 queue_size: int = 4096, fsync: bool = False, queue_bytes: int = 256 << 20,
+                 about: dict | None = None):
         self.fp = fingerprint.digest
         self.dir = os.path.join(os.fspath(root), self.fp)
         os.makedirs(self.dir, exist_ok=True)
+        # What `mlxlocal cache ls` shows of a store: the fingerprint, and (about) the model.
+        manifest = {**asdict(fingerprint), **(about or {})}
+        with contextlib.suppress(OSError):
+            _write_json(os.path.join(self.dir, MANIFEST), manifest)
         self.budget = int(budget_bytes)
         self.fsync = fsync
         self._stats = dict(hits=0, misses=0, reads=0, read_bytes=0, writes=0, write_bytes=0,
@@ -196,6 +253,11 @@ class DiskStore:
 
     def _write(self, k: str, arrays: dict) -> None:
         blob = encode(self.fp, k, arrays)
+        if not os.path.isdir(self.dir):  # removed under us (`mlxlocal cache rm`): start over
+            os.makedirs(self.dir, exist_ok=True)
+            fd = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            self._lockfd, old = fd, self._lockfd
+            os.close(old)
         path = self._path(k)
         tmp = os.path.join(self.dir, f"{_TMP}{os.getpid()}-{threading.get_ident()}")
         try:

@@ -40,11 +40,13 @@ class DiskTier:
 
     @classmethod
     def open(cls, root: str, budget: int, model_dir: str, pools: KVPools, blocks: BlockManager,
-             dtype: mx.Dtype, kv_bits: int | None, kv_group_size: int) -> DiskTier:
+             dtype: mx.Dtype, kv_bits: int | None, kv_group_size: int,
+             model_name: str | None = None) -> DiskTier:
         """The store for this model's fingerprint under root (made if new)."""
-        fp = Fingerprint.from_model_dir(model_dir, dtype=str(dtype), kv_bits=kv_bits,
+        fp = Fingerprint.from_model_dir(model_dir, dtype=str(dtype).removeprefix("mlx.core."), kv_bits=kv_bits,
                                         kv_group_size=kv_group_size, block_size=blocks.block_size)
-        return cls(DiskStore(root, budget, fp), pools, blocks)
+        about = {"model": model_name or str(model_dir), "path": str(model_dir)}
+        return cls(DiskStore(root, budget, fp, about=about), pools, blocks)
 
     def _parts(self) -> list[mx.array]:
         return [p for i in range(len(self.pools.k)) for pool in (self.pools.k[i], self.pools.v[i])
