@@ -114,3 +114,73 @@ def test_corrupt_block_files_are_removed_and_the_request_served_by_prefill(model
     st = second.stats()
     assert st["disk_corrupt_removed"] >= 1 and st["disk_hit_blocks"] == 0
     second.shutdown()
+
+
+def test_a_restarted_server_answers_from_disk_and_says_so(models, tmp_path):
+    """Through `serve`: the second server's first request has its prompt cached (usage's
+    cached_tokens), /metrics counts the blocks read back and written."""
+    import httpx
+    from server_util import running_server
+
+    from mlxlocal.server import ServerConfig
+
+    opts = {"kv_blocks": 64, "kv_disk": 64 << 20, "kv_disk_dir": str(tmp_path)}
+    body = {"model": str(models["native"]), "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    texts, usages = [], []
+    for _ in range(2):  # two servers, one after the other, on one store
+        with running_server(ServerConfig(models=[str(models["native"])], engine_options=opts)) as (url, app):
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            usages.append(r.json()["usage"])
+            assert app.state.registry.models[0].engine.tier.store.flush()
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert texts[0] == texts[1]
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 144
+    assert "mlxlocal_kv_disk_hit_blocks 9.0" in metrics
+    assert "mlxlocal_kv_disk_bytes " in metrics and "mlxlocal_kv_disk_bytes 0.0" not in metrics
+
+
+def test_cache_commands_list_show_and_remove_stores(models, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    for bits in (None, 8):
+        e = engine(models["native"], tmp_path, **({"kv_bits": bits} if bits else {}))
+        run(e, PROMPT)
+        written(e)
+        e.shutdown()
+    cli = CliRunner()
+    out = cli.invoke(app, ["cache", "ls", "--dir", str(tmp_path)], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "2 store(s)" in out.output and "8-bit (group 64)" in out.output and "float32" in out.output
+    digests = sorted(d for d in os.listdir(tmp_path) if not d.startswith("."))
+    shown = cli.invoke(app, ["cache", "show", digests[0][:8], "--dir", str(tmp_path)])
+    assert shown.exit_code == 0 and digests[0] in shown.output and str(models["native"]) in shown.output
+    both = cli.invoke(app, ["cache", "show", str(models["native"]), "--dir", str(tmp_path)])
+    assert both.exit_code == 1 and "names 2 stores" in both.output  # the model name is ambiguous here
+    gone = cli.invoke(app, ["cache", "rm", digests[0], "--dir", str(tmp_path)])
+    assert gone.exit_code == 0 and "removed KV store" in gone.output
+    assert sorted(d for d in os.listdir(tmp_path) if not d.startswith(".")) == digests[1:]
+    assert cli.invoke(app, ["cache", "rm", "feedbeef", "--dir", str(tmp_path)]).exit_code == 1
+    assert cli.invoke(app, ["cache", "clear", "--dir", str(tmp_path)], input="n\n").exit_code == 1
+    cleared = cli.invoke(app, ["cache", "clear", "--yes", "--dir", str(tmp_path)])
+    assert cleared.exit_code == 0 and "removed 1 KV store(s)" in cleared.output
+    assert not [d for d in os.listdir(tmp_path) if not d.startswith(".")]
+
+
+def test_kv_disk_options_are_checked(models, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    cli = CliRunner()
+    base = ["generate", "-m", str(models["native"]), "-p", "hi", "--max-tokens", "1"]
+    bad = cli.invoke(app, base + ["--kv-disk-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "--kv-disk-dir applies with --kv-disk only" in bad.output
+    bad = cli.invoke(app, base + ["--kv-disk", "1GB", "--no-prefix-cache"])
+    assert bad.exit_code == 2 and "--no-prefix-cache" in bad.output
+    bad = cli.invoke(app, base + ["--kv-disk", "lots"])
+    assert bad.exit_code == 2 and "lots" in bad.output

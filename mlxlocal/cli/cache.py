@@ -32,7 +32,7 @@ def _match(root: Path, store: str) -> dict:
     found = stores(root)
     model = lambda s: str(s["manifest"].get("model", ""))  # noqa: E731
     hits = ([s for s in found if s["digest"].startswith(store)]
-            or [s for s in found if model(s) == store]
+            or [s for s in found if store in (model(s), s["manifest"].get("path"))]
             or [s for s in found if model(s).startswith(store + ":")])  # synthetic:tiny:fp32
     if not hits:
         fail(f"no KV store {store!r} under {root} ({len(found)} there: mlxlocal cache ls)", 1)
@@ -82,7 +82,7 @@ def ls(dir: Optional[Path] = typer.Option(None, "--dir", help=DIR_HELP)) -> None
 
 
 @cache_app.command("show")
-def show(store: str = typer.Argument(..., help="A store's digest (or its start), or its model's name"),
+def show(store: str = typer.Argument(..., help="A store's digest (or its start), or its model's name or path"),
          dir: Optional[Path] = typer.Option(None, "--dir", help=DIR_HELP)) -> None:
     """Everything a store's manifest records (its fingerprint), and what it holds."""
     s = _match(_root(dir), store)
@@ -98,7 +98,7 @@ def show(store: str = typer.Argument(..., help="A store's digest (or its start),
 
 
 @cache_app.command("rm")
-def rm(store: str = typer.Argument(..., help="A store's digest (or its start), or its model's name"),
+def rm(store: str = typer.Argument(..., help="A store's digest (or its start), or its model's name or path"),
        dir: Optional[Path] = typer.Option(None, "--dir", help=DIR_HELP)) -> None:
     """Remove one store (a server still using it starts it over, empty)."""
     from mlxlocal.cache.disk.store import remove_store
