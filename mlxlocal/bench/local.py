@@ -35,14 +35,14 @@ from mlxlocal.bench.sessions import sessions_scenario
 
 METAL_DEFAULTS = dict(model="synthetic:qwen3-0.6b", prompt_tokens=512, gen_tokens=128,
                       system_tokens=1500, turn_tokens=16, concurrency=8,
-                      sessions=8, session_tokens=2048, session_gen_tokens=16,
+                      sessions=8, session_tokens=2048, session_gen_tokens=16, restart_tokens=32768,
                       akv_model="synthetic:qwen3-0.6b", akv_steps=30, akv_keep=12, akv_gen_tokens=32,
                       akv_repeats=3, spec_gen_tokens=128)
 # The CPU backend (reference BLAS) runs the 0.6B shape at a few tok/s: use the tiny preset.
 # The cache-edits trace (30 steps of tool results) needs more than tiny's 4096 positions.
 CPU_DEFAULTS = dict(model="synthetic:tiny", prompt_tokens=256, gen_tokens=64,
                     system_tokens=400, turn_tokens=8, concurrency=8,
-                    sessions=8, session_tokens=2048, session_gen_tokens=8,
+                    sessions=8, session_tokens=2048, session_gen_tokens=8, restart_tokens=16384,
                     akv_model="synthetic:tiny:context=10240", akv_steps=30, akv_keep=4, akv_gen_tokens=16,
                     akv_repeats=1, spec_gen_tokens=128)
 
@@ -211,6 +211,8 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
     note = "given with --model" if model else f"default for the {d['backend']} backend"
     if contexts and spec.startswith("synthetic:") and "context=" not in spec:
         spec += f":context={max(contexts)}"  # random weights: any context the table asks for
+    if scenario == "restart" and spec.startswith("synthetic:") and "context=" not in spec:
+        spec += f":context={(prompt_tokens or d['restart_tokens']) + 64}"
     p = prompt_tokens or d["prompt_tokens"]
     g = gen_tokens or d["gen_tokens"]
     log(f"loading {spec} ({note}) ...")
@@ -271,7 +273,12 @@ def run_local(*, model: str | None = None, prompt_tokens: int | None = None, gen
         res["sessions"] = sessions_scenario(
             loaded, sessions=concurrency or d["sessions"], prompt_tokens=prompt_tokens or d["session_tokens"],
             gen_tokens=gen_tokens or d["session_gen_tokens"], repeats=repeats, warmup=warmup, compare=compare)
+    elif scenario == "restart":
+        from mlxlocal.bench.restart import restart_scenario
+
+        res["restart"] = restart_scenario(loaded, prompt_tokens=prompt_tokens or d["restart_tokens"],
+                                          repeats=repeats, compare=compare)
     else:
-        raise ValueError(f"unknown scenario {scenario!r} (agent | concurrent | sessions)")
+        raise ValueError(f"unknown scenario {scenario!r} (agent | concurrent | sessions | restart)")
     res["elapsed_s"] = time.perf_counter() - t0
     return res

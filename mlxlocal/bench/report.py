@@ -62,6 +62,10 @@ def print_report(res: dict, console: Console | None = None) -> None:
         print_concurrent(res["concurrent"], con)
     if "sessions" in res:
         print_sessions(res["sessions"], con)
+    if "restart" in res:
+        from mlxlocal.bench.restart import print_restart
+
+        print_restart(res["restart"], con)
     if "structured" in res:
         print_structured(res["structured"], con)
     if "speculative" in res:

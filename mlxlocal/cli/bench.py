@@ -26,7 +26,10 @@ concurrent (aggregate decode tok/s at 1, 2, 4 .. -c streams; --compare: mlx-lm's
 BatchGenerator, alternating, ratios per stream count); sessions (-c sessions, default 8,
 of -p tokens, default 2048 clipped to the context, then a second turn on the cache: peak
 memory over the resident weights and second-turn TTFT; --compare: one mlx-lm prompt
-cache per session).
+cache per session); restart (-p tokens, default 16384 on the CPU backend: served cold by an engine
+with --kv-disk, then by a new engine on the same store, then from RAM: first-token times, the
+restore's GB/s beside a plain read of the same files; --compare: mlx-lm's save_prompt_cache /
+load_prompt_cache of the same prefix).
 
 Profile (--profile): per decode step, the host time (schedule, build, sample, output) and the
 evaluation time (submit: mx.async_eval, which blocks while the device has too much queued;
@@ -100,7 +103,7 @@ def bench(
                                           "Metal, 1 on the CPU backend)"),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs"),
     compare: Optional[str] = typer.Option(None, "--compare", help="Also run the same model through: mlx-lm"),
-    scenario: Optional[str] = typer.Option(None, "--scenario", help="agent | concurrent | sessions"),
+    scenario: Optional[str] = typer.Option(None, "--scenario", help="agent | concurrent | sessions | restart"),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", help="Streams (concurrent), sessions (sessions), or --url concurrency"),
     turns: Optional[int] = typer.Option(None, "--turns", help="Turns of the agent trace (default 6; 30 with --akv)"),
     akv: bool = typer.Option(False, "--akv", help="With --scenario agent: standard vs AKV cache drops vs text "
@@ -254,8 +257,8 @@ def bench(
         fail("--akv-keep, --cached-discount and --output-price apply to --scenario agent --akv only")
     if compare not in (None, "mlx-lm"):
         fail(f"--compare supports only 'mlx-lm', not {compare!r}")
-    if scenario not in (None, "agent", "concurrent", "sessions"):
-        fail(f"--scenario must be 'agent', 'concurrent' or 'sessions', not {scenario!r}")
+    if scenario not in (None, "agent", "concurrent", "sessions", "restart"):
+        fail(f"--scenario must be 'agent', 'concurrent', 'sessions' or 'restart', not {scenario!r}")
     for name, value, low in (("--batch", batch, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0),
                              ("--prompt-tokens", prompt_tokens, 1), ("--gen-tokens", gen_tokens, 1),
                              ("--concurrency", concurrency, 1), ("--turns", turns, 1)):

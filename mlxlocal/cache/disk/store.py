@@ -9,6 +9,7 @@ Writes and evictions hold an fcntl lock, so two processes may share a store.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -119,6 +120,9 @@ class DiskStore:
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
                                         daemon=True)
         self._writer.start()
+        # A process that exits without shutting its engine down still drains what is queued
+        # (a few seconds at most): kill -9 is what loses the blocks in flight.
+        atexit.register(self.close)
 
     # -- paths, lock, clock ------------------------------------------------------------
 
@@ -301,6 +305,7 @@ class DiskStore:
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.close)
         self._run.set()
         self._writer.join(timeout)
         while True:

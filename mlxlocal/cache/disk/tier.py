@@ -105,11 +105,11 @@ class DiskTier:
             if not new:
                 return 0
             found = found[: len(new)]
-            ids = mx.array(new)
             for part, name in zip(self._parts(), self.names):
-                stacked = np.stack([f[name] for f in found], axis=1)
-                part[:, ids] = mx.array(stacked).view(part.dtype) if stacked.dtype == np.uint16 \
-                    and part.dtype == mx.bfloat16 else mx.array(stacked)
+                rows = mx.array(np.stack([f[name] for f in found], axis=1))
+                rows = rows.view(part.dtype) if rows.dtype != part.dtype else rows  # bfloat16's bits
+                for j, start, n in _runs(new):  # slice updates: a scatter measured 3-4x slower
+                    part[:, start:start + n] = rows[:, j:j + n]
             mx.eval(self._parts())
             n = m + len(new)
             for i in range(m, n):
@@ -170,3 +170,14 @@ def _host(a: mx.array) -> np.ndarray:
         a = a.view(mx.uint16)
         mx.eval(a)
     return np.array(a, copy=False)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in ids, first id, length) of each run of consecutive ids."""
+    out: list[tuple[int, int, int]] = []
+    for j, b in enumerate(ids):
+        if out and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((j, b, 1))
+    return out
