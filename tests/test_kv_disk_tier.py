@@ -184,3 +184,31 @@ def test_kv_disk_options_are_checked(models, tmp_path):
     assert bad.exit_code == 2 and "--no-prefix-cache" in bad.output
     bad = cli.invoke(app, base + ["--kv-disk", "lots"])
     assert bad.exit_code == 2 and "lots" in bad.output
+
+
+def test_blocks_under_an_edit_history_come_back_only_to_that_history(models, tmp_path):
+    """Cache edits (AKV drops) key the blocks they touched by their history: after a restart
+    the same request and edits get every full block of the kept view from disk; a plain
+    request only the untouched prefix. Each answer equals a cold engine's."""
+    from mlxlocal.engine import CacheEdit
+
+    edit = [CacheEdit(at=120, drop=((40, 60),))]
+
+    def answer(eng, edits):
+        chunks = list(eng.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0),
+                                   edits=edits))
+        return [c.token for c in chunks if c.token is not None], chunks[-1].stats
+
+    first = engine(models["native"], tmp_path)
+    answer(first, edit)
+    written(first)
+    first.shutdown()
+    cold = engine(models["native"], None)
+    second = engine(models["native"], tmp_path)
+    toks, st = answer(second, edit)
+    assert toks == answer(cold, edit)[0]
+    assert st.cached_tokens == st.disk_tokens == 128  # every full block of the 130 kept tokens
+    toks, st = answer(second, None)
+    assert toks == answer(cold, None)[0] and st.cached_tokens == 32  # blocks before the drop at 40 only
+    for e in (second, cold):
+        e.shutdown()

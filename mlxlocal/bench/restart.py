@@ -63,6 +63,7 @@ def _ours(loaded, prompt: list[int], root: str) -> dict:
     second = PagedEngine(loaded, cfg)
     disk, stats = _ttft(second, prompt)  # its first request
     tier = second.tier
+    assert tier is not None
     read, restore_s = tier.store.stats()["read_bytes"], tier.restore_seconds
     ram, _ = _ttft(second, prompt)
     second.shutdown()

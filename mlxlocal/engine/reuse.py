@@ -104,6 +104,8 @@ class PrefixReuse:
         kept = [st0.full[o] for o in final.origin]
         n_full = (len(kept) - 1) // bs
         tags = block_tags(final, n_full, bs)
+        # Blocks under this history past RAM's, read back from disk.
+        restored = self.tier.restore(kept[: n_full * bs], tags) if self.tier is not None else 0
         blocks, _ = self.blocks.match_tokens(kept[: n_full * bs], None, tags)
         m = len(blocks)
 
@@ -125,6 +127,8 @@ class PrefixReuse:
         seq.edit, seq.prompt = st, [st0.full[o] for o in st.origin]
         seq.tokens = seq.prompt + generated
         seq.block_table, seq.num_computed = blocks[:m], m * bs
+        if seq.preemptions == 0:
+            seq.stats.disk_tokens = min(restored, m * bs)
         return True
 
     def _attach(self, seq: Sequence, common: int) -> int:
