@@ -37,6 +37,11 @@ class CorruptBlock(ValueError):
     """A block file that does not verify (the store removes it)."""
 
 
+class OtherChain(CorruptBlock):
+    """A verified record with another key: past a file's first record, the rest of the file
+    continues another prompt's chain (not a fault: the read stops there)."""
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     """Everything that changes a block's KV; blocks are only reused under an equal one."""
@@ -163,17 +168,27 @@ def encode(fp_digest: str, key: str, arrays: dict) -> bytes:
     return PREFIX.pack(MAGIC, VERSION, len(header), len(payload), digest) + header + payload
 
 
-def decode(blob: bytes, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict]:
-    """(arrays, dtype names) or CorruptBlock naming what did not verify."""
-    if len(blob) < PREFIX.size:
+def record_end(blob, start: int = 0) -> int:
+    """Where the record at `start` of a file ends (a file holds one or more, back to back);
+    CorruptBlock if its prefix does not read or it runs past the end."""
+    if len(blob) - start < PREFIX.size:
         raise CorruptBlock("short file")
-    magic, version, hlen, plen, digest = PREFIX.unpack_from(blob)
+    magic, version, hlen, plen, _ = PREFIX.unpack_from(blob, start)
     if magic != MAGIC:
         raise CorruptBlock("bad magic")
     if version != VERSION:
         raise CorruptBlock(f"format version {version}")
-    if hlen > MAX_HEADER or len(blob) != PREFIX.size + hlen + plen:
+    end = start + PREFIX.size + hlen + plen
+    if hlen > MAX_HEADER or end > len(blob):
+        raise CorruptBlock("length mismatch (truncated)")
+    return end
+
+
+def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict]:
+    """One record's (arrays, dtype names), or CorruptBlock naming what did not verify."""
+    if record_end(blob) != len(blob):
         raise CorruptBlock("length mismatch (truncated or padded)")
+    *_, hlen, plen, digest = PREFIX.unpack_from(blob)
     body = memoryview(blob)[PREFIX.size:]
     if _checksum(body) != digest:
         raise CorruptBlock("checksum mismatch")
@@ -184,7 +199,7 @@ def decode(blob: bytes, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray]
     if header.get("fp") != fp_digest:
         raise CorruptBlock("foreign fingerprint")
     if header.get("key") != key:
-        raise CorruptBlock("wrong key")
+        raise OtherChain("wrong key")
     payload = body[hlen:]
     arrays, dtypes = {}, {}
     try:

@@ -21,10 +21,12 @@ import numpy as np
 from mlxlocal.cache import quantized
 from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
 from mlxlocal.cache.disk.format import Fingerprint, chain_hashes
-from mlxlocal.cache.disk.store import DiskStore
+from mlxlocal.cache.disk.store import DiskStore, Run
 from mlxlocal.cache.paged import KVPools
 
 log = logging.getLogger("mlxlocal.engine")
+RUN_BYTES = 64 << 20  # most bytes one file holds: the LRU's unit
+SEARCH_BACK = 4096  # blocks a lookup walks back for the file that holds its first one
 
 
 class DiskTier:
@@ -74,13 +76,16 @@ class DiskTier:
         rows = [p[:, ids] for p in self._parts()]  # [heads, len(todo), block_size, ...] each
         mx.eval(rows)
         host = [_host(r) for r in rows]  # views of the evaluated arrays: no MLX op off this thread
+        per_file = max(1, RUN_BYTES // max(1, sum(h[:, 0].nbytes for h in host)))
         queued = 0
-        for j, i in enumerate(todo):
-            if self.store.put(keys[i], {n: h[:, j] for n, h in zip(self.names, host)}):
-                self._on_disk.add(keys[i])
-                queued += 1
-            else:
-                break  # the writer is behind: the rest waits for a later save
+        for j, _, n in _runs(todo):  # consecutive blocks of the chain: a file each, RUN_BYTES at most
+            for a in range(j, j + n, per_file):
+                idx = range(a, min(a + per_file, j + n))
+                run = [keys[todo[x]] for x in idx]
+                if not self.store.put_run(run, [{n_: h[:, x] for n_, h in zip(self.names, host)} for x in idx]):
+                    return queued  # the writer is behind: the rest waits for a later save
+                self._on_disk.update(run)
+                queued += len(run)
         return queued
 
     # --- read-back ----------------------------------------------------------------------
@@ -98,7 +103,7 @@ class DiskTier:
             if m == n_full:
                 return 0
             chains = chain_hashes(tokens[: n_full * bs], bs, tags)
-            found = self._read([self._key(chains[i], tags, i) for i in range(m, n_full)])
+            found, on_disk = self._read([self._key(chains[i], tags, i) for i in range(n_full)], m)
             if not found:
                 return 0
             new = self._allocate(len(found))
@@ -112,7 +117,7 @@ class DiskTier:
                     part[:, start:start + n] = rows[:, j:j + n]
             mx.eval(self._parts())
             n = m + len(new)
-            for i in range(m, n):
+            for i in range(m, min(n, m + on_disk)):  # not those of a file found corrupt: gone
                 self._on_disk.add(self._key(chains[i], tags, i))
             table = self.blocks.cache_prefix(tokens[: n * bs], held + new, tags=tags)
             self.blocks.release(table)
@@ -124,16 +129,34 @@ class DiskTier:
         finally:
             self.blocks.release(held)
 
-    def _read(self, keys: list) -> list[dict]:
-        """The blocks of `keys` up to the first missing or unfit one. One by one: a thread
-        pool measured slower here (each read is ~140 us, most of it under the GIL)."""
+    def _read(self, keys: list, start: int) -> tuple[list[dict], int]:
+        """The blocks of keys[start:] up to the first missing or unfit one, file by file;
+        and how many of them are still on disk (a file that did not verify is removed)."""
         found: list[dict] = []
-        for key in keys:
-            got = self.store.get(key)
-            if got is None or not self._fits(got):
+        kept = 0
+        i = start
+        while i < len(keys):
+            run = self._run_from(keys, i)
+            for arrays, _ in run:
+                if not self._fits(arrays):
+                    return found, kept
+                found.append(arrays)
+            if run.intact:
+                kept = len(found)
+            if not run or not run.intact:
                 break
-            found.append(got)
-        return found
+            i += len(run)
+        return found, kept
+
+    def _run_from(self, keys: list, i: int) -> Run:
+        """The blocks from i on of the file holding block i: a file is named by its first
+        block's key, so the search walks back from i (most often it starts right there)."""
+        for c in range(i, max(-1, i - SEARCH_BACK), -1):
+            if keys[c] in self.store:
+                run = self.store.get_run(keys[c], keys[c:], skip=i - c)
+                if run or not run.intact:
+                    return run
+        return Run()
 
     def _fits(self, arrays: dict) -> bool:
         """The file's arrays are this pool's blocks (a stale layout is a miss, never KV)."""
