@@ -33,6 +33,10 @@ class StateSnapshots:
             self._by_block.move_to_end(block)
         return state
 
+    def peek(self, block: int) -> list | None:
+        """The snapshot, without making it the most recently used (the disk tier's copy)."""
+        return self._by_block.get(block)
+
     def drop(self, block: int) -> None:
         """The block was freed (its tokens may change): its snapshot no longer applies."""
         self._by_block.pop(block, None)

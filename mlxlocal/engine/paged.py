@@ -177,7 +177,6 @@ class PagedEngine(EngineBase, StepPhases):
         if not cfg.kv_disk or not cfg.prefix_cache:
             return None
         why = ("sliding-window layers" if any(self.pools.windowed) else
-               "recurrent layers" if self.runner.recurrent else
                "a draft model" if drafter is not None else
                "tensor parallelism" if type(self.pools) is not KVPools else None)
         if why is not None:
@@ -186,7 +185,7 @@ class PagedEngine(EngineBase, StepPhases):
             return None
         return DiskTier.open(cfg.kv_disk_dir or str(default_kv_dir()), cfg.kv_disk, str(loaded.info.path),
                              self.pools, self.blocks, self.runner.dtype, cfg.kv_bits, cfg.kv_group_size,
-                             self.info.name)
+                             self.info.name, self.reuse.snapshots)
 
     def _copy_block(self, src: int, dst: int) -> None:
         self.pools.copy_block(src, dst)

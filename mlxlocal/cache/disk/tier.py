@@ -23,6 +23,7 @@ from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
 from mlxlocal.cache.disk.format import Fingerprint, chain_hashes
 from mlxlocal.cache.disk.store import DiskStore, Run
 from mlxlocal.cache.paged import KVPools
+from mlxlocal.cache.states import StateSnapshots
 
 log = logging.getLogger("mlxlocal.engine")
 RUN_BYTES = 64 << 20  # most bytes one file holds: the LRU's unit
@@ -30,8 +31,10 @@ SEARCH_BACK = 4096  # blocks a lookup walks back for the file that holds its fir
 
 
 class DiskTier:
-    def __init__(self, store: DiskStore, pools: KVPools, blocks: BlockManager):
+    def __init__(self, store: DiskStore, pools: KVPools, blocks: BlockManager,
+                 snapshots: StateSnapshots | None = None):
         self.store, self.pools, self.blocks = store, pools, blocks
+        self.snapshots = snapshots  # hybrids: a block's recurrent-state snapshot goes with it
         self.block_size = blocks.block_size
         # Every pool array, named: "<layer>.<k|v>.<part>" (quantized pools have 3 parts).
         self.names = [f"{i}.{kv}.{j}" for i in range(len(pools.k)) for kv in "kv"
@@ -43,12 +46,12 @@ class DiskTier:
     @classmethod
     def open(cls, root: str, budget: int, model_dir: str, pools: KVPools, blocks: BlockManager,
              dtype: mx.Dtype, kv_bits: int | None, kv_group_size: int,
-             model_name: str | None = None) -> DiskTier:
+             model_name: str | None = None, snapshots: StateSnapshots | None = None) -> DiskTier:
         """The store for this model's fingerprint under root (made if new)."""
         fp = Fingerprint.from_model_dir(model_dir, dtype=str(dtype).removeprefix("mlx.core."), kv_bits=kv_bits,
                                         kv_group_size=kv_group_size, block_size=blocks.block_size)
         about = {"model": model_name or str(model_dir), "path": str(model_dir)}
-        return cls(DiskStore(root, budget, fp, about=about), pools, blocks)
+        return cls(DiskStore(root, budget, fp, about=about), pools, blocks, snapshots)
 
     def _parts(self) -> list[mx.array]:
         return [p for i in range(len(self.pools.k)) for pool in (self.pools.k[i], self.pools.v[i])
@@ -82,11 +85,44 @@ class DiskTier:
             for a in range(j, j + n, per_file):
                 idx = range(a, min(a + per_file, j + n))
                 run = [keys[todo[x]] for x in idx]
-                if not self.store.put_run(run, [{n_: h[:, x] for n_, h in zip(self.names, host)} for x in idx]):
+                files = [{n_: h[:, x] for n_, h in zip(self.names, host)} | self._state(table[todo[x]])
+                         for x in idx]
+                if not self.store.put_run(run, files):
                     return queued  # the writer is behind: the rest waits for a later save
                 self._on_disk.update(run)
                 queued += len(run)
         return queued
+
+    def _state(self, block: int) -> dict:
+        """Hybrids: the block's recurrent-state snapshot as named host arrays ({} if none):
+        "s.n" the entries per layer, "s.<layer>.<entry>[~bfloat16]" each array."""
+        state = self.snapshots.peek(block) if self.snapshots is not None else None
+        if state is None:
+            return {}
+        out: dict = {"s.n": np.array([len(layer) for layer in state], np.int64)}
+        for i, layer in enumerate(state):
+            for j, a in enumerate(layer):
+                if a is not None:
+                    mx.eval(a)
+                    out[f"s.{i}.{j}" + ("~bfloat16" if a.dtype == mx.bfloat16 else "")] = _host(a)
+        return out
+
+    def _put_state(self, block: int, arrays: dict) -> None:
+        if self.snapshots is None or "s.n" not in arrays:
+            return
+        state = []
+        for i, n in enumerate(arrays["s.n"].tolist()):
+            layer = []
+            for j in range(n):
+                name = f"s.{i}.{j}"
+                if name in arrays:
+                    layer.append(mx.array(arrays[name]))
+                elif name + "~bfloat16" in arrays:
+                    layer.append(mx.array(arrays[name + "~bfloat16"]).view(mx.bfloat16))
+                else:
+                    layer.append(None)
+            state.append(layer)
+        self.snapshots.put(block, state)
 
     # --- read-back ----------------------------------------------------------------------
     def restore(self, tokens: list[int], tags: list | None = None) -> int:
@@ -115,6 +151,8 @@ class DiskTier:
                 rows = rows.view(part.dtype) if rows.dtype != part.dtype else rows  # bfloat16's bits
                 for j, start, n in _runs(new):  # slice updates: a scatter measured 3-4x slower
                     part[:, start:start + n] = rows[:, j:j + n]
+            for b, arrays in zip(new, found):
+                self._put_state(b, arrays)
             mx.eval(self._parts())
             n = m + len(new)
             for i in range(m, min(n, m + on_disk)):  # not those of a file found corrupt: gone
@@ -165,7 +203,7 @@ class DiskTier:
             want = (part.shape[0], *part.shape[2:])
             if a is None or tuple(a.shape) != want or a.dtype.itemsize != part.dtype.size:
                 return False
-        return len(arrays) == len(self.names)
+        return sum(not n.startswith("s.") for n in arrays) == len(self.names)  # "s.": a state
 
     def _allocate(self, n: int) -> list[int]:
         """Up to n fresh blocks (fewer where the pool is short)."""
