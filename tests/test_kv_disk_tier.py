@@ -222,3 +222,39 @@ def test_blocks_under_an_edit_history_come_back_only_to_that_history(models, tmp
     assert toks == answer(cold, None)[0] and st.cached_tokens == 32  # blocks before the drop at 40 only
     for e in (second, cold):
         e.shutdown()
+
+
+def test_a_session_with_drops_comes_back_after_a_restart(models, tmp_path):
+    """A session's turn 2 dropped a span of turn 1: its blocks, keyed by that history, are on
+    disk. After a restart the session is gone; its next turn, sent with the same edits as the
+    API sends them every turn, gets the kept view's blocks from disk and answers as a cold
+    engine given the whole prompt and the edits."""
+    from mlxlocal.engine import CacheEdit
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+
+    def turn(eng, prompt, edits=None, session=None):
+        chunks = list(eng.generate(prompt, params, session=session, edits=edits))
+        return [c.token for c in chunks if c.token is not None], chunks[-1].stats
+
+    first = engine(models["native"], tmp_path)
+    s = first.new_session()
+    t1, _ = turn(first, PROMPT[:60], session=s)
+    convo = PROMPT[:60] + t1
+    p2 = convo + PROMPT[60:120]
+    e1 = CacheEdit(at=len(convo), drop=((10, 30),))
+    t2, st2 = turn(first, p2, [e1], session=s)
+    assert st2.dropped_tokens == 20
+    written(first)
+    first.shutdown()
+
+    p3 = p2 + t2 + PROMPT[120:140]
+    cold = engine(models["native"], None)
+    want, _ = turn(cold, p3, [e1])
+    second = engine(models["native"], tmp_path)
+    got, st3 = turn(second, p3, [e1], session=second.new_session())
+    assert got == want
+    kept = len(p2) + 4 - 20  # turn 2's kept view: its prompt and reply, less the drop
+    assert st3.disk_tokens == st3.cached_tokens == (kept - 1) // 16 * 16, st3  # every full block
+    for e in (second, cold):
+        e.shutdown()
