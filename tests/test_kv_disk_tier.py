@@ -101,9 +101,9 @@ def test_other_kv_precision_is_another_store(models, tmp_path):
 
 @pytest.mark.parametrize("kind", ["truncated", "flipped", "emptied", "garbage"])
 def test_corrupt_block_files_are_removed_and_the_request_served_by_prefill(models, tmp_path, kind):
-    """The prompt's 9 blocks are one file: the records that verify before the damage are
-    used, the file is removed, the rest is prefilled (the answer is a cold run's) and written
-    again, so the next restart has them all."""
+    """The prompt's 9 blocks are one file, checked as one: damaged, it is removed and the
+    prompt prefilled (the answer is a cold run's) and written again, so the next restart has
+    it all."""
     first = engine(models["native"], tmp_path)
     want = run(first, PROMPT)
     written(first)
@@ -115,9 +115,7 @@ def test_corrupt_block_files_are_removed_and_the_request_served_by_prefill(model
                    "flipped": data[:-9] + bytes([data[-9] ^ 1]) + data[-8:]}[kind])
     second = engine(models["native"], tmp_path)
     toks, lps, cached, disk = run(second, PROMPT)
-    kept = {"truncated": (16, 128), "flipped": (128, 128), "emptied": (0, 0), "garbage": (0, 0)}[kind]
-    assert cached == disk and kept[0] <= cached <= kept[1] and cached % 16 == 0, (cached, disk)
-    assert toks == want[0]
+    assert (cached, disk) == (0, 0) and toks == want[0]
     assert second.stats()["disk_corrupt_removed"] == 1
     written(second)  # the prefilled blocks written again: the store heals
     second.shutdown()

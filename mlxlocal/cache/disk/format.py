@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 MAGIC = b"MLXKVBLK"
-VERSION = 2  # 2: xxh3-128 checksums (1: blake2b)
+VERSION = 3  # 3: a run of blocks per file; 2: xxh3-128 checksums; 1: blake2b
 PREFIX = struct.Struct("<8sIIQ16s")  # magic, version, header len, payload len, checksum
 MAX_HEADER = 1 << 20
 
@@ -35,11 +35,6 @@ _SAMPLE = 64 * 1024  # bytes of weight data hashed at each of a few offsets per 
 
 class CorruptBlock(ValueError):
     """A block file that does not verify (the store removes it)."""
-
-
-class OtherChain(CorruptBlock):
-    """A verified record with another key: past a file's first record, the rest of the file
-    continues another prompt's chain (not a fault: the read stops there)."""
 
 
 @dataclass(frozen=True)
@@ -154,41 +149,34 @@ def _checksum(data) -> bytes:
     return xxhash.xxh3_128(data).digest()
 
 
-def encode(fp_digest: str, key: str, arrays: dict) -> bytes:
+def encode(fp_digest: str, keys: list[str], arrays: dict) -> bytes:
+    """One file: the blocks named by `keys` (a run of one chain, in order), their arrays as
+    given (the tier stacks a run's blocks along the block axis)."""
     table, chunks, off = [], [], 0
     for name, value in arrays.items():
         data, dtype, shape = _raw(value)
         table.append([str(name), dtype, list(shape), off, len(data)])
         chunks.append(data)
         off += len(data)
-    header = json.dumps({"fp": fp_digest, "key": key, "arrays": table},
+    header = json.dumps({"fp": fp_digest, "keys": list(keys), "arrays": table},
                         separators=(",", ":")).encode()
     payload = b"".join(chunks)
     digest = _checksum(header + payload)
     return PREFIX.pack(MAGIC, VERSION, len(header), len(payload), digest) + header + payload
 
 
-def record_end(blob, start: int = 0) -> int:
-    """Where the record at `start` of a file ends (a file holds one or more, back to back);
-    CorruptBlock if its prefix does not read or it runs past the end."""
-    if len(blob) - start < PREFIX.size:
+def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict, list[str]]:
+    """(arrays, dtype names, the file's block keys), or CorruptBlock naming what did not
+    verify; `key` must be the first (a file is named by its first block's key)."""
+    if len(blob) < PREFIX.size:
         raise CorruptBlock("short file")
-    magic, version, hlen, plen, _ = PREFIX.unpack_from(blob, start)
+    magic, version, hlen, plen, digest = PREFIX.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptBlock("bad magic")
     if version != VERSION:
         raise CorruptBlock(f"format version {version}")
-    end = start + PREFIX.size + hlen + plen
-    if hlen > MAX_HEADER or end > len(blob):
-        raise CorruptBlock("length mismatch (truncated)")
-    return end
-
-
-def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict]:
-    """One record's (arrays, dtype names), or CorruptBlock naming what did not verify."""
-    if record_end(blob) != len(blob):
+    if hlen > MAX_HEADER or len(blob) != PREFIX.size + hlen + plen:
         raise CorruptBlock("length mismatch (truncated or padded)")
-    *_, hlen, plen, digest = PREFIX.unpack_from(blob)
     body = memoryview(blob)[PREFIX.size:]
     if _checksum(body) != digest:
         raise CorruptBlock("checksum mismatch")
@@ -198,8 +186,9 @@ def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict]
         raise CorruptBlock("bad header") from e
     if header.get("fp") != fp_digest:
         raise CorruptBlock("foreign fingerprint")
-    if header.get("key") != key:
-        raise OtherChain("wrong key")
+    keys = header.get("keys")
+    if not isinstance(keys, list) or not keys or keys[0] != key:
+        raise CorruptBlock("wrong key")
     payload = body[hlen:]
     arrays, dtypes = {}, {}
     try:
@@ -211,7 +200,7 @@ def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict]
             dtypes[name] = dtype
     except (TypeError, ValueError, KeyError) as e:
         raise CorruptBlock(f"bad array table: {e}") from e
-    return arrays, dtypes
+    return arrays, dtypes, [str(k) for k in keys]
 
 
 def to_mx(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> dict:

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import asdict
 
-from mlxlocal.cache.disk.format import Fingerprint, OtherChain, decode, encode, record_end
+from mlxlocal.cache.disk.format import Fingerprint, decode, encode
 
 Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
 _SUFFIX = ".kv"
@@ -29,16 +29,14 @@ _TMP = ".tmp-"
 _STALE_TMP_S = 3600
 
 
+def norm_key(key: Key) -> str:
+    """A key as the files record it."""
+    return _norm(key)
+
+
 def _norm(key: Key) -> str:
     chain, tag = (key, None) if isinstance(key, bytes | bytearray) else key
     return bytes(chain).hex() + ("" if tag is None else "/" + repr(tag))
-
-
-class Run(list):
-    """Blocks read from one file: (arrays, dtype names) each; not `intact`: the file did not
-    verify past them and is gone (its blocks are no longer on disk)."""
-
-    intact = True
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -184,54 +182,35 @@ class DiskStore:
     # -- reads ---------------------------------------------------------------------------
 
     def get(self, key: Key, with_dtypes: bool = False):
-        """The block's arrays, or None (missing, or did not verify: then removed).
-
-        with_dtypes: (arrays, stored dtype names), for to_mx() (bfloat16 without ml_dtypes).
-        """
+        """The arrays of the file named by key, or None (missing, or did not verify: then
+        removed). with_dtypes: (arrays, stored dtype names), for to_mx() (bfloat16 without
+        ml_dtypes)."""
         got = self.get_run(key)
-        if not got:
+        if got is None:
             return None
-        return got[0] if with_dtypes else got[0][0]
+        arrays, dtypes, _ = got
+        return (arrays, dtypes) if with_dtypes else arrays
 
-    def get_run(self, key: Key, keys: list | None = None, skip: int = 0) -> Run:
-        """(arrays, dtype names) of the blocks in the file named by `key` (the first of
-        `keys`, which name its records in order), from record `skip` on, while they verify
-        and follow `keys`. A record that does not verify removes the file (what verified
-        before it is still returned, `intact` False); one of another chain ends the read."""
-        names = [_norm(k) for k in (keys or [key])]
-        path = self._path(names[0])
+    def get_run(self, key: Key) -> tuple[dict, dict, list[str]] | None:
+        """(arrays, dtype names, the keys of its blocks, `key` first) of the file named by
+        `key`, verified; None if missing or it did not verify (then removed)."""
+        path = self._path(_norm(key))
         try:
             with open(path, "rb") as f:
                 ino = os.fstat(f.fileno()).st_ino
                 blob = f.read()
         except OSError:  # missing, or removed by another process meanwhile
             self._count(misses=1)
-            return Run()
-        out = Run()
-        off, view = 0, memoryview(blob)
+            return None
         try:
-            for r, name in enumerate(names):
-                if off == len(blob) and off:  # the end (an empty file is a short one)
-                    break
-                end = record_end(blob, off)
-                if r >= skip or r == 0:  # the first always: the file's name is its key's
-                    got = decode(view[off:end], self.fp, name)
-                    if r >= skip:
-                        out.append(got)
-                off = end
-        except OtherChain:
-            if off == 0:  # the first record: the file is not what its name says
-                self._remove_corrupt(path, ino)
-                out.intact = False
+            got = decode(blob, self.fp, _norm(key))
         except Exception:  # CorruptBlock, or anything odd: never an exception to the caller
             self._remove_corrupt(path, ino)
-            out.intact = False
-        if out:
-            self._touch(path)
-            self._count(hits=len(out), reads=1, read_bytes=len(blob))
-        else:
             self._count(misses=1)
-        return out
+            return None
+        self._touch(path)
+        self._count(hits=1, reads=1, read_bytes=len(blob))
+        return got
 
     def _remove_corrupt(self, path: str, ino: int) -> None:
         with self._locked(), contextlib.suppress(OSError):
@@ -247,19 +226,20 @@ class DiskStore:
     def put(self, key: Key, arrays: dict) -> bool:
         """Queue a write (arrays: name -> np or mx array, not mutated after); False: dropped
         (closing, or the queue holds queue_size files or queue_bytes already)."""
-        return self.put_run([key], [arrays])
+        return self.put_run([key], arrays)
 
-    def put_run(self, keys: list, blocks: list[dict]) -> bool:
-        """Queue consecutive blocks of one chain as one file, named by the first key (one
-        read restores them all: a file per block cost ~140 us each to read back)."""
-        n = sum(int(getattr(a, "nbytes", 0)) for arrays in blocks for a in arrays.values())
+    def put_run(self, keys: list, arrays: dict) -> bool:
+        """Queue consecutive blocks of one chain (`keys`, in order) as one file named by the
+        first, `arrays` holding them all: one read and one check restore the run (a file per
+        block cost ~140 us each to read back)."""
+        n = sum(int(getattr(a, "nbytes", 0)) for a in arrays.values())
         with self._mu:
             full = self._closing or self._queued_bytes + n > self.queue_bytes
             if not full:
                 self._queued_bytes += n
         if not full:
             try:
-                self._q.put_nowait(([_norm(k) for k in keys], blocks, n))
+                self._q.put_nowait(([_norm(k) for k in keys], arrays, n))
                 return True
             except queue.Full:
                 with self._mu:
@@ -283,9 +263,9 @@ class DiskStore:
                 if self._closing:
                     return
                 continue
-            names, blocks, n = item
+            names, arrays, n = item
             try:
-                self._write(names, blocks)
+                self._write(names, arrays)
             except Exception:  # a full or failing disk: drop, count, keep serving
                 self._count(write_errors=1, dropped_writes=1)
             finally:
@@ -293,8 +273,8 @@ class DiskStore:
                     self._queued_bytes -= n
                 self._q.task_done()
 
-    def _write(self, names: list[str], blocks: list[dict]) -> None:
-        blob = b"".join(encode(self.fp, k, arrays) for k, arrays in zip(names, blocks))
+    def _write(self, names: list[str], arrays: dict) -> None:
+        blob = encode(self.fp, names, arrays)
         k = names[0]
         if not os.path.isdir(self.dir):  # removed under us (`mlxlocal cache rm`): start over
             os.makedirs(self.dir, exist_ok=True)

@@ -21,7 +21,7 @@ import numpy as np
 from mlxlocal.cache import quantized
 from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
 from mlxlocal.cache.disk.format import Fingerprint, chain_hashes
-from mlxlocal.cache.disk.store import DiskStore, Run
+from mlxlocal.cache.disk.store import DiskStore, norm_key
 from mlxlocal.cache.paged import KVPools
 from mlxlocal.cache.states import StateSnapshots
 
@@ -83,38 +83,39 @@ class DiskTier:
         queued = 0
         for j, _, n in _runs(todo):  # consecutive blocks of the chain: a file each, RUN_BYTES at most
             for a in range(j, j + n, per_file):
-                idx = range(a, min(a + per_file, j + n))
-                run = [keys[todo[x]] for x in idx]
-                files = [{n_: h[:, x] for n_, h in zip(self.names, host)} | self._state(table[todo[x]])
-                         for x in idx]
-                if not self.store.put_run(run, files):
+                b = min(a + per_file, j + n)
+                run = [keys[todo[x]] for x in range(a, b)]
+                arrays = {name: h[:, a:b] for name, h in zip(self.names, host)}
+                for r in range(a, b):  # hybrids: each block's snapshot, where it has one
+                    arrays.update(self._state(table[todo[r]], f"b{r - a}."))
+                if not self.store.put_run(run, arrays):
                     return queued  # the writer is behind: the rest waits for a later save
                 self._on_disk.update(run)
                 queued += len(run)
         return queued
 
-    def _state(self, block: int) -> dict:
+    def _state(self, block: int, prefix: str) -> dict:
         """Hybrids: the block's recurrent-state snapshot as named host arrays ({} if none):
-        "s.n" the entries per layer, "s.<layer>.<entry>[~bfloat16]" each array."""
+        "<prefix>s.n" the entries per layer, "<prefix>s.<layer>.<entry>[~bfloat16]" each."""
         state = self.snapshots.peek(block) if self.snapshots is not None else None
         if state is None:
             return {}
-        out: dict = {"s.n": np.array([len(layer) for layer in state], np.int64)}
+        out: dict = {prefix + "s.n": np.array([len(layer) for layer in state], np.int64)}
         for i, layer in enumerate(state):
             for j, a in enumerate(layer):
                 if a is not None:
                     mx.eval(a)
-                    out[f"s.{i}.{j}" + ("~bfloat16" if a.dtype == mx.bfloat16 else "")] = _host(a)
+                    out[f"{prefix}s.{i}.{j}" + ("~bfloat16" if a.dtype == mx.bfloat16 else "")] = _host(a)
         return out
 
-    def _put_state(self, block: int, arrays: dict) -> None:
-        if self.snapshots is None or "s.n" not in arrays:
+    def _put_state(self, block: int, arrays: dict, prefix: str) -> None:
+        if self.snapshots is None or prefix + "s.n" not in arrays:
             return
         state = []
-        for i, n in enumerate(arrays["s.n"].tolist()):
+        for i, n in enumerate(arrays[prefix + "s.n"].tolist()):
             layer = []
             for j in range(n):
-                name = f"s.{i}.{j}"
+                name = f"{prefix}s.{i}.{j}"
                 if name in arrays:
                     layer.append(mx.array(arrays[name]))
                 elif name + "~bfloat16" in arrays:
@@ -139,23 +140,30 @@ class DiskTier:
             if m == n_full:
                 return 0
             chains = chain_hashes(tokens[: n_full * bs], bs, tags)
-            found, on_disk = self._read([self._key(chains[i], tags, i) for i in range(n_full)], m)
-            if not found:
+            found = self._read([self._key(chains[i], tags, i) for i in range(n_full)], m)
+            total = sum(hi - lo for _, lo, hi in found)
+            if not total:
                 return 0
-            new = self._allocate(len(found))
+            new = self._allocate(total)
             if not new:
                 return 0
-            found = found[: len(new)]
-            for part, name in zip(self._parts(), self.names):
-                rows = mx.array(np.stack([f[name] for f in found], axis=1))
-                rows = rows.view(part.dtype) if rows.dtype != part.dtype else rows  # bfloat16's bits
-                for j, start, n in _runs(new):  # slice updates: a scatter measured 3-4x slower
-                    part[:, start:start + n] = rows[:, j:j + n]
-            for b, arrays in zip(new, found):
-                self._put_state(b, arrays)
+            at = 0  # blocks of `new` filled so far
+            for arrays, lo, hi in found:
+                hi = min(hi, lo + len(new) - at)
+                if hi <= lo:
+                    break
+                ids = new[at:at + hi - lo]
+                for part, name in zip(self._parts(), self.names):
+                    rows = mx.array(arrays[name][:, lo:hi])
+                    rows = rows.view(part.dtype) if rows.dtype != part.dtype else rows  # bfloat16's bits
+                    for j, start, n in _runs(ids):  # slice updates: a scatter measured 3-4x slower
+                        part[:, start:start + n] = rows[:, j:j + n]
+                for r, b in zip(range(lo, hi), ids):
+                    self._put_state(b, arrays, f"b{r}.")
+                at += hi - lo
             mx.eval(self._parts())
             n = m + len(new)
-            for i in range(m, min(n, m + on_disk)):  # not those of a file found corrupt: gone
+            for i in range(m, n):
                 self._on_disk.add(self._key(chains[i], tags, i))
             table = self.blocks.cache_prefix(tokens[: n * bs], held + new, tags=tags)
             self.blocks.release(table)
@@ -167,43 +175,44 @@ class DiskTier:
         finally:
             self.blocks.release(held)
 
-    def _read(self, keys: list, start: int) -> tuple[list[dict], int]:
-        """The blocks of keys[start:] up to the first missing or unfit one, file by file;
-        and how many of them are still on disk (a file that did not verify is removed)."""
-        found: list[dict] = []
-        kept = 0
+    def _read(self, keys: list, start: int) -> list[tuple[dict, int, int]]:
+        """(a file's arrays, its first and past-last block wanted) for the blocks of
+        keys[start:], file after file, up to the first missing or unfit one."""
+        found: list[tuple[dict, int, int]] = []
         i = start
         while i < len(keys):
-            run = self._run_from(keys, i)
-            for arrays, _ in run:
-                if not self._fits(arrays):
-                    return found, kept
-                found.append(arrays)
-            if run.intact:
-                kept = len(found)
-            if not run or not run.intact:
+            got = self._file_with(keys, i)
+            if got is None:
                 break
-            i += len(run)
-        return found, kept
+            arrays, names, c = got
+            lo = hi = i - c
+            while hi < len(names) and c + hi < len(keys) and names[hi] == norm_key(keys[c + hi]):
+                hi += 1  # past it, the file goes on with another prompt's chain
+            if hi == lo or not self._fits(arrays, len(names)):
+                break
+            found.append((arrays, lo, hi))
+            i = c + hi
+        return found
 
-    def _run_from(self, keys: list, i: int) -> Run:
-        """The blocks from i on of the file holding block i: a file is named by its first
-        block's key, so the search walks back from i (most often it starts right there)."""
+    def _file_with(self, keys: list, i: int) -> tuple[dict, list[str], int] | None:
+        """(arrays, block keys, first block's index) of the file holding block i: a file is
+        named by its first block's key, so the search walks back from i (most often it
+        starts right there)."""
         for c in range(i, max(-1, i - SEARCH_BACK), -1):
             if keys[c] in self.store:
-                run = self.store.get_run(keys[c], keys[c:], skip=i - c)
-                if run or not run.intact:
-                    return run
-        return Run()
+                got = self.store.get_run(keys[c])
+                if got is not None and len(got[2]) > i - c:
+                    return got[0], got[2], c
+        return None
 
-    def _fits(self, arrays: dict) -> bool:
-        """The file's arrays are this pool's blocks (a stale layout is a miss, never KV)."""
+    def _fits(self, arrays: dict, n: int) -> bool:
+        """The file's arrays are this pool's n blocks (a stale layout is a miss, never KV)."""
         for part, name in zip(self._parts(), self.names):
             a = arrays.get(name)
-            want = (part.shape[0], *part.shape[2:])
+            want = (part.shape[0], n, *part.shape[2:])
             if a is None or tuple(a.shape) != want or a.dtype.itemsize != part.dtype.size:
                 return False
-        return sum(not n.startswith("s.") for n in arrays) == len(self.names)  # "s.": a state
+        return True
 
     def _allocate(self, n: int) -> list[int]:
         """Up to n fresh blocks (fewer where the pool is short)."""
