@@ -35,6 +35,8 @@ class PrefixReuse:
 
     def _block_freed(self, block: int) -> None:
         """A full-attention block went back to the free list: what was keyed by it goes."""
+        if self.tier is not None:
+            self.tier.forget(block)
         if self.snapshots is not None:
             self.snapshots.drop(block)
         if self.windows is not None:

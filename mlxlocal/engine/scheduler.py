@@ -125,8 +125,14 @@ class Scheduler:
                 shared = seq.tokens[:-1]
                 if edited:  # untagged blocks: only the prefix no edit touches
                     shared = shared[: min(first_touched(e) for e in seq.edit.pending)]
-                restored = self.restore(shared) if self.restore is not None else 0
                 seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
+                restored = 0
+                if self.restore is not None and seq.num_computed < len(shared) - len(shared) % self.block_size:
+                    # RAM ends before the prompt's full blocks do: the disk tier may go on.
+                    restored = self.restore(shared)
+                    if restored:
+                        self.blocks.release(seq.block_table)
+                        seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
                 if self.resume is not None:
                     self.resume(seq)
                 if restored and seq.preemptions == 0:

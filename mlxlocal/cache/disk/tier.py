@@ -40,6 +40,9 @@ class DiskTier:
         self.names = [f"{i}.{kv}.{j}" for i in range(len(pools.k)) for kv in "kv"
                       for j in range(len(quantized.parts(pools.k[i] if kv == "k" else pools.v[i])))]
         self._on_disk: set[bytes | tuple] = set()  # keys written or read by this process
+        # Pool blocks whose content is on disk (until freed: forget), so a prefix served from
+        # RAM skips the save without hashing its tokens.
+        self._saved: set[int] = set()
         self.restored_blocks = self.restored_tokens = 0
         self.restore_seconds = 0.0
 
@@ -68,12 +71,14 @@ class DiskTier:
         returns how many were queued."""
         bs = self.block_size
         n_full = min(len(tokens) // bs, len(table))
-        if n_full == 0:
-            return 0
+        if n_full == 0 or all(b in self._saved for b in table[:n_full]):
+            return 0  # a prefix served from RAM: no hashing of 16k tokens per request
         chains = chain_hashes(tokens[: n_full * bs], bs, tags)
         keys = [self._key(c, tags, i) for i, c in enumerate(chains)]
         todo = [i for i, k in enumerate(keys) if k not in self._on_disk and k not in self.store]
+        self._saved.update(table[i] for i, k in enumerate(keys) if k in self._on_disk)
         if not todo:
+            self._saved.update(table[:n_full])
             return 0
         ids = mx.array([table[i] for i in todo])
         rows = [p[:, ids] for p in self._parts()]  # [heads, len(todo), block_size, ...] each
@@ -91,8 +96,13 @@ class DiskTier:
                 if not self.store.put_run(run, arrays):
                     return queued  # the writer is behind: the rest waits for a later save
                 self._on_disk.update(run)
+                self._saved.update(table[todo[x]] for x in range(a, b))
                 queued += len(run)
         return queued
+
+    def forget(self, block: int) -> None:
+        """A pool block was freed: its next content is not on disk."""
+        self._saved.discard(block)
 
     def _state(self, block: int, prefix: str) -> dict:
         """Hybrids: the block's recurrent-state snapshot as named host arrays ({} if none):
@@ -165,6 +175,7 @@ class DiskTier:
             n = m + len(new)
             for i in range(m, n):
                 self._on_disk.add(self._key(chains[i], tags, i))
+            self._saved.update(new)
             table = self.blocks.cache_prefix(tokens[: n * bs], held + new, tags=tags)
             self.blocks.release(table)
             held = []
