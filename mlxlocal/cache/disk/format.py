@@ -118,8 +118,9 @@ def chain_hashes(tokens: list[int], block_size: int, tags: list | None = None) -
     return out
 
 
-def _raw(value) -> tuple[bytes, str, tuple[int, ...]]:
-    """An array's bytes, dtype name and shape; mx arrays included (bfloat16 as its bits)."""
+def _raw(value) -> tuple[memoryview, str, tuple[int, ...]]:
+    """An array's bytes (a view where already contiguous), dtype name and shape; mx arrays
+    included (bfloat16 as its bits)."""
     if not isinstance(value, np.ndarray) and type(value).__module__ == "mlx.core":
         import mlx.core as mx  # only when given mx arrays: the store itself needs no MLX
 
@@ -130,7 +131,7 @@ def _raw(value) -> tuple[bytes, str, tuple[int, ...]]:
     else:
         arr = np.asarray(value)
         name = arr.dtype.name
-    return np.ascontiguousarray(arr).tobytes(), name, tuple(arr.shape)
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)), name, tuple(arr.shape)
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -152,6 +153,12 @@ def _checksum(data) -> bytes:
 def encode(fp_digest: str, keys: list[str], arrays: dict) -> bytes:
     """One file: the blocks named by `keys` (a run of one chain, in order), their arrays as
     given (the tier stacks a run's blocks along the block axis)."""
+    return b"".join(encode_parts(fp_digest, keys, arrays))
+
+
+def encode_parts(fp_digest: str, keys: list[str], arrays: dict) -> list:
+    """encode() as the buffers to write one after another: no copy of the whole file made
+    (the writer thread shares two cores with decoding)."""
     table, chunks, off = [], [], 0
     for name, value in arrays.items():
         data, dtype, shape = _raw(value)
@@ -160,9 +167,10 @@ def encode(fp_digest: str, keys: list[str], arrays: dict) -> bytes:
         off += len(data)
     header = json.dumps({"fp": fp_digest, "keys": list(keys), "arrays": table},
                         separators=(",", ":")).encode()
-    payload = b"".join(chunks)
-    digest = _checksum(header + payload)
-    return PREFIX.pack(MAGIC, VERSION, len(header), len(payload), digest) + header + payload
+    h = xxhash.xxh3_128(header)
+    for c in chunks:
+        h.update(c)
+    return [PREFIX.pack(MAGIC, VERSION, len(header), off, h.digest()), header, *chunks]
 
 
 def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict, list[str]]:

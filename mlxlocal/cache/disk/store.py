@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import asdict
 
-from mlxlocal.cache.disk.format import Fingerprint, decode, encode
+from mlxlocal.cache.disk.format import Fingerprint, decode, encode_parts
 
 Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
 _SUFFIX = ".kv"
@@ -274,7 +274,8 @@ class DiskStore:
                 self._q.task_done()
 
     def _write(self, names: list[str], arrays: dict) -> None:
-        blob = encode(self.fp, names, arrays)
+        parts = encode_parts(self.fp, names, arrays)
+        size = sum(len(p) for p in parts)
         k = names[0]
         if not os.path.isdir(self.dir):  # removed under us (`mlxlocal cache rm`): start over
             os.makedirs(self.dir, exist_ok=True)
@@ -285,7 +286,8 @@ class DiskStore:
         tmp = os.path.join(self.dir, f"{_TMP}{os.getpid()}-{threading.get_ident()}")
         try:
             with open(tmp, "wb") as f:
-                f.write(blob)
+                for part in parts:
+                    f.write(part)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
@@ -296,7 +298,7 @@ class DiskStore:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        self._count(writes=len(names), write_bytes=len(blob))
+        self._count(writes=len(names), write_bytes=size)
 
     def _evict(self) -> None:
         """Under the lock: remove least recently used files until within budget."""
