@@ -40,6 +40,16 @@ def run(eng: PagedEngine, prompt: list[int], n: int = 8):
     return [c.token for c in toks], [c.logprob for c in toks], stats.cached_tokens, stats.disk_tokens
 
 
+def stored(path: Path, disk: Path, **kw):
+    """PROMPT served by an engine on the store at `disk`, its blocks written down, the engine
+    gone (a process that ended): the answer, as run() gives it."""
+    first = engine(path, disk, **kw)
+    answer = run(first, PROMPT)
+    written(first)
+    first.shutdown()
+    return answer
+
+
 def written(eng: PagedEngine) -> int:
     assert eng.tier is not None and eng.tier.store.flush()
     return eng.tier.store.stats()["writes"]  # blocks (a file holds a run of them)
@@ -53,35 +63,39 @@ def test_a_restart_reads_the_prefix_back_and_decodes_as_cold(models, tmp_path, k
     cold.shutdown()
     first = engine(models[kind], tmp_path, **q)
     assert run(first, PROMPT)[:2] == want[:2]
-    assert written(first) == len(PROMPT) // 16  # the prompt's full blocks, and the reply's
+    # The prompt's 9 full blocks, and its partial last block twice (at its first token, then
+    # with the reply at the end); a hybrid keeps no partial blocks.
+    assert written(first) == 9 + (0 if kind == "hybrid" else 2)
     first.shutdown()
 
     second = engine(models[kind], tmp_path, **q)  # a new process would see the same files
     toks, lps, cached, disk = run(second, PROMPT)
-    assert (cached, disk) == (144, 144)  # every full block of the prompt, from disk
+    # Every token of the prompt but the last (always computed) from disk: its full blocks,
+    # and the partial last one (a hybrid resumes at block boundaries: full blocks only).
+    assert (cached, disk) == ((144, 144) if kind == "hybrid" else (149, 149))
     assert toks == want[0]
     assert max(abs(a - b) for a, b in zip(lps, want[1])) < 1e-4, (lps, want[1])
     st = second.stats()
-    assert st["disk_hit_blocks"] == 9 and st["disk_read_bytes"] > 0
+    blocks = 9 if kind == "hybrid" else 10  # with the partial one
+    assert st["disk_hit_blocks"] == blocks and st["disk_read_bytes"] > 0
     # Now in RAM: the next request hits there and reads nothing more from disk.
     # (A hybrid resumes at block boundaries only: it has no recurrent state mid-block.)
     assert run(second, PROMPT)[2:] == (144 if kind == "hybrid" else 149, 0)
-    assert second.stats()["disk_hit_blocks"] == 9
+    assert second.stats()["disk_hit_blocks"] == blocks
     second.shutdown()
 
 
 def test_a_longer_prompt_continues_on_disk_after_ram(models, tmp_path):
-    first = engine(models["native"], tmp_path)
-    run(first, PROMPT)
-    written(first)
-    first.shutdown()
+    stored(models["native"], tmp_path)
     second = engine(models["native"], tmp_path)
-    # 3 blocks restored (a prompt's last token is always computed), the 4th computed: RAM
-    # holds 64 tokens of the prefix ...
-    assert run(second, PROMPT[:64])[2:] == (48, 48)
+    # 4 blocks restored, the last token's too (its 15 others copied from it: a prompt's last
+    # token is always computed): RAM holds 64 tokens of the prefix ...
+    assert run(second, PROMPT[:64])[2:] == (63, 63)
     longer = PROMPT + [5, 6, 7]
     toks, _, cached, disk = run(second, longer)
-    assert cached == 144 and disk == 144 - 64  # ... and the rest comes from disk after them
+    # ... and the rest comes from disk after them: 9 full blocks and the 6 tokens of PROMPT's
+    # partial last block that the longer prompt shares.
+    assert cached == 150 and disk == 150 - 64
     cold = engine(models["native"], None)
     assert toks == run(cold, longer)[0]
     for e in (second, cold):
@@ -89,10 +103,7 @@ def test_a_longer_prompt_continues_on_disk_after_ram(models, tmp_path):
 
 
 def test_other_kv_precision_is_another_store(models, tmp_path):
-    first = engine(models["native"], tmp_path)
-    run(first, PROMPT)
-    written(first)
-    first.shutdown()
+    stored(models["native"], tmp_path)
     other = engine(models["native"], tmp_path, kv_bits=8)  # fingerprint differs: nothing to reuse
     assert run(other, PROMPT)[2:] == (0, 0)
     other.shutdown()
@@ -104,10 +115,7 @@ def test_corrupt_block_files_are_removed_and_the_request_served_by_prefill(model
     """The prompt's 9 blocks are one file, checked as one: damaged, it is removed and the
     prompt prefilled (the answer is a cold run's) and written again, so the next restart has
     it all."""
-    first = engine(models["native"], tmp_path)
-    want = run(first, PROMPT)
-    written(first)
-    first.shutdown()
+    want = stored(models["native"], tmp_path)
     (store,) = [tmp_path / d for d in os.listdir(tmp_path)]
     (f,) = [f for f in store.glob("*.kv") if f.stat().st_size > 9 * 16 * 512]  # the prompt's run
     data = f.read_bytes()
@@ -120,7 +128,7 @@ def test_corrupt_block_files_are_removed_and_the_request_served_by_prefill(model
     written(second)  # the prefilled blocks written again: the store heals
     second.shutdown()
     third = engine(models["native"], tmp_path)
-    assert run(third, PROMPT)[2:] == (144, 144)
+    assert run(third, PROMPT)[2:] == (149, 149)
     third.shutdown()
 
 
@@ -145,8 +153,8 @@ def test_a_restarted_server_answers_from_disk_and_says_so(models, tmp_path):
             metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert texts[0] == texts[1]
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 144
-    assert "mlxlocal_kv_disk_hit_blocks 9.0" in metrics
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 149  # all but the last token
+    assert "mlxlocal_kv_disk_hit_blocks 10.0" in metrics  # 9 full blocks and the partial one
     assert "mlxlocal_kv_disk_bytes " in metrics and "mlxlocal_kv_disk_bytes 0.0" not in metrics
 
 
@@ -156,10 +164,7 @@ def test_cache_commands_list_show_and_remove_stores(models, tmp_path):
     from mlxlocal.cli import app
 
     for bits in (None, 8):
-        e = engine(models["native"], tmp_path, **({"kv_bits": bits} if bits else {}))
-        run(e, PROMPT)
-        written(e)
-        e.shutdown()
+        stored(models["native"], tmp_path, **({"kv_bits": bits} if bits else {}))
     cli = CliRunner()
     out = cli.invoke(app, ["cache", "ls", "--dir", str(tmp_path)], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output

@@ -127,9 +127,11 @@ class Scheduler:
                     shared = shared[: min(first_touched(e) for e in seq.edit.pending)]
                 seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
                 restored = 0
-                if self.restore is not None and seq.num_computed < len(shared) - len(shared) % self.block_size:
-                    # RAM ends before the prompt's full blocks do: the disk tier may go on.
-                    restored = self.restore(shared)
+                # The disk tier goes on where RAM's full blocks end before the prompt's do (all
+                # of them: the last token's block too, which the match above copies from).
+                probe = shared if edited else seq.tokens
+                if self.restore is not None and seq.num_computed // self.block_size < len(probe) // self.block_size:
+                    restored = self.restore(probe)
                     if restored:
                         self.blocks.release(seq.block_table)
                         seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)

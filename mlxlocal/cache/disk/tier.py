@@ -28,6 +28,7 @@ from mlxlocal.cache.states import StateSnapshots
 log = logging.getLogger("mlxlocal.engine")
 RUN_BYTES = 64 << 20  # most bytes one file holds: the LRU's unit
 SEARCH_BACK = 4096  # blocks a lookup walks back for the file that holds its first one
+NO_CHAIN, TAIL, TAIL_TOKENS = bytes(16), ("tail",), "t"  # a prompt's partial last block
 
 
 class DiskTier:
@@ -43,6 +44,8 @@ class DiskTier:
         # Pool blocks whose content is on disk (until freed: forget), so a prefix served from
         # RAM skips the save without hashing its tokens.
         self._saved: set[int] = set()
+        self._chain_of: dict[int, bytes] = {}  # pool block -> its chain hash, while it holds it
+        self._tails: dict[bytes, tuple] = {}  # chain -> the tail tokens written after it
         self.restored_blocks = self.restored_tokens = 0
         self.restore_seconds = 0.0
 
@@ -72,11 +75,16 @@ class DiskTier:
         bs = self.block_size
         n_full = min(len(tokens) // bs, len(table))
         if n_full == 0 or all(b in self._saved for b in table[:n_full]):
-            return 0  # a prefix served from RAM: no hashing of 16k tokens per request
+            if tags is None:  # a prefix served from RAM: no hashing of 16k tokens per request
+                self._save_tail(tokens, table, n_full)
+            return 0
         chains = chain_hashes(tokens[: n_full * bs], bs, tags)
+        self._chain_of.update(zip(table[:n_full], chains))
         keys = [self._key(c, tags, i) for i, c in enumerate(chains)]
         todo = [i for i, k in enumerate(keys) if k not in self._on_disk and k not in self.store]
         self._saved.update(table[i] for i, k in enumerate(keys) if k in self._on_disk)
+        if tags is None:
+            self._save_tail(tokens, table, n_full)
         if not todo:
             self._saved.update(table[:n_full])
             return 0
@@ -103,6 +111,48 @@ class DiskTier:
     def forget(self, block: int) -> None:
         """A pool block was freed: its next content is not on disk."""
         self._saved.discard(block)
+        self._chain_of.pop(block, None)
+
+    def _save_tail(self, tokens: list[int], table: list[int], n_full: int) -> None:
+        """The tokens past the last full block (a prompt's partial last block), keyed by the
+        chain before them: restored with the blocks, the prompt needs no recompute of them.
+        Hybrids resume at block boundaries only: none kept for them."""
+        bs, r = self.block_size, len(tokens) - n_full * self.block_size
+        if not 0 < r < bs or len(table) <= n_full or self.snapshots is not None:
+            return
+        prev = self._chain_of.get(table[n_full - 1]) if n_full else NO_CHAIN
+        tail = tuple(tokens[n_full * bs:])
+        if prev is None or self._tails.get(prev) == tail:
+            return
+        rows = [p[:, table[n_full], :r] for p in self._parts()]  # [heads, r, ...]
+        mx.eval(rows)
+        arrays = {name: _host(x) for name, x in zip(self.names, rows)}
+        arrays[TAIL_TOKENS] = np.array(tail, np.int64)
+        if self.store.put((prev, TAIL), arrays):
+            self._tails[prev] = tail
+
+    def _restore_tail(self, tokens: list[int], prev: bytes) -> tuple[int, int] | None:
+        """(a pool block, k): the first k tokens past the last full block, read back into a
+        fresh block; None when the disk has none of them."""
+        bs = self.block_size
+        rest = tokens[len(tokens) // bs * bs:]
+        got = self.store.get_run((prev, TAIL)) if rest and self.snapshots is None else None
+        if got is None:
+            return None
+        arrays = got[0]
+        stored = arrays.get(TAIL_TOKENS)
+        if stored is None or stored.ndim != 1:
+            return None
+        k = next((i for i, (a, b) in enumerate(zip(stored.tolist(), rest)) if a != b), min(len(stored), len(rest)))
+        if not k or not self._fits({n: a[:, None] for n, a in arrays.items() if n != TAIL_TOKENS}, 1, len(stored)):
+            return None
+        new = self._allocate(1)
+        if not new:
+            return None
+        for part, name in zip(self._parts(), self.names):
+            rows = mx.array(arrays[name][:, :k])
+            part[:, new[0], :k] = rows.view(part.dtype) if rows.dtype != part.dtype else rows
+        return new[0], k
 
     def _state(self, block: int, prefix: str) -> dict:
         """Hybrids: the block's recurrent-state snapshot as named host arrays ({} if none):
@@ -176,13 +226,21 @@ class DiskTier:
             for i in range(m, n):
                 self._on_disk.add(self._key(chains[i], tags, i))
             self._saved.update(new)
-            table = self.blocks.cache_prefix(tokens[: n * bs], held + new, tags=tags)
+            self._chain_of.update(zip(new, chains[m:n]))
+            tail = self._restore_tail(tokens, chains[n - 1]) if n == n_full and tags is None else None
+            mx.eval(self._parts())
+            if tail is not None:  # the partial block joins as a partial leaf (copied on reuse)
+                new.append(tail[0])
+                table = self.blocks.cache_prefix(tokens[: n * bs + tail[1]], held + new, partial=True)
+            else:
+                table = self.blocks.cache_prefix(tokens[: n * bs], held + new, tags=tags)
             self.blocks.release(table)
             held = []
+            restored = (n - m) * bs + (tail[1] if tail is not None else 0)
             self.restored_blocks += len(new)
-            self.restored_tokens += len(new) * bs
+            self.restored_tokens += restored
             self.restore_seconds += time.perf_counter() - t0
-            return len(new) * bs
+            return restored
         finally:
             self.blocks.release(held)
 
@@ -216,11 +274,12 @@ class DiskTier:
                     return got[0], got[2], c
         return None
 
-    def _fits(self, arrays: dict, n: int) -> bool:
-        """The file's arrays are this pool's n blocks (a stale layout is a miss, never KV)."""
+    def _fits(self, arrays: dict, n: int, rows: int | None = None) -> bool:
+        """The file's arrays are this pool's n blocks (of `rows` rows: a tail's), a stale
+        layout is a miss, never KV."""
         for part, name in zip(self._parts(), self.names):
             a = arrays.get(name)
-            want = (part.shape[0], n, *part.shape[2:])
+            want = (part.shape[0], n, rows or part.shape[2], *part.shape[3:])
             if a is None or tuple(a.shape) != want or a.dtype.itemsize != part.dtype.size:
                 return False
         return True
