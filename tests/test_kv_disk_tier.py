@@ -261,3 +261,19 @@ def test_a_session_with_drops_comes_back_after_a_restart(models, tmp_path):
     assert st3.disk_tokens == st3.cached_tokens == (kept - 1) // 16 * 16, st3  # every full block
     for e in (second, cold):
         e.shutdown()
+
+
+def test_show_reports_the_models_stores(models, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    monkeypatch.setenv("MLXLOCAL_HOME", str(tmp_path))  # the default store directory: <home>/kv
+    cli = CliRunner()
+    before = cli.invoke(app, ["show", str(models["native"])], env={"COLUMNS": "200"})
+    assert before.exit_code == 0 and "KV on disk" not in before.output
+    stored(models["native"], tmp_path / "kv")
+    after = cli.invoke(app, ["show", str(models["native"])], env={"COLUMNS": "200"})
+    assert after.exit_code == 0, after.output
+    (line,) = [x for x in after.output.splitlines() if "KV on disk" in x]
+    assert "10 blocks" in line and "float32, block 16" in line  # 9 full blocks and the partial one

@@ -90,7 +90,7 @@ def show(store: str = typer.Argument(..., help="A store's digest (or its start),
     rows = [("store", s["digest"]), ("directory", s["dir"]), ("model", m.get("model", "?")),
             ("model path", m.get("path", "?")), ("model type", m.get("model_type", "?")),
             ("KV precision", _precision(m)), ("block size", m.get("block_size", "?")),
-            ("blocks", s["blocks"]), ("size", human_bytes(s["bytes"])), ("last used", _ago(s["last_used"])),
+            ("blocks", f"{s['blocks']} in {s['files']} file(s)"), ("size", human_bytes(s["bytes"])), ("last used", _ago(s["last_used"])),
             ("weights digest", m.get("weights", "?")), ("tokenizer digest", m.get("tokenizer", "?")),
             ("rope", m.get("rope", "?"))]
     for k, v in rows:

@@ -184,11 +184,28 @@ def show(model: str = typer.Argument(..., help=MODEL_HELP),
         ("load time", f"{info.load_seconds:.2f} s"),
     ]
     rows += [("note", note) for note in info.notes]
+    rows += kv_store_rows(info.path)
     rows += plan
     for row in rows:
         table.add_row(*row)
     Console().print(table)
     print_kernel_paths(loaded)
+
+
+def kv_store_rows(model_path) -> list[tuple[str, str]]:
+    """The disk tier's stores of this model (--kv-disk, under $MLXLOCAL_HOME/kv): one row each
+    (its KV precision and block size make a store of their own)."""
+    from mlxlocal.cache.disk import default_kv_dir
+    from mlxlocal.cache.disk.store import stores
+
+    rows = []
+    for s in stores(default_kv_dir()):
+        m = s["manifest"]
+        if m.get("path") == str(model_path):
+            kv = f"{m['kv_bits']}-bit" if m.get("kv_bits") else str(m.get("dtype", "?"))
+            rows.append(("KV on disk", f"{s['blocks']} blocks, {human_bytes(s['bytes'])} ({kv}, block "
+                         f"{m.get('block_size', '?')}): store {s['digest'][:12]}, mlxlocal cache show"))
+    return rows
 
 
 def print_kernel_paths(loaded) -> None:

@@ -16,11 +16,12 @@ import hashlib
 import json
 import os
 import queue
+import struct
 import threading
 import time
 from dataclasses import asdict
 
-from mlxlocal.cache.disk.format import Fingerprint, decode, encode_parts
+from mlxlocal.cache.disk.format import MAX_HEADER, PREFIX, Fingerprint, decode, encode_parts
 
 Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
 _SUFFIX = ".kv"
@@ -60,11 +61,25 @@ def stores(root: str | os.PathLike) -> list[dict]:
                 manifest = json.load(f)
         except (OSError, ValueError):
             manifest = {}
-        files = [f.stat() for f in os.scandir(e.path) if f.name.endswith(_SUFFIX)]
-        out.append({"digest": e.name, "dir": e.path, "manifest": manifest, "blocks": len(files),
+        entries = [f for f in os.scandir(e.path) if f.name.endswith(_SUFFIX)]
+        files = [f.stat() for f in entries]
+        out.append({"digest": e.name, "dir": e.path, "manifest": manifest, "files": len(files),
+                    "blocks": sum(_blocks_in(f.path) for f in entries),
                     "bytes": sum(st.st_size for st in files),
                     "last_used": max((st.st_mtime for st in files), default=0.0)})
     return out
+
+
+def _blocks_in(path: str) -> int:
+    """How many blocks a file holds, from its header alone (0 if it does not read)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(PREFIX.size)
+            _, _, hlen, _, _ = PREFIX.unpack(head)
+            keys = json.loads(f.read(min(hlen, MAX_HEADER))).get("keys")
+        return len(keys) if isinstance(keys, list) else 0
+    except (OSError, ValueError, struct.error, AttributeError):
+        return 0
 
 
 def remove_store(path: str | os.PathLike) -> int:
