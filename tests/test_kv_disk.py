@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlxlocal.cache.disk.format import Fingerprint, chain_hashes, to_mx
-from mlxlocal.cache.disk.store import DiskStore, _norm
+from mlxlocal.cache.disk.store import DiskStore, norm_key
 
 
 def fp(**kw) -> Fingerprint:
@@ -91,12 +91,12 @@ def test_foreign_fingerprint_and_wrong_key(tmp_path):
     s = DiskStore(tmp_path, 1 << 20, fp())
     assert s.get(key(0)) is None  # another directory: simply a miss
     os.makedirs(s.dir, exist_ok=True)
-    key_str = _norm(key(0))
+    key_str = norm_key(key(0))
     os.replace(only_file(other), s._path(key_str))
     assert s.get(key(0)) is None and s.stats()["corrupt_removed"] == 1  # foreign fingerprint
     s.put(key(1), block(1))
     assert s.flush()
-    os.replace(s._path(_norm(key(1))), s._path(key_str))
+    os.replace(s._path(norm_key(key(1))), s._path(key_str))
     assert s.get(key(0)) is None and s.stats()["corrupt_removed"] == 2  # wrong key
     other.close()
     s.close()

@@ -52,7 +52,8 @@ def _ago(t: float) -> str:
     return f"{s:.0f} s ago"
 
 
-def _precision(m: dict) -> str:
+def precision(m: dict) -> str:
+    """A store's KV precision, from its manifest."""
     bits = m.get("kv_bits")
     return f"{bits}-bit (group {m.get('kv_group_size')})" if bits else str(m.get("dtype", "?"))
 
@@ -75,7 +76,7 @@ def ls(dir: Optional[Path] = typer.Option(None, "--dir", help=DIR_HELP)) -> None
         table.add_column(col, justify="right" if col in ("block", "blocks", "size") else "left")
     for s in found:
         m = s["manifest"]
-        table.add_row(s["digest"][:12], str(m.get("model", "?")), _precision(m), str(m.get("block_size", "?")),
+        table.add_row(s["digest"][:12], str(m.get("model", "?")), precision(m), str(m.get("block_size", "?")),
                       str(s["blocks"]), human_bytes(s["bytes"]), _ago(s["last_used"]))
     Console().print(table)
     typer.echo(f"total {human_bytes(sum(s['bytes'] for s in found))} in {len(found)} store(s)")
@@ -89,7 +90,7 @@ def show(store: str = typer.Argument(..., help="A store's digest (or its start),
     m = s["manifest"]
     rows = [("store", s["digest"]), ("directory", s["dir"]), ("model", m.get("model", "?")),
             ("model path", m.get("path", "?")), ("model type", m.get("model_type", "?")),
-            ("KV precision", _precision(m)), ("block size", m.get("block_size", "?")),
+            ("KV precision", precision(m)), ("block size", m.get("block_size", "?")),
             ("blocks", f"{s['blocks']} in {s['files']} file(s)"), ("size", human_bytes(s["bytes"])), ("last used", _ago(s["last_used"])),
             ("weights digest", m.get("weights", "?")), ("tokenizer digest", m.get("tokenizer", "?")),
             ("rope", m.get("rope", "?"))]

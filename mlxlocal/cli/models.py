@@ -197,15 +197,11 @@ def kv_store_rows(model_path) -> list[tuple[str, str]]:
     (its KV precision and block size make a store of their own)."""
     from mlxlocal.cache.disk import default_kv_dir
     from mlxlocal.cache.disk.store import stores
+    from mlxlocal.cli.cache import precision
 
-    rows = []
-    for s in stores(default_kv_dir()):
-        m = s["manifest"]
-        if m.get("path") == str(model_path):
-            kv = f"{m['kv_bits']}-bit" if m.get("kv_bits") else str(m.get("dtype", "?"))
-            rows.append(("KV on disk", f"{s['blocks']} blocks, {human_bytes(s['bytes'])} ({kv}, block "
-                         f"{m.get('block_size', '?')}): store {s['digest'][:12]}, mlxlocal cache show"))
-    return rows
+    return [("KV on disk", f"{s['blocks']} blocks, {human_bytes(s['bytes'])} ({precision(m)}, block "
+             f"{m.get('block_size', '?')}): store {s['digest'][:12]}, mlxlocal cache show")
+            for s in stores(default_kv_dir()) if (m := s["manifest"]).get("path") == str(model_path)]
 
 
 def print_kernel_paths(loaded) -> None:

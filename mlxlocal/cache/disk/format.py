@@ -211,6 +211,18 @@ def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict,
     return arrays, dtypes, [str(k) for k in keys]
 
 
+def file_keys(path: str) -> list[str]:
+    """The block keys a file holds, from its prefix and header alone ([] if they do not read):
+    listings count blocks without reading the arrays."""
+    try:
+        with open(path, "rb") as f:
+            _, _, hlen, _, _ = PREFIX.unpack(f.read(PREFIX.size))
+            keys = json.loads(f.read(min(hlen, MAX_HEADER))).get("keys")
+    except (OSError, ValueError, struct.error, AttributeError):
+        return []
+    return keys if isinstance(keys, list) else []
+
+
 def to_mx(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> dict:
     """Numpy arrays from get() as mx arrays in their stored dtypes (bfloat16 included)."""
     import mlx.core as mx

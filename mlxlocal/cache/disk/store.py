@@ -16,12 +16,11 @@ import hashlib
 import json
 import os
 import queue
-import struct
 import threading
 import time
 from dataclasses import asdict
 
-from mlxlocal.cache.disk.format import MAX_HEADER, PREFIX, Fingerprint, decode, encode_parts
+from mlxlocal.cache.disk.format import Fingerprint, decode, encode_parts, file_keys
 
 Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
 _SUFFIX = ".kv"
@@ -32,10 +31,6 @@ _STALE_TMP_S = 3600
 
 def norm_key(key: Key) -> str:
     """A key as the files record it."""
-    return _norm(key)
-
-
-def _norm(key: Key) -> str:
     chain, tag = (key, None) if isinstance(key, bytes | bytearray) else key
     return bytes(chain).hex() + ("" if tag is None else "/" + repr(tag))
 
@@ -64,22 +59,10 @@ def stores(root: str | os.PathLike) -> list[dict]:
         entries = [f for f in os.scandir(e.path) if f.name.endswith(_SUFFIX)]
         files = [f.stat() for f in entries]
         out.append({"digest": e.name, "dir": e.path, "manifest": manifest, "files": len(files),
-                    "blocks": sum(_blocks_in(f.path) for f in entries),
+                    "blocks": sum(len(file_keys(f.path)) for f in entries),
                     "bytes": sum(st.st_size for st in files),
                     "last_used": max((st.st_mtime for st in files), default=0.0)})
     return out
-
-
-def _blocks_in(path: str) -> int:
-    """How many blocks a file holds, from its header alone (0 if it does not read)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(PREFIX.size)
-            _, _, hlen, _, _ = PREFIX.unpack(head)
-            keys = json.loads(f.read(min(hlen, MAX_HEADER))).get("keys")
-        return len(keys) if isinstance(keys, list) else 0
-    except (OSError, ValueError, struct.error, AttributeError):
-        return 0
 
 
 def remove_store(path: str | os.PathLike) -> int:
@@ -137,6 +120,7 @@ class DiskStore:
         self._closing = False
         with self._locked():
             self._clean_tmp()
+            self._held = self._sizes(self._scan())
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
                                         daemon=True)
         self._writer.start()
@@ -209,7 +193,7 @@ class DiskStore:
     def get_run(self, key: Key) -> tuple[dict, dict, list[str]] | None:
         """(arrays, dtype names, the keys of its blocks, `key` first) of the file named by
         `key`, verified; None if missing or it did not verify (then removed)."""
-        path = self._path(_norm(key))
+        path = self._path(norm_key(key))
         try:
             with open(path, "rb") as f:
                 ino = os.fstat(f.fileno()).st_ino
@@ -218,7 +202,7 @@ class DiskStore:
             self._count(misses=1)
             return None
         try:
-            got = decode(blob, self.fp, _norm(key))
+            got = decode(blob, self.fp, norm_key(key))
         except Exception:  # CorruptBlock, or anything odd: never an exception to the caller
             self._remove_corrupt(path, ino)
             self._count(misses=1)
@@ -229,12 +213,15 @@ class DiskStore:
 
     def _remove_corrupt(self, path: str, ino: int) -> None:
         with self._locked(), contextlib.suppress(OSError):
-            if os.stat(path).st_ino == ino:  # not a good copy written meanwhile
+            st = os.stat(path)
+            if st.st_ino == ino:  # not a good copy written meanwhile
                 os.unlink(path)
                 self._count(corrupt_removed=1)
+                with self._mu:
+                    self._held = (max(0, self._held[0] - 1), max(0, self._held[1] - st.st_size))
 
     def __contains__(self, key: Key) -> bool:
-        return os.path.exists(self._path(_norm(key)))
+        return os.path.exists(self._path(norm_key(key)))
 
     # -- writes --------------------------------------------------------------------------
 
@@ -254,7 +241,7 @@ class DiskStore:
                 self._queued_bytes += n
         if not full:
             try:
-                self._q.put_nowait(([_norm(k) for k in keys], arrays, n))
+                self._q.put_nowait(([norm_key(k) for k in keys], arrays, n))
                 return True
             except queue.Full:
                 with self._mu:
@@ -317,15 +304,23 @@ class DiskStore:
 
     def _evict(self) -> None:
         """Under the lock: remove least recently used files until within budget."""
-        files = self._scan()
+        files = sorted(self._scan())
         total = sum(s for _, s, _ in files)
-        for _, size, path in sorted(files):
+        kept = len(files)
+        for _, size, path in files:
             if total <= self.budget:
                 break
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 self._count(evictions=1)
             total -= size
+            kept -= 1
+        with self._mu:
+            self._held = (kept, total)
+
+    @staticmethod
+    def _sizes(files: list[tuple[int, int, str]]) -> tuple[int, int]:
+        return len(files), sum(s for _, s, _ in files)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued writes are done (tests, shutdown); False on timeout."""
@@ -355,10 +350,11 @@ class DiskStore:
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self) -> dict:
+        """Counters, and the files and bytes the store held at this process's last write
+        (no directory scan here: the engine thread and every /metrics scrape call it)."""
         with self._mu:
             out = dict(self._stats)
-        files = self._scan()
-        out.update(files=len(files), bytes_on_disk=sum(s for _, s, _ in files),
-                   queued=self._q.qsize(), budget_bytes=self.budget)
+            files, held = self._held
+        out.update(files=files, bytes_on_disk=held, queued=self._q.qsize(), budget_bytes=self.budget)
         return out
 

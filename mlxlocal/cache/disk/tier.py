@@ -28,6 +28,7 @@ from mlxlocal.cache.states import StateSnapshots
 log = logging.getLogger("mlxlocal.engine")
 RUN_BYTES = 64 << 20  # most bytes one file holds: the LRU's unit
 SEARCH_BACK = 4096  # blocks a lookup walks back for the file that holds its first one
+KNOWN_KEYS = 1 << 20  # keys remembered as on disk (a million blocks: 16M tokens at 16 a block)
 NO_CHAIN, TAIL, TAIL_TOKENS = bytes(16), ("tail",), "t"  # a prompt's partial last block
 
 
@@ -45,8 +46,8 @@ class DiskTier:
         # RAM skips the save without hashing its tokens.
         self._saved: set[int] = set()
         self._chain_of: dict[int, bytes] = {}  # pool block -> its chain hash, while it holds it
-        self._tails: dict[bytes, tuple] = {}  # chain -> the tail tokens written after it
-        self.restored_blocks = self.restored_tokens = 0
+        self._tails: dict[int, tuple] = {}  # pool block -> (chain before it, its tokens) written
+        self.restored_blocks = 0
         self.restore_seconds = 0.0
 
     @classmethod
@@ -82,11 +83,11 @@ class DiskTier:
         self._chain_of.update(zip(table[:n_full], chains))
         keys = [self._key(c, tags, i) for i, c in enumerate(chains)]
         todo = [i for i, k in enumerate(keys) if k not in self._on_disk and k not in self.store]
-        self._saved.update(table[i] for i, k in enumerate(keys) if k in self._on_disk)
+        missing = set(todo)
+        self._saved.update(b for i, b in enumerate(table[:n_full]) if i not in missing)
         if tags is None:
             self._save_tail(tokens, table, n_full)
         if not todo:
-            self._saved.update(table[:n_full])
             return 0
         ids = mx.array([table[i] for i in todo])
         rows = [p[:, ids] for p in self._parts()]  # [heads, len(todo), block_size, ...] each
@@ -103,7 +104,7 @@ class DiskTier:
                     arrays.update(self._state(table[todo[r]], f"b{r - a}."))
                 if not self.store.put_run(run, arrays):
                     return queued  # the writer is behind: the rest waits for a later save
-                self._on_disk.update(run)
+                self._known(run)
                 self._saved.update(table[todo[x]] for x in range(a, b))
                 queued += len(run)
         return queued
@@ -112,6 +113,14 @@ class DiskTier:
         """A pool block was freed: its next content is not on disk."""
         self._saved.discard(block)
         self._chain_of.pop(block, None)
+        self._tails.pop(block, None)
+
+    def _known(self, keys) -> None:
+        """Keys now on disk; forgotten past KNOWN_KEYS (bounded memory: a forgotten one is at
+        worst written again)."""
+        if len(self._on_disk) > KNOWN_KEYS:
+            self._on_disk.clear()
+        self._on_disk.update(keys)
 
     def _save_tail(self, tokens: list[int], table: list[int], n_full: int) -> None:
         """The tokens past the last full block (a prompt's partial last block), keyed by the
@@ -121,15 +130,15 @@ class DiskTier:
         if not 0 < r < bs or len(table) <= n_full or self.snapshots is not None:
             return
         prev = self._chain_of.get(table[n_full - 1]) if n_full else NO_CHAIN
-        tail = tuple(tokens[n_full * bs:])
-        if prev is None or self._tails.get(prev) == tail:
+        block, tail = table[n_full], tuple(tokens[n_full * bs:])
+        if prev is None or self._tails.get(block) == (prev, tail):
             return
-        rows = [p[:, table[n_full], :r] for p in self._parts()]  # [heads, r, ...]
+        rows = [p[:, block, :r] for p in self._parts()]  # [heads, r, ...]
         mx.eval(rows)
         arrays = {name: _host(x) for name, x in zip(self.names, rows)}
         arrays[TAIL_TOKENS] = np.array(tail, np.int64)
         if self.store.put((prev, TAIL), arrays):
-            self._tails[prev] = tail
+            self._tails[block] = (prev, tail)
 
     def _restore_tail(self, tokens: list[int], prev: bytes) -> tuple[int, int] | None:
         """(a pool block, k): the first k tokens past the last full block, read back into a
@@ -221,14 +230,12 @@ class DiskTier:
                 for r, b in zip(range(lo, hi), ids):
                     self._put_state(b, arrays, f"b{r}.")
                 at += hi - lo
-            mx.eval(self._parts())
             n = m + len(new)
-            for i in range(m, n):
-                self._on_disk.add(self._key(chains[i], tags, i))
+            self._known(self._key(chains[i], tags, i) for i in range(m, n))
             self._saved.update(new)
             self._chain_of.update(zip(new, chains[m:n]))
             tail = self._restore_tail(tokens, chains[n - 1]) if n == n_full and tags is None else None
-            mx.eval(self._parts())
+            mx.eval(self._parts())  # the full blocks and the tail, written in one evaluation
             if tail is not None:  # the partial block joins as a partial leaf (copied on reuse)
                 new.append(tail[0])
                 table = self.blocks.cache_prefix(tokens[: n * bs + tail[1]], held + new, partial=True)
@@ -238,7 +245,6 @@ class DiskTier:
             held = []
             restored = (n - m) * bs + (tail[1] if tail is not None else 0)
             self.restored_blocks += len(new)
-            self.restored_tokens += restored
             self.restore_seconds += time.perf_counter() - t0
             return restored
         finally:
