@@ -84,6 +84,35 @@ def test_corruption_removed(tmp_path, damage):
     s.close()
 
 
+def test_read_into_streams_into_the_given_buffers_and_verifies(tmp_path):
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    arrays = block(3)
+    s.put_run([key(0), key(1)], arrays)
+    assert s.flush()
+    seen = {}
+    k0 = np.zeros(64, np.float16)
+    v0 = np.zeros((4, 16), np.uint32)
+
+    def place(keys, table):  # k0 whole; v0's first and last rows, the middle ones dropped
+        seen.update(keys=keys, table=table)
+        return {"k0": [memoryview(k0).cast("B")],
+                "v0": [memoryview(v0[0]).cast("B"), 2 * 64, memoryview(v0[3]).cast("B")]}
+    assert s.read_into(key(0), place) == [norm_key(key(0)), norm_key(key(1))]
+    assert seen["table"] == {"k0": ("float16", (64,)), "v0": ("uint32", (4, 16))}
+    assert np.array_equal(k0, arrays["k0"])
+    assert np.array_equal(v0[[0, 3]], arrays["v0"][[0, 3]]) and not v0[1:3].any()
+    assert s.read_into(key(0), lambda keys, table: None) is None  # declined: nothing read, kept
+    assert s.stats()["corrupt_removed"] == 0
+    with pytest.raises(ValueError, match="wrong number of bytes"):  # a caller's bug, not corruption
+        s.read_into(key(0), lambda keys, table: {"k0": [16]})
+    _flip(only_file(s))
+    # The bytes land before the checksum can be known: the caller is told, the file removed.
+    assert s.read_into(key(0), place) is None
+    assert s.stats()["corrupt_removed"] == 1
+    assert not [n for n in os.listdir(s.dir) if n.endswith(".kv")]
+    s.close()
+
+
 def test_foreign_fingerprint_and_wrong_key(tmp_path):
     other = DiskStore(tmp_path, 1 << 20, fp(kv_bits=8))
     other.put(key(0), block(0))

@@ -12,6 +12,7 @@ from conftest import BASE, FAMILY_CONFIGS, MLX_LM_CONFIGS, build_tiny
 
 from mlxlocal.engine import EngineConfig, PagedEngine, SamplingParams
 from mlxlocal.source.loader import load_from_dir
+from mlxlocal.source.synthetic.weights import write_model_dir
 
 WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 PROMPT = [(i * 37 + 11) % 300 for i in range(150)]  # 9 full blocks of 16, and 6 tokens
@@ -22,7 +23,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tier")
     return {"native": build_tiny(root / "llama", dict(FAMILY_CONFIGS["llama"], **WIDE), template="llama3", seed=1),
             "mlx_lm": build_tiny(root / "gemma", dict(BASE, **WIDE, model_type="gemma", rope_theta=10000.0), seed=1),
-            "hybrid": build_tiny(root / "hybrid", MLX_LM_CONFIGS["hybrid"], seed=1)}
+            "hybrid": build_tiny(root / "hybrid", MLX_LM_CONFIGS["hybrid"], seed=1),
+            # bfloat16 pools: read back through their bits (numpy has no bfloat16)
+            "bf16": write_model_dir(root / "bf16", dict(FAMILY_CONFIGS["llama"], **WIDE), seed=1,
+                                    dtype="bfloat16", chat_template="llama3")}
 
 
 def engine(path: Path, disk: Path | None, **kw) -> PagedEngine:
@@ -55,7 +59,8 @@ def written(eng: PagedEngine) -> int:
     return eng.tier.store.stats()["writes"]  # blocks (a file holds a run of them)
 
 
-@pytest.mark.parametrize("kind,bits", [("native", None), ("native", 8), ("mlx_lm", None), ("hybrid", None)])
+@pytest.mark.parametrize("kind,bits", [("native", None), ("native", 8), ("bf16", None), ("mlx_lm", None),
+                                       ("hybrid", None)])
 def test_a_restart_reads_the_prefix_back_and_decodes_as_cold(models, tmp_path, kind, bits):
     q = {"kv_bits": bits} if bits else {}
     cold = engine(models[kind], None, **q)

@@ -107,9 +107,12 @@ def tokenizer_digest(root: Path) -> str:
 def chain_hashes(tokens: list[int], block_size: int, tags: list | None = None) -> list[bytes]:
     """One hash per full block: it covers the block's tokens, its tag and all before it."""
     out, prev = [], b""
-    for i in range(len(tokens) // block_size):
+    n = len(tokens) // block_size
+    data = memoryview(np.asarray(tokens[:n * block_size], np.int64).tobytes())  # one conversion
+    step = block_size * 8
+    for i in range(n):
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64).tobytes())
+        h.update(data[i * step:(i + 1) * step])
         tag = tags[i] if tags is not None and i < len(tags) else None
         if tag is not None:
             h.update(b"\0tag\0" + repr(tag).encode())
@@ -134,7 +137,7 @@ def _raw(value) -> tuple[memoryview, str, tuple[int, ...]]:
     return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)), name, tuple(arr.shape)
 
 
-def _np_dtype(name: str) -> np.dtype:
+def np_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
         try:
             import ml_dtypes
@@ -201,7 +204,7 @@ def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict,
     arrays, dtypes = {}, {}
     try:
         for name, dtype, shape, off, n in header["arrays"]:
-            dt = _np_dtype(dtype)
+            dt = np_dtype(dtype)
             if off < 0 or off + n > plen or math.prod(shape) * dt.itemsize != n:
                 raise CorruptBlock(f"array table entry {name!r} does not fit")
             arrays[name] = np.frombuffer(payload[off:off + n], dt).reshape(shape)
@@ -209,6 +212,70 @@ def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict,
     except (TypeError, ValueError, KeyError) as e:
         raise CorruptBlock(f"bad array table: {e}") from e
     return arrays, dtypes, [str(k) for k in keys]
+
+
+def read_into(f, size: int, fp_digest: str, key: str, place) -> list[str] | None:
+    """Stream a file into the buffers `place` gives, verifying as it goes: the read-back
+    path that copies each byte once (disk or page cache -> its destination).
+
+    place(keys, table) -> {name: [writable byte views, in file order]} or None (decline:
+    nothing read further); an int among the views: that many bytes read, checked, dropped,
+    as is a name left out. Returns
+    the file's keys; CorruptBlock when it does not verify (what place's views hold is then
+    garbage: the caller drops it)."""
+    head = f.read(PREFIX.size)
+    if len(head) < PREFIX.size:
+        raise CorruptBlock("short file")
+    magic, version, hlen, plen, digest = PREFIX.unpack(head)
+    if magic != MAGIC:
+        raise CorruptBlock("bad magic")
+    if version != VERSION:
+        raise CorruptBlock(f"format version {version}")
+    if hlen > MAX_HEADER or size != PREFIX.size + hlen + plen:
+        raise CorruptBlock("length mismatch (truncated or padded)")
+    raw = f.read(hlen)
+    try:
+        header = json.loads(raw)
+        table = [(str(name), str(dtype), [int(x) for x in shape], int(off), int(n))
+                 for name, dtype, shape, off, n in header["arrays"]]
+        keys = [str(k) for k in header["keys"]]
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
+        raise CorruptBlock(f"bad header: {e}") from e
+    if header.get("fp") != fp_digest:
+        raise CorruptBlock("foreign fingerprint")
+    if not keys or keys[0] != key:
+        raise CorruptBlock("wrong key")
+    at = 0
+    for name, dtype, shape, off, n in table:  # the encoder writes them back to back, in order
+        if off != at or min(shape, default=0) < 0 or math.prod(shape) * np_dtype(dtype).itemsize != n:
+            raise CorruptBlock(f"array table entry {name!r} does not fit")
+        at += n
+    if at != plen:
+        raise CorruptBlock("array table does not cover the payload")
+    sinks = place(keys, {name: (dtype, tuple(shape)) for name, dtype, shape, _, _ in table})
+    if sinks is None:
+        return None
+    h = xxhash.xxh3_128(raw)
+    scratch = memoryview(bytearray(1 << 20))
+    for name, _, _, _, n in table:
+        views = sinks.get(name, [n])
+        if sum(v if isinstance(v, int) else len(v) for v in views) != n:
+            raise ValueError(f"place() gave {name!r} the wrong number of bytes")
+        for v in views:
+            for piece in _pieces(v, scratch):
+                if f.readinto(piece) != len(piece):
+                    raise CorruptBlock("truncated")
+                h.update(piece)
+    if h.digest() != digest:
+        raise CorruptBlock("checksum mismatch")
+    return keys
+
+
+def _pieces(view, scratch: memoryview) -> list[memoryview]:
+    """A destination as is; a count of bytes to drop as scratch-sized reads."""
+    if not isinstance(view, int):
+        return [view]
+    return [scratch[:min(len(scratch), view - i)] for i in range(0, view, len(scratch))]
 
 
 def file_keys(path: str) -> list[str]:

@@ -20,7 +20,14 @@ import threading
 import time
 from dataclasses import asdict
 
-from mlxlocal.cache.disk.format import Fingerprint, decode, encode_parts, file_keys
+from mlxlocal.cache.disk.format import (
+    CorruptBlock,
+    Fingerprint,
+    decode,
+    encode_parts,
+    file_keys,
+    read_into,
+)
 
 Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
 _SUFFIX = ".kv"
@@ -210,6 +217,27 @@ class DiskStore:
         self._touch(path)
         self._count(hits=1, reads=1, read_bytes=len(blob))
         return got
+
+    def read_into(self, key: Key, place) -> list[str] | None:
+        """format.read_into on the file named by `key`: its arrays streamed into place()'s
+        buffers and verified. The file's keys, or None: missing, declined, or it did not
+        verify (then removed, and what place's buffers hold is garbage)."""
+        path = self._path(norm_key(key))
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                keys = read_into(f, st.st_size, self.fp, norm_key(key), place)
+        except OSError:  # missing, or removed by another process meanwhile
+            self._count(misses=1)
+            return None
+        except CorruptBlock:
+            self._remove_corrupt(path, st.st_ino)
+            self._count(misses=1)
+            return None
+        if keys is not None:
+            self._touch(path)
+            self._count(hits=1, reads=1, read_bytes=st.st_size)
+        return keys
 
     def _remove_corrupt(self, path: str, ino: int) -> None:
         with self._locked(), contextlib.suppress(OSError):

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 
 from mlxlocal.cache import quantized
 from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
-from mlxlocal.cache.disk.format import Fingerprint, chain_hashes
+from mlxlocal.cache.disk.format import Fingerprint, chain_hashes, np_dtype
 from mlxlocal.cache.disk.store import DiskStore, norm_key
 from mlxlocal.cache.paged import KVPools
 from mlxlocal.cache.states import StateSnapshots
@@ -153,7 +154,8 @@ class DiskTier:
         if stored is None or stored.ndim != 1:
             return None
         k = next((i for i, (a, b) in enumerate(zip(stored.tolist(), rest)) if a != b), min(len(stored), len(rest)))
-        if not k or not self._fits({n: a[:, None] for n, a in arrays.items() if n != TAIL_TOKENS}, 1, len(stored)):
+        layout = {n: (a[:, None].shape, a.dtype.itemsize) for n, a in arrays.items() if n != TAIL_TOKENS}
+        if not k or not self._fits(layout, 1, len(stored)):
             return None
         new = self._allocate(1)
         if not new:
@@ -209,34 +211,16 @@ class DiskTier:
             if m == n_full:
                 return 0
             chains = chain_hashes(tokens[: n_full * bs], bs, tags)
-            found = self._read([self._key(chains[i], tags, i) for i in range(n_full)], m)
-            total = sum(hi - lo for _, lo, hi in found)
-            if not total:
-                return 0
-            new = self._allocate(total)
+            new = self._read_back([self._key(chains[i], tags, i) for i in range(n_full)], m)
             if not new:
                 return 0
-            at = 0  # blocks of `new` filled so far
-            for arrays, lo, hi in found:
-                hi = min(hi, lo + len(new) - at)
-                if hi <= lo:
-                    break
-                ids = new[at:at + hi - lo]
-                for part, name in zip(self._parts(), self.names):
-                    rows = mx.array(arrays[name][:, lo:hi])
-                    rows = rows.view(part.dtype) if rows.dtype != part.dtype else rows  # bfloat16's bits
-                    for j, start, n in _runs(ids):  # slice updates: a scatter measured 3-4x slower
-                        part[:, start:start + n] = rows[:, j:j + n]
-                for r, b in zip(range(lo, hi), ids):
-                    self._put_state(b, arrays, f"b{r}.")
-                at += hi - lo
             n = m + len(new)
             self._known(self._key(chains[i], tags, i) for i in range(m, n))
             self._saved.update(new)
             self._chain_of.update(zip(new, chains[m:n]))
             tail = self._restore_tail(tokens, chains[n - 1]) if n == n_full and tags is None else None
-            mx.eval(self._parts())  # the full blocks and the tail, written in one evaluation
             if tail is not None:  # the partial block joins as a partial leaf (copied on reuse)
+                mx.eval(self._parts())
                 new.append(tail[0])
                 table = self.blocks.cache_prefix(tokens[: n * bs + tail[1]], held + new, partial=True)
             else:
@@ -250,43 +234,97 @@ class DiskTier:
         finally:
             self.blocks.release(held)
 
-    def _read(self, keys: list, start: int) -> list[tuple[dict, int, int]]:
-        """(a file's arrays, its first and past-last block wanted) for the blocks of
-        keys[start:], file after file, up to the first missing or unfit one."""
-        found: list[tuple[dict, int, int]] = []
+    def _read_back(self, keys: list, start: int) -> list[int]:
+        """Fresh pool blocks holding keys[start:]'s blocks read from disk, file after file,
+        up to the first missing, unfit or corrupt one. Each file streams straight into the
+        pools' memory (one copy of each byte) and verifies; a file that does not verify
+        leaves its blocks unused, never KV."""
+        views = self._pool_views()
+        new: list[int] = []
         i = start
-        while i < len(keys):
-            got = self._file_with(keys, i)
+        while views is not None and i < len(keys):
+            got = self._read_file(keys, i, views)
             if got is None:
                 break
-            arrays, names, c = got
-            lo = hi = i - c
-            while hi < len(names) and c + hi < len(keys) and names[hi] == norm_key(keys[c + hi]):
-                hi += 1  # past it, the file goes on with another prompt's chain
-            if hi == lo or not self._fits(arrays, len(names)):
+            ids, hi = got
+            new += ids
+            i += len(ids)
+            if i < hi:  # the pool ran short
                 break
-            found.append((arrays, lo, hi))
-            i = c + hi
-        return found
+        return new
 
-    def _file_with(self, keys: list, i: int) -> tuple[dict, list[str], int] | None:
-        """(arrays, block keys, first block's index) of the file holding block i: a file is
-        named by its first block's key, so the search walks back from i (most often it
-        starts right there)."""
+    def _read_file(self, keys: list, i: int, views: list[np.ndarray]) -> tuple[list[int], int] | None:
+        """(fresh blocks holding keys[i:]'s next run from one file, the index past what the
+        file could give): a file is named by its first block's key, so the search walks back
+        from i (most often it starts right there)."""
         for c in range(i, max(-1, i - SEARCH_BACK), -1):
-            if keys[c] in self.store:
-                got = self.store.get_run(keys[c])
-                if got is not None and len(got[2]) > i - c:
-                    return got[0], got[2], c
+            if keys[c] not in self.store:
+                continue
+            done: dict = {}
+            got = self.store.read_into(keys[c], partial(self._place, keys, c, i, views=views, done=done))
+            if got is not None:
+                for b, (r, arrays) in zip(done["ids"], done["states"]):
+                    self._put_state(b, arrays, f"b{r}.")
+                return done["ids"], c + done["hi"]
+            if done.get("ids"):  # it did not verify: what was read into them is garbage
+                self.blocks.release(done["ids"])
+                return None
         return None
 
-    def _fits(self, arrays: dict, n: int, rows: int | None = None) -> bool:
-        """The file's arrays are this pool's n blocks (of `rows` rows: a tail's), a stale
-        layout is a miss, never KV."""
+    def _place(self, keys: list, c: int, i: int, names: list[str], table: dict, *,
+               views: list[np.ndarray], done: dict) -> dict | None:
+        """read_into's place(): where the bytes of the file named keys[c] go. Its blocks from
+        i on, as far as they are this chain's, go into fresh pool blocks; the others are
+        read for the checksum and dropped; hybrids' snapshots into host arrays."""
+        lo = hi = i - c
+        while hi < len(names) and c + hi < len(keys) and names[hi] == norm_key(keys[c + hi]):
+            hi += 1  # past it, the file goes on with another prompt's chain
+        n = len(names)
+        layout = {k: (shape, np_dtype(dtype).itemsize) for k, (dtype, shape) in table.items()}
+        if hi == lo or not self._fits(layout, n):
+            return None
+        ids = self._allocate(hi - lo)
+        if not ids:
+            return None
+        done.update(ids=ids, hi=hi, states=[])
+        sinks: dict = {}
+        runs = _runs(ids)
+        for view, name in zip(views, self.names):
+            per_block = view[0, 0].nbytes
+            segments: list = []
+            for p in range(view.shape[0]):
+                segments.append(lo * per_block)
+                for _, start, k in runs:
+                    segments.append(memoryview(view[p, start:start + k]).cast("B"))
+                segments.append((n - lo - len(ids)) * per_block)
+            sinks[name] = [s for s in segments if not isinstance(s, int) or s]
+        for r in range(lo, lo + len(ids)) if self.snapshots is not None else ():
+            prefix, arrays = f"b{r}.", {}
+            for name, (dtype, shape) in table.items():
+                if name.startswith(prefix):
+                    arrays[name] = np.empty(shape, np_dtype(dtype))
+                    sinks[name] = [memoryview(arrays[name]).cast("B")]
+            done["states"].append((r, arrays))
+        return sinks
+
+    def _pool_views(self) -> list[np.ndarray] | None:
+        """The pools' memory as writable numpy arrays (evaluated first: a step in flight
+        finishes), or None where one is not plainly laid out (then nothing is read back)."""
+        views = []
+        for part in self._parts():
+            v = np.array(part.view(mx.uint16) if part.dtype == mx.bfloat16 else part, copy=False)
+            if not (v.flags.c_contiguous and v.flags.writeable):
+                log.warning("disk tier: a KV pool is not contiguous in memory; no read-back")
+                return None
+            views.append(v)
+        return views
+
+    def _fits(self, layout: dict, n: int, rows: int | None = None) -> bool:
+        """The file's arrays ({name: (shape, itemsize)}) are this pool's n blocks (of `rows`
+        rows: a tail's): a stale layout is a miss, never KV."""
         for part, name in zip(self._parts(), self.names):
-            a = arrays.get(name)
             want = (part.shape[0], n, rows or part.shape[2], *part.shape[3:])
-            if a is None or tuple(a.shape) != want or a.dtype.itemsize != part.dtype.size:
+            if layout.get(name) != (want, part.dtype.size):
                 return False
         return True
 
