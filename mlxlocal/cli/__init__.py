@@ -12,6 +12,7 @@ import os
 import sys
 
 import typer
+from rich.markup import escape
 
 from mlxlocal import __version__
 from mlxlocal.cli import (
@@ -109,14 +110,15 @@ def _main() -> None:
     try:
         app()
     except MlxLocalError as e:  # anything a command did not catch itself
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print("[bold red]error:[/] " + escape(str(e)), highlight=False)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # a bug of ours: one line by default, the traceback on request
         if os.environ.get("MLXLOCAL_DEBUG"):
             raise
-        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (MLXLOCAL_DEBUG=1 for the traceback)", highlight=False)
+        err.print("[bold red]internal error:[/] " + escape(f"{type(e).__name__}: {e}")
+                  + " (MLXLOCAL_DEBUG=1 for the traceback)", highlight=False)
         sys.exit(3)
 
 

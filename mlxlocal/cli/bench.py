@@ -9,6 +9,7 @@ from typing import List, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from mlxlocal.cli.common import KERNELS_HELP
 
@@ -156,7 +157,7 @@ def bench(
     err = Console(stderr=True, soft_wrap=True)
 
     def fail(msg: str, code: int = 2) -> NoReturn:
-        err.print(f"[bold red]error:[/] {msg}", highlight=False)
+        err.print("[bold red]error:[/] " + escape(msg), highlight=False)
         raise typer.Exit(code)
 
     from mlxlocal.cli.common import kernels_mode, kv_precision, speculation

@@ -11,6 +11,7 @@ from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 err = Console(stderr=True, soft_wrap=True)  # never break a path across lines
 
@@ -18,7 +19,7 @@ MODEL_HELP = "Local HF-layout directory, catalog alias (models.toml), Hugging Fa
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    err.print("[bold red]error:[/] " + escape(message), highlight=False)  # user text verbatim
     raise typer.Exit(code)
 
 

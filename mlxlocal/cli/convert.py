@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from mlxlocal.cli.models import _console, _handle_errors, human_size
 from mlxlocal.errors import ModelLoadError
@@ -36,8 +37,8 @@ def convert(
         typer.echo(json.dumps(summary))
         return
     console = _console()
-    console.print(f"[green]converted[/green] {resolved.path.name} -> {out}")
-    console.print(f"  {summary['load_path']}")
+    console.print("[green]converted[/green] " + escape(f"{resolved.path.name} -> {out}"))
+    console.print(f"  {summary['load_path']}", markup=False)
     console.print(f"  {human_size(summary['gguf_bytes'])} GGUF -> {human_size(summary['mlx_bytes'])} MLX")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from mlxlocal.cli.common import MODEL_HELP, err, fail
 
@@ -62,7 +63,7 @@ def launch(
     try:
         code = run_launch(spec.name, model, port, alias=alias, client_args=extra, keep_server=keep_server,
                           api_key=api_key, timeout=timeout,
-                          say=lambda m: err.print(f"[dim]launch:[/] {m}", highlight=False, markup=True))
+                          say=lambda m: err.print("[dim]launch:[/] " + escape(m), highlight=False))
     except LaunchError as e:
         fail(str(e), 1)
     raise typer.Exit(code)

@@ -13,13 +13,12 @@ from typing import Any, Optional, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from mlxlocal.cli.common import MODEL_HELP, fail, human_bytes, human_count
 from mlxlocal.errors import MlxLocalError
-from mlxlocal.source import hub, synthetic
-from mlxlocal.source.catalog import load_catalog
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -67,15 +66,20 @@ def pull(
     model: str = typer.Argument(..., help="Alias, owner/name[@revision], or synthetic:NAME"),
 ) -> None:
     """Download a model into the Hugging Face cache (or build a synthetic one)."""
+    from mlxlocal.source import hub
+
     resolved = hub.pull(model)
     label = resolved.repo or resolved.name
-    _console().print(f"[green]ready[/green] {label} -> {resolved.path}")
+    _console().print("[green]ready[/green] " + escape(f"{label} -> {resolved.path}"))
 
 
 def list_models(
     catalog: bool = typer.Option(False, "--catalog", help="Show catalog aliases and presets."),
 ) -> None:
     """List downloaded models (and, with --catalog, what can be pulled or built)."""
+    from mlxlocal.source import hub, synthetic
+    from mlxlocal.source.catalog import load_catalog
+
     console = _console()
     cat = load_catalog()
     table = Table(title="Downloaded models", title_justify="left")
@@ -127,10 +131,12 @@ def rm(
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
     """Delete a downloaded model from the cache."""
+    from mlxlocal.source import hub
+
     if not yes and not typer.confirm(f"Delete {model} from the cache?", default=False):
         _fail("aborted, nothing deleted")
     freed = hub.remove(model)
-    _console().print(f"deleted {model}, freed {human_size(freed)}")
+    _console().print(f"deleted {model}, freed {human_size(freed)}", markup=False)
 
 
 def show(model: str = typer.Argument(..., help=MODEL_HELP),

@@ -8,6 +8,7 @@ from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -24,7 +25,7 @@ MODEL_HELP = "Local HF-layout directory, catalog alias, Hugging Face repo id, or
 
 
 def _fail(message: str) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    err.print("[bold red]error:[/] " + escape(message), highlight=False)
     raise typer.Exit(1)
 
 
@@ -83,7 +84,7 @@ def quantize_cmd(
         typer.echo(json.dumps(summary))
         return
     for note in res.notes:
-        err.print(f"[yellow]note:[/] {note}", highlight=False)
+        err.print("[yellow]note:[/] " + escape(note), highlight=False)
     desc = f"{res.mode} {res.bits}-bit g{res.group_size}" + (f", {res.recipe}" if res.recipe else "")
     typer.echo(f"wrote {res.out} ({desc}, method {res.method}): {res.size_bytes / 2**20:.2f} MiB, "
                f"{res.bits_per_weight:.2f} bits/weight, {res.overrides} per-layer overrides")

@@ -11,9 +11,10 @@ cache of turn n stays reusable.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlxlocal.edits.plan import DropPlan
+if TYPE_CHECKING:
+    from mlxlocal.edits.plan import DropPlan
 
 POLICY_HELP = ("comma-separated: keep-last-tool-outputs=K (drop older tool results from the KV cache), "
                "drop-thinking (drop old think blocks at the next user message), reposition (close the gaps)")
@@ -30,6 +31,8 @@ class CompactionPolicy:
         return self.keep_tool_outputs is not None or self.drop_thinking
 
     def plan(self, messages: list[dict[str, Any]]) -> DropPlan:
+        from mlxlocal.edits.plan import DropPlan  # the engine's types: not for --help
+
         plan = DropPlan()
         roles = [m.get("role") for m in messages]
         if self.keep_tool_outputs is not None:

@@ -13,6 +13,8 @@ starts without any Hub request. `pull()` always asks the Hub, so it fetches upda
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import os
 import re
 from dataclasses import dataclass
@@ -192,13 +194,19 @@ def _check_model_dir(path: Path, what: str) -> None:
 
 
 def _not_found(spec: str) -> ModelNotFoundError:
+    """One line: what the spec is not, the closest names we know, where the rest are listed."""
     catalog = load_catalog()
-    aliases = ", ".join(sorted(catalog.aliases)[:8])
-    presets = ", ".join(sorted(catalog.synthetic))
+    known = [*catalog.aliases, *(f"synthetic:{n}" for n in catalog.synthetic)]
+    with contextlib.suppress(Exception):  # the cache may be unreadable: suggestions only
+        known += [m.repo_id for m in list_cached()]
+    with contextlib.suppress(OSError):  # model directories next to where the user is
+        known += [f"./{p.name}" for p in Path.cwd().iterdir() if (p / "config.json").is_file()]
+    close = difflib.get_close_matches(spec, known, n=3, cutoff=0.6)
+    close += [k for k in known if spec.lower() in k.lower() and k not in close][: 3 - len(close)]
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
     return ModelNotFoundError(
-        f"unknown model {spec!r}: not a local directory, catalog alias or Hub repo id "
-        f"(owner/name). Run `mlxlocal list --catalog` for aliases (e.g. {aliases}), "
-        f"or use `synthetic:NAME` with one of: {presets}"
+        f"unknown model {spec!r}: not a local directory, catalog alias, synthetic:NAME or Hub repo id "
+        f"(owner/name).{hint} `mlxlocal list --catalog` lists what there is."
     )
 
 

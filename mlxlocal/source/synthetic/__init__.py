@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import json
 import os
 import shutil
@@ -96,8 +97,10 @@ def parse_spec(spec: str) -> SyntheticSpec:
     catalog = load_catalog()
     preset = catalog.find_preset(name) if name else None
     if preset is None:
+        close = difflib.get_close_matches(name, list(catalog.synthetic), n=2, cutoff=0.6)
+        hint = f"did you mean {' or '.join('synthetic:' + c for c in close)}? " if close else ""
         raise ModelNotFoundError(
-            f"unknown synthetic preset {name!r}; available: {', '.join(sorted(catalog.synthetic))}"
+            f"unknown synthetic preset {name!r}; {hint}available: {', '.join(sorted(catalog.synthetic))}"
         )
     bits: int | None = None
     dtype: str | None = None
