@@ -58,7 +58,8 @@ def test_stats_have_the_same_keys_before_and_after_a_request(engines):
 def test_kv_pool_describes_paged_and_dense(engines):
     paged, simple = engines
     assert paged.kv_pool == {"kind": "paged", "blocks": paged.num_blocks, "block_size": paged.config.block_size,
-                             "bytes": paged.pools.nbytes}
+                             "bytes": paged.pools.nbytes, "max_blocks": paged.blocks.max_blocks,
+                             "max_bytes": paged.pools.nbytes * paged.blocks.max_blocks // paged.num_blocks}
     assert simple.kv_pool["kind"] == "dense"
 
 

@@ -22,6 +22,7 @@ from server_util import running_server
 from mlxlocal.server import ServerConfig
 from mlxlocal.server.banner import DIALECTS, banner_text
 from mlxlocal.server.registry import ModelRegistry, assign_names
+from mlxlocal.units import human_bytes
 
 NAMES = ["tiny", "tiny-chat"]
 
@@ -82,9 +83,13 @@ def test_banner_text(named):
     assert also[:2] == ["tiny-chat", str(registry.models[0].spec)]
     blocks, size = engine.num_blocks, engine.config.block_size
     assert f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens" in text
-    mib = engine.pools.nbytes / 1024 ** 2  # 2 layers × K,V × 16 tokens × 2 heads × 16 dims × 4 bytes a block
-    assert engine.pools.nbytes == blocks * 2 * 2 * 16 * 2 * 16 * 4 and 1 <= mib < 1024
-    assert f"{blocks * size:,} tokens, {mib:.1f} MiB" in text
+    # 2 layers × K,V × 16 tokens × 2 heads × 16 dims × 4 bytes a block
+    assert engine.pools.nbytes == blocks * 2 * 2 * 16 * 2 * 16 * 4
+    assert f"{blocks * size:,} tokens, {human_bytes(engine.pools.nbytes)}" in text
+    # It starts with room for a context and a prefill chunk, and says what it may grow to.
+    most = engine.blocks.max_blocks
+    assert blocks == (512 + 512) // 16 + 1 < most
+    assert f"grows on demand to {most * size:,} tokens, {human_bytes(most * engine.pools.nbytes // blocks)}" in text
     assert f"APIs     {DIALECTS}" in text
     assert DIALECTS == ("OpenAI /v1/chat/completions /v1/completions /v1/responses /v1/models · Anthropic /v1/messages"
                         " · Ollama /api/chat /api/generate")

@@ -122,6 +122,9 @@ def test_metrics_exposes_engine_and_latency_series(server, tiny_model):
         assert series in text, series
     generated = next(line for line in text.splitlines() if line.startswith("mlxlocal_generated_tokens_total"))
     assert float(generated.split()[-1]) >= 4
+    # The pools now and the budget they may grow to (the server starts light).
+    value = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("mlxlocal_kv_")}
+    assert 0 < value["mlxlocal_kv_blocks_total"] <= value["mlxlocal_kv_blocks_max"]
 
 
 def test_too_many_waiting_requests_get_429(server, tiny_model):

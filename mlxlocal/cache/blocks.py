@@ -35,6 +35,16 @@ class FreeBlocks:
     def __contains__(self, block: int) -> bool:
         return bool(self.map[block])
 
+    def resize(self, total: int) -> None:
+        """Ids past the end come free (the pools grew) or go (they shrank: all free)."""
+        if total >= len(self.map):
+            self.count += total - len(self.map)
+            self.map += b"\x01" * (total - len(self.map))
+        else:
+            assert self.map.count(1, total) == len(self.map) - total, "shrinking over taken blocks"
+            self.count -= len(self.map) - total
+            del self.map[total:]
+
     def extend(self, blocks: list[int]) -> None:
         for b in blocks:
             assert not self.map[b], f"block {b} freed twice"
@@ -94,8 +104,12 @@ class FreeBlocks:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True,
+                 max_blocks: int | None = None, on_resize: Callable[[int], None] | None = None):
         self.num_blocks = num_blocks
+        # Pools that grow on demand (on_resize makes them `total` blocks) up to max_blocks.
+        self.max_blocks = max(num_blocks, max_blocks or num_blocks) if on_resize else num_blocks
+        self.on_resize = on_resize
         self.block_size = block_size
         self.free = FreeBlocks(num_blocks)
         self.refs = [0] * num_blocks
@@ -118,12 +132,16 @@ class BlockManager:
         return sum(1 for b in self.radix.by_block if self.refs[b] == 0)
 
     def can_allocate(self, n: int) -> bool:
-        return len(self.free) + self.num_cached >= n
+        return len(self.free) + self.num_cached + self.max_blocks - self.num_blocks >= n
 
     # --- allocation ----------------------------------------------------------------
     def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
         """n blocks, consecutive where the free map allows: following block `after` (the
         caller's last), else where `room` more could follow (the caller's expected growth)."""
+        if len(self.free) < n and self.num_blocks < self.max_blocks:
+            # Grow before evicting what the prefix cache holds: doubling, so the copies a
+            # growth costs add up to about the final size.
+            self._resize(min(self.max_blocks, max(2 * self.num_blocks, self.num_blocks + n - len(self.free))))
         if len(self.free) < n and self.radix is not None:
             self._to_free(self.radix.evict(n - len(self.free), self._unreferenced))
         if len(self.free) < n:
@@ -143,6 +161,29 @@ class BlockManager:
             assert self.refs[b] >= 0, f"block {b} released twice"
             if self.refs[b] == 0 and not (self.radix and self.radix.contains(b)):
                 self._to_free([b])
+
+    def shrink(self, total: int) -> int:
+        """Give back the blocks from `total` on (or from past the last one in use, if
+        later): what the prefix cache holds there leaves it. Returns the new size."""
+        if self.on_resize is None:
+            return self.num_blocks
+        last = max((b for b in range(total, self.num_blocks) if self.refs[b]), default=total - 1)
+        total = last + 1
+        if total >= self.num_blocks:
+            return self.num_blocks
+        if self.radix is not None:
+            high = [b for b in self.radix.by_block if b >= total]
+            low = [b for b in self.radix.detach(high) if self.refs[b] == 0 and b < total]
+            self._to_free(high + low)  # uncached now: told as freed (the disk tier forgets them)
+        self._resize(total)
+        return total
+
+    def _resize(self, total: int) -> None:
+        assert self.on_resize is not None
+        self.on_resize(total)  # the pools first: an error leaves the ids as they were
+        self.free.resize(total)
+        self.refs = self.refs[:total] + [0] * (total - len(self.refs))
+        self.num_blocks = total
 
     def _unreferenced(self, block: int) -> bool:
         return self.refs[block] == 0

@@ -51,10 +51,32 @@ class KVPools:
         self.windowed = windowed or [False] * len(shapes)
         sizes = [window_blocks if w else num_blocks for w in self.windowed]
         pool = lambda n, h, d: quantized.empty(n, block_size, h, d, dtype, bits, group_size)  # noqa: E731
+        self._pool = pool
+        self.shapes = shapes
         self.k = [pool(n, s.k_heads, s.k_dim) for n, s in zip(sizes, shapes)]
         self.v = [pool(n, s.v_heads, s.v_dim) for n, s in zip(sizes, shapes)]
         mx.eval(self.state())
         self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def resize(self, num_blocks: int) -> None:
+        """The full-attention layers' pools made num_blocks long: grown with empty blocks
+        (one copy of each pool), or cut (the ids past the end are free)."""
+        n = self.num_blocks
+        for pools in (self.k, self.v):
+            for i, (w, s) in enumerate(zip(self.windowed, self.shapes)):
+                if w:
+                    continue
+                parts = quantized.parts(pools[i])
+                if num_blocks > n:
+                    h, d = (s.k_heads, s.k_dim) if pools is self.k else (s.v_heads, s.v_dim)
+                    more = quantized.parts(self._pool(num_blocks - n, h, d))
+                    new = [mx.concatenate([a, b], axis=1) for a, b in zip(parts, more)]
+                else:
+                    new = [mx.contiguous(a[:, :num_blocks]) for a in parts]
+                pools[i] = tuple(new) if isinstance(pools[i], tuple) else new[0]
+                mx.eval(pools[i])  # one layer at a time: the old and new copies of one only
+        self.num_blocks = num_blocks
 
     @staticmethod
     def uniform(n_layers: int, n_kv_heads: int, head_dim: int) -> list[KVShape]:

@@ -9,14 +9,6 @@ from typing import NoReturn, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
 from mlxlocal.errors import MlxLocalError
 
@@ -29,7 +21,16 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
-def _progress() -> Progress:
+def _progress():
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=err, transient=True)
 

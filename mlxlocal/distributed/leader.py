@@ -84,6 +84,8 @@ class _Leading:
     engine stops when the other ranks stop answering (`on_lost`, set by the engine: its
     thread is then stuck in a collective; this fails its requests from the watchdog's thread)."""
 
+    pools_resizable = False  # the followers' pools are the size the Pools message gave
+
     def _lead(self, loaded) -> None:
         self.model_id = loaded.shard.model
         self.channel = Channel.of(loaded.shard.group)

@@ -24,6 +24,7 @@ class EngineConfig:
     kv_group_size: int = 64  # elements sharing one scale and bias in quantized K/V
     kv_disk: int = 0  # bytes of block files the disk tier may keep (0: no disk tier)
     kv_disk_dir: str | None = None  # where (default: $MLXLOCAL_HOME/kv)
+    kv_shrink_idle_s: float = 60.0  # pools grown on demand shrink back after this long idle
 
 
 def default_kv_memory() -> int:
@@ -34,11 +35,15 @@ def default_kv_memory() -> int:
         return 2 << 30
 
 
+START_TOKENS = 8192  # a pool that grows on demand starts with room for this many (or a context)
+
+
 @dataclass(frozen=True)
 class PoolSize:
-    num_blocks: int  # blocks of the full-attention pools (the engine's block ids)
+    num_blocks: int  # blocks of the full-attention pools at most (the engine's block ids)
     window_blocks: int  # blocks of the sliding-window layers' own pools
     window: int  # the widest sliding window (0: none)
+    start_blocks: int = 0  # what they start with, growing on demand (0: all of num_blocks)
 
 
 def size_pools(cfg: EngineConfig, runner, context: int, draft_bytes_per_block: int = 0) -> PoolSize:
@@ -56,7 +61,11 @@ def size_pools(cfg: EngineConfig, runner, context: int, draft_bytes_per_block: i
     # as much again for window blocks kept with cached prefixes.
     window_need = 2 * (cfg.max_num_seqs * (-(-window // bs) + 2) + -(-cfg.max_step_tokens // bs)) if window else 0
     num_blocks = _pool_blocks(cfg, per_full, per_window, window_need, context)
-    return PoolSize(num_blocks, min(num_blocks, window_need), window)
+    # A budget, not a size (unless the caller gave one): start with room for one context
+    # (at most START_TOKENS) and a prefill chunk, so a server starts light.
+    start = 0 if cfg.kv_blocks or cfg.kv_tokens else min(
+        num_blocks, -(-(min(context, START_TOKENS) + cfg.max_step_tokens) // bs) + 1)
+    return PoolSize(num_blocks, min(num_blocks, window_need), window, start)
 
 
 def _pool_blocks(cfg: EngineConfig, per_full: int, per_window: int, window_blocks: int, context: int) -> int:

@@ -21,7 +21,7 @@ DISK_STATS_KEYS = ("disk_hit_blocks", "disk_read_bytes", "disk_write_blocks", "d
 # The keys of Engine.stats(), identical for both engines (a dense engine reports 0 blocks);
 # a stopped engine adds "dead_reason".
 STATS_KEYS = frozenset({
-    "blocks_total", "blocks_used", "blocks_cached", "blocks_free", "block_size", "waste",
+    "blocks_total", "blocks_max", "blocks_used", "blocks_cached", "blocks_free", "block_size", "waste",
     "prefix_hit_tokens", "running", "waiting", "tokens_in", "tokens_out",
     "tokens_dropped", "tokens_repositioned",
     # Speculative decoding: verify steps, tokens drafted, drafted tokens accepted.

@@ -185,7 +185,7 @@ class SimpleEngine(EngineBase):
         """The paged engine's keys: no blocks (dense caches), one request running at a time."""
         running = min(self._running, 1)
         stats = {
-            "blocks_total": 0, "blocks_used": 0, "blocks_cached": 0, "blocks_free": 0, "block_size": 0,
+            "blocks_total": 0, "blocks_max": 0, "blocks_used": 0, "blocks_cached": 0, "blocks_free": 0, "block_size": 0,
             "waste": 0.0, "prefix_hit_tokens": self.prefix_hit_tokens,
             "running": running, "waiting": max(len(self._live) - running, 0),
             "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,

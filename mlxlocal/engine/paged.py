@@ -60,22 +60,30 @@ class PagedEngine(EngineBase, StepPhases):
         spec = cfg.speculative
         drafter = ModelDrafter(spec.draft, loaded) if spec is not None and spec.method == "draft" else None
         size = size_pools(cfg, runner, self.context_length, drafter.bytes_per_block(bs) if drafter else 0)
-        self.num_blocks, window_blocks, window = size.num_blocks, size.window_blocks, size.window
+        window_blocks, window = size.window_blocks, size.window
         windowed = [w is not None for w in runner.windows]
         q = dict(bits=cfg.kv_bits, group_size=cfg.kv_group_size)
-        self.pools = runner.new_pools(runner.shapes, self.num_blocks, bs, runner.dtype, windowed, window_blocks, **q)
-        self.blocks = BlockManager(self.num_blocks, bs, cfg.prefix_cache)
+        # Pools grow on demand up to the budget where nothing else shares their block ids (a
+        # draft model's pools) or must follow (a cluster's mirrored pools).
+        resizable = bool(size.start_blocks) and drafter is None and getattr(runner, "pools_resizable", False)
+        start = size.start_blocks if resizable else size.num_blocks
+        self.pools = runner.new_pools(runner.shapes, start, bs, runner.dtype, windowed, window_blocks, **q)
+        self.blocks = BlockManager(start, bs, cfg.prefix_cache, max_blocks=size.num_blocks,
+                                   on_resize=self.pools.resize if resizable else None)
+        self._start_blocks = self.pools.num_blocks
+        self._idle_since: float | None = None
         self.windows = WindowBlocks(window_blocks, bs, window) if window else None
         snapshots = None
         if runner.recurrent:
             # State snapshots may take a quarter of what the K/V pools take.
-            snapshots = runner.snapshots = StateSnapshots(self.pools.nbytes // 4, runner.state_bytes)
+            per_block = self.pools.nbytes // max(1, self.pools.num_blocks)
+            snapshots = runner.snapshots = StateSnapshots(per_block * size.num_blocks // 4, runner.state_bytes)
         self.reuse = PrefixReuse(self.blocks, self.windows, snapshots)
         # Hybrid and window models resume a prefix only where their extra state is; a partly
         # matching block is never reused (no recurrent state mid-block, window blocks whole).
         whole = self.reuse.whole_blocks
         if drafter is not None:
-            drafter.allocate(self.num_blocks, bs)
+            drafter.allocate(self.blocks.num_blocks, bs)
         self.tier = self.reuse.tier = self._open_tier(cfg, loaded, drafter)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_step_tokens,
                                    None if whole else self._copy_block, self.reuse.resume if whole else None,
@@ -121,10 +129,10 @@ class PagedEngine(EngineBase, StepPhases):
         self.validate(prompt, params, length=kept)
         constraint = self.constraint(params)
         need = -(-(peak + 1) // self.config.block_size)
-        if need > self.num_blocks:
+        if need > self.blocks.max_blocks:
             raise OutOfCapacity(
                 f"prompt of {len(prompt)} tokens needs {need} KV blocks; the pool holds "
-                f"{self.num_blocks} (raise --kv-cache-memory)"
+                f"{self.blocks.max_blocks} (raise --kv-cache-memory)"
             )
         if self._queued >= self.config.max_waiting:
             raise QueueFull(f"{self._queued} requests are already waiting (limit {self.config.max_waiting})")
@@ -219,9 +227,15 @@ class PagedEngine(EngineBase, StepPhases):
         return value
 
     @property
+    def num_blocks(self) -> int:
+        """The pools' blocks now (they grow on demand up to blocks.max_blocks)."""
+        return self.blocks.num_blocks
+
+    @property
     def kv_pool(self) -> dict:
-        pool = {"kind": "paged", "blocks": self.num_blocks, "block_size": self.config.block_size,
-                "bytes": self.pools.nbytes}
+        n, most = self.blocks.num_blocks, self.blocks.max_blocks
+        pool = {"kind": "paged", "blocks": n, "block_size": self.config.block_size, "bytes": self.pools.nbytes,
+                "max_blocks": most, "max_bytes": self.pools.nbytes * most // max(1, n)}
         if self.config.kv_bits:  # quantized K/V (absent: the model dtype)
             pool.update(kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size)
         if self.windows is not None:  # sliding-window layers' own blocks
@@ -321,9 +335,16 @@ class PagedEngine(EngineBase, StepPhases):
                 # Idle: hand MLX's buffer cache back to the system, so one large request
                 # does not keep its peak memory for the life of the server.
                 mx.clear_cache()
+            # Pools grown past their start are given back after a while without requests
+            # (calls such as stats() do not count).
+            now = time.monotonic()
+            if not block or self._idle_since is None:
+                self._idle_since = None if not block else now
+            grown = block and self.blocks.num_blocks > self._start_blocks
+            wait = max(0.0, self._idle_since + self.config.kv_shrink_idle_s - now) if grown else None
             try:
                 while True:
-                    item = self._inbox.get(block=block)
+                    item = self._inbox.get(block=block, timeout=wait)
                     block = False
                     if item[0] == "stop":
                         for seq in list(self.scheduler.running):  # the waiting ones fail in _die
@@ -331,7 +352,8 @@ class PagedEngine(EngineBase, StepPhases):
                         return
                     self._handle(item)
             except queue.Empty:
-                pass
+                if grown and time.monotonic() - self._idle_since >= self.config.kv_shrink_idle_s:
+                    self._shrink()
             try:
                 self.step()
             except Exception as e:  # not pinned on one request: fail what is in flight, go on
@@ -342,6 +364,15 @@ class PagedEngine(EngineBase, StepPhases):
                     self._fail(seq, e)
             self.outbox.flush()  # this step's chunks: one wake-up per consumer loop
             self._queued = len(self.scheduler.waiting)
+
+    def _shrink(self) -> None:
+        """Idle: the pools back to their start size (or to past the last block a session
+        holds); what the prefix cache kept in the blocks given back leaves it."""
+        before = self.blocks.num_blocks
+        after = self.blocks.shrink(self._start_blocks)
+        if after < before:
+            mx.clear_cache()
+            log.info("idle: KV pool shrunk from %d to %d blocks", before, after)
 
     def _handle(self, item) -> None:
         if item[0] == "submit":
@@ -540,7 +571,8 @@ class PagedEngine(EngineBase, StepPhases):
         used = self.blocks.num_referenced
         stored = sum(max(v, 0) for v in fill.values())
         return {
-            "blocks_total": self.num_blocks,
+            "blocks_total": self.blocks.num_blocks,
+            "blocks_max": self.blocks.max_blocks,
             "blocks_used": used,
             "blocks_cached": self.blocks.num_cached,
             "blocks_free": len(self.blocks.free),

@@ -149,6 +149,7 @@ class OneRank:
     """The cluster members of a runner on one process: plain pools, nobody to lose."""
 
     on_lost: Callable[[str], None] | None = None
+    pools_resizable = True  # its pools may grow and shrink (KVPools.resize)
 
     def new_pools(self, *args, **kwargs) -> KVPools:
         return KVPools(*args, **kwargs)

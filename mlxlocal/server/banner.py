@@ -36,7 +36,11 @@ def kv_pool(engine: Engine | None) -> str:
         return "KV cache: per request (mlx-lm path, no paged pool)"
     blocks, size = kv["blocks"], kv["block_size"]
     bits = f", K/V {kv['kv_bits']}-bit (group {kv['kv_group_size']})" if kv.get("kv_bits") else ""
-    return f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens, {human_bytes(kv['bytes'])}{bits}"
+    line = f"KV pool: {blocks} blocks × {size} tokens = {blocks * size:,} tokens, {human_bytes(kv['bytes'])}{bits}"
+    most = kv.get("max_blocks", blocks)
+    if most > blocks:  # it starts light and grows on demand
+        line += f"; grows on demand to {most * size:,} tokens, {human_bytes(kv['max_bytes'])}"
+    return line
 
 
 def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None = None) -> str:

@@ -32,7 +32,8 @@ class Metrics:
         self.running = Gauge("mlxlocal_requests_running", "Requests decoding or prefilling", registry=r)
         self.waiting = Gauge("mlxlocal_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_used = Gauge("mlxlocal_kv_blocks_used", "KV blocks referenced by sequences", registry=r)
-        self.kv_total = Gauge("mlxlocal_kv_blocks_total", "KV blocks in the pools", registry=r)
+        self.kv_total = Gauge("mlxlocal_kv_blocks_total", "KV blocks in the pools now", registry=r)
+        self.kv_max = Gauge("mlxlocal_kv_blocks_max", "KV blocks the pools may grow to (the budget)", registry=r)
         self.prefix_hits = Gauge("mlxlocal_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
         # Speculative decoding (serve --draft-model / --prompt-lookup), summed over the loaded
         # engines since each loaded: verify steps, tokens drafted, drafted tokens accepted.
@@ -54,7 +55,8 @@ class Metrics:
 
     def refresh(self, engines: list[Engine]) -> None:
         """Gauges from the engines' own counters, at scrape time."""
-        totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "prefix_hit_tokens": 0,
+        totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "blocks_max": 0,
+                  "prefix_hit_tokens": 0,
                   "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, **dict.fromkeys(DISK_GAUGES, 0)}
         for engine in engines:
             stats = engine.stats()
@@ -64,6 +66,7 @@ class Metrics:
         self.waiting.set(totals["waiting"])
         self.kv_used.set(totals["blocks_used"])
         self.kv_total.set(totals["blocks_total"])
+        self.kv_max.set(totals["blocks_max"])
         self.prefix_hits.set(totals["prefix_hit_tokens"])
         self.spec_steps.set(totals["spec_steps"])
         self.spec_drafted.set(totals["spec_drafted"])
