@@ -60,6 +60,7 @@ def test_kv_pool_describes_paged_and_dense(engines):
     assert paged.kv_pool == {"kind": "paged", "blocks": paged.num_blocks, "block_size": paged.config.block_size,
                              "bytes": paged.pools.nbytes, "max_blocks": paged.blocks.max_blocks,
                              "max_bytes": paged.pools.nbytes * paged.blocks.max_blocks // paged.num_blocks}
+    assert paged.pools.block_nbytes * paged.num_blocks == paged.pools.nbytes  # no window layers here
     assert simple.kv_pool["kind"] == "dense"
 
 

@@ -99,6 +99,13 @@ class KVPools:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state())
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one more block of the full-attention pools takes (what resize grows by)."""
+        per = [a.nbytes // max(1, a.shape[1]) for i, w in enumerate(self.windowed) if not w
+               for pool in (self.k[i], self.v[i]) for a in quantized.parts(pool)]
+        return sum(per)
+
     def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
         return quantized.encode(x, self.bits, self.group_size)
 

@@ -235,7 +235,7 @@ class PagedEngine(EngineBase, StepPhases):
     def kv_pool(self) -> dict:
         n, most = self.blocks.num_blocks, self.blocks.max_blocks
         pool = {"kind": "paged", "blocks": n, "block_size": self.config.block_size, "bytes": self.pools.nbytes,
-                "max_blocks": most, "max_bytes": self.pools.nbytes * most // max(1, n)}
+                "max_blocks": most, "max_bytes": self.pools.nbytes + (most - n) * self.pools.block_nbytes}
         if self.config.kv_bits:  # quantized K/V (absent: the model dtype)
             pool.update(kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size)
         if self.windows is not None:  # sliding-window layers' own blocks
