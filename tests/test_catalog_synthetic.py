@@ -260,6 +260,21 @@ def test_layers_modifier_and_listing(tmp_path):
     assert not path.exists()
 
 
+def test_context_modifier_links_the_base_weights_instead_of_copying_them(tmp_path):
+    path = synthetic.materialize("synthetic:tiny:context=2048", tmp_path)
+    base = synthetic.materialize("synthetic:tiny", tmp_path)  # built first, on the way
+    assert json.loads((path / "config.json").read_text())["max_position_embeddings"] == 2048
+    weights = sorted(path.glob("*.safetensors"))
+    assert weights and all(f.is_symlink() and f.resolve().parent == base.resolve() for f in weights)
+    assert _weights(path).keys() == _weights(base).keys()
+    sizes = {m.spec: m.size_bytes for m in synthetic.list_materialized(tmp_path)}
+    assert sizes["synthetic:tiny:fp32:context=2048"] < sizes["synthetic:tiny:fp32"] // 10  # links, not bytes
+    # Its base removed, the variant is made again rather than left with dangling links.
+    synthetic.remove_materialized("synthetic:tiny", tmp_path)
+    again = synthetic.materialize("synthetic:tiny:context=2048", tmp_path)
+    assert again == path and all(f.exists() for f in again.iterdir())
+
+
 def test_same_seed_same_weights_other_seed_differs(tmp_path):
     config = TINY_CONFIGS["qwen3"]
     a = _weights(write_model_dir(tmp_path / "a", config, seed=0))

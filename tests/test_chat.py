@@ -67,11 +67,11 @@ class Footer(NamedTuple):
 class Chat:
     """One `python -m mlxlocal.repl` in a pty, with helpers that wait for what a user sees."""
 
-    def __init__(self, model: Path | str, home: Path, *args: str, max_tokens: int = 12):
+    def __init__(self, model: Path | str, home: Path, *args: str, max_tokens: int | None = 12):
         env = dict(os.environ, TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", COLUMNS="200",
                    LINES="50", MLXLOCAL_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
-        argv = ["-m", "mlxlocal.repl", "--model", str(model), "--max-tokens", str(max_tokens),
-                "--temp", "0", *args]
+        limit = ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
+        argv = ["-m", "mlxlocal.repl", "--model", str(model), *limit, "--temp", "0", *args]
         self.child = pexpect.spawn(sys.executable, argv, env=env, cwd=str(home), dimensions=(50, 200),
                                    encoding="utf-8", codec_errors="replace", timeout=TIMEOUT)
 
@@ -109,7 +109,7 @@ class Chat:
 def chat(chat_model_dir, tmp_path):
     chats: list[Chat] = []
 
-    def start(*args: str, model: Path | str | None = None, max_tokens: int = 12) -> Chat:
+    def start(*args: str, model: Path | str | None = None, max_tokens: int | None = 12) -> Chat:
         c = Chat(model or chat_model_dir, tmp_path, *args, max_tokens=max_tokens)
         chats.append(c)
         return c
@@ -245,6 +245,33 @@ def test_ctrl_c_stops_reply_and_keeps_the_repl(chat, tmp_path):
     go_on = Footer.of(c.expect(FOOTER))
     c.prompt()
     assert again.prompt + again.reply - 1 <= go_on.cached <= again.prompt + again.reply
+    assert c.exit() == 0
+
+
+def test_type_ahead_is_not_echoed_into_a_reply_and_waits_for_the_prompt(chat):
+    c = chat(max_tokens=3000)
+    c.prompt()
+    c.child.send("hello world\r")
+    c.child.expect_exact("…")  # the reply streams
+    time.sleep(0.3)
+    c.child.send("/clear\r")  # typed ahead, Enter included
+    time.sleep(0.3)
+    c.child.sendintr()
+    c.child.expect_exact("[interrupted]")
+    streamed = c.child.before
+    assert "/clear" not in streamed and "^C" not in streamed, streamed[-500:]
+    c.expect(FOOTER)
+    c.child.expect_exact("conversation cleared")  # the typed line ran at the next prompt
+    c.prompt()
+    assert c.exit() == 0
+
+
+def test_random_weights_are_said_and_replies_kept_short(chat):
+    c = chat(model="synthetic:tiny", max_tokens=None)
+    c.child.expect_exact("random weights: replies are gibberish on purpose")
+    c.child.expect_exact("they stop at 128 tokens (--max-tokens)")
+    c.prompt()
+    assert c.ask("hello").reply <= 128
     assert c.exit() == 0
 
 

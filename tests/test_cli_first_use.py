@@ -5,8 +5,10 @@ them when it runs."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import typer
@@ -83,3 +85,90 @@ def test_unknown_models_get_a_did_you_mean(tmp_path):
     assert "Did you mean ./my-model?" in proc.stderr, proc.stderr
     proc = mlxlocal("generate", "--model", "synthetic:tyny", "-p", "hi")
     assert "did you mean synthetic:tiny?" in proc.stderr, proc.stderr
+
+
+def test_launch_names_the_model_it_would_fetch(monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    monkeypatch.delenv("MLXLOCAL_LAUNCH_MODEL", raising=False)
+    res = CliRunner().invoke(app, ["launch", "codex", "--print"])
+    assert res.exit_code == 0, res.output
+    assert "no --model given: using qwen3-8b (mlx-community/" in res.output
+    assert "--model picks another" in res.output
+
+
+# `mlxlocal <command> ... --model X` in an example, and every synthetic:NAME.
+EXAMPLE = re.compile(r"mlxlocal [a-z-]+(?: [^\n`]*?)? (?:--model|-m) ([\w./:@=-]+)")
+SYNTHETIC = re.compile(r"synthetic:([a-z][\w.-]*)")
+
+
+def _unknown_models(text: str) -> set[str]:
+    from mlxlocal.embeddings import MINILM_ALIASES
+    from mlxlocal.source.catalog import load_catalog
+
+    cat = load_catalog()
+    bad = {m for m in SYNTHETIC.findall(text) if m.rstrip(".") not in cat.synthetic and m != "NAME"}
+    for m in EXAMPLE.findall(text):
+        name = m.split(":")[0]
+        if m.startswith(("synthetic:", ".", "/", "~", "$")) or "/" in m or name.isupper() or m.endswith(".gguf"):
+            continue  # a preset (checked above), a path, a repo id, a placeholder
+        if cat.find_alias(name) is None and name.lower() not in MINILM_ALIASES:  # embed's model
+            bad.add(m)
+    return bad
+
+
+def test_help_texts_and_readme_name_only_models_that_exist():
+    import typer as typer_mod
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    def helps(cmd, prefix):
+        yield prefix
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from helps(sub, prefix + [name])
+
+    runner = CliRunner()
+    texts = [runner.invoke(app, args + ["--help"], terminal_width=300).output
+             for args in helps(typer_mod.main.get_command(app), [])]
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert _unknown_models("\n".join(texts)) == set()
+    assert _unknown_models(readme) == set()
+    assert _unknown_models("mlxlocal serve --model qwen9-99b") == {"qwen9-99b"}  # it can fail
+
+
+def _options():
+    import typer as typer_mod
+
+    from mlxlocal.cli import app
+
+    def walk(cmd, prefix):
+        for p in getattr(cmd, "params", []):
+            if getattr(p, "param_type_name", "") == "option" and p.name != "help":
+                yield " ".join(prefix), p
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, prefix + [name])
+
+    return list(walk(typer_mod.main.get_command(app), []))
+
+
+def test_every_option_is_described_and_shared_ones_are_declared_once():
+    options = _options()
+    assert len(options) > 200
+    assert [(cmd, p.opts) for cmd, p in options if not p.help] == []
+    # One declaration (cli/options.py) of each engine, sampling and cache option, in its panel
+    # wherever it is used.
+    cli = Path(__file__).parent.parent / "mlxlocal" / "cli"
+    for flag in ("--kv-cache-memory", "--block-size", "--temp", "--top-p", "--seed", "--kv-disk", "--kernels"):
+        decl = re.compile(r'Option\(\s*(?:[^,()]+,\s*)?"' + re.escape(flag) + '"')
+        declared = [f.name for f in sorted(cli.glob("*.py")) if decl.search(f.read_text())]
+        assert declared == ["options.py"], (flag, declared)
+    panels = {(cmd, p.opts[0]): p.rich_help_panel for cmd, p in options}
+    for cmd in ("generate", "chat", "serve"):
+        assert panels[(cmd, "--kv-cache-memory")] == "KV cache"
+        assert panels[(cmd, "--kernels")] == "Engine"
+    for cmd in ("generate", "chat", "run"):
+        assert panels[(cmd, "--temp")] == "Sampling"
+    assert panels[("serve", "--port")] == "Server"

@@ -105,8 +105,11 @@ def test_unknown_spec_suggests_list_aliases_and_presets(hf_env):
     with pytest.raises(ModelNotFoundError) as err:
         hub.resolve("definitely-not-a-model")
     msg = str(err.value)
-    assert "mlxlocal list" in msg and "synthetic:" in msg and "qwen3-0.6b" in msg
-    assert "tiny" in msg
+    # One short line: where the names are listed, and what one looks like.
+    assert "mlxlocal list --catalog" in msg and "synthetic:tiny" in msg and "qwen3-4b" in msg
+    assert len(msg) < 300 and "\n" not in msg
+    with pytest.raises(ModelNotFoundError, match="Did you mean qwen3-0.6b"):
+        hub.resolve("qwen3-0.6")
 
 
 def test_local_directory(hf_env, tmp_path, tiny_model_dir):

@@ -259,7 +259,9 @@ def write_plot(res: dict, path: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'mlxlocal[bench]' (or matplotlib)") from e
-    panels = [k for k in ("speed", "agent", "concurrent") if k in res]
+    # Prefill and decode rates differ by 10-100x: each gets its own linear axis (one log axis
+    # made the decode bars slivers above its floor).
+    panels = [k for k in ("prefill", "decode") if "speed" in res] + [k for k in ("agent", "concurrent") if k in res]
     if not panels:
         raise PlotUnavailable("--plot draws the speed run and the agent / concurrent scenarios only")
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
@@ -284,18 +286,14 @@ def write_plot(res: dict, path: str | Path) -> Path:
             ax.set(title="throughput vs streams", xlabel="concurrent streams", ylabel="tok/s")
             ax.set_xscale("log", base=2)
             ax.legend()
-        else:
+        else:  # prefill or decode
             s = res["speed"]
-            labels = ["prefill tok/s", "decode tok/s"]
-            ours = [s["mlxlocal"]["prefill_tps"]["mean"] or 0, s["mlxlocal"]["decode_tps"]["mean"] or 0]
-            ax.bar([0, 2], ours, width=0.8, label="mlxlocal")
-            if "mlx_lm" in s:
-                ref = [s["mlx_lm"]["prefill_tps"]["mean"] or 0, s["mlx_lm"]["decode_tps"]["mean"] or 0]
-                ax.bar([0.8, 2.8], ref, width=0.8, label="mlx-lm")
-            ax.set_xticks([0.4, 2.4], labels)
-            ax.set_yscale("log")
-            ax.set(title=f"speed (prompt {s['prompt_tokens']}, generate {s['gen_tokens']})")
-            ax.legend()
+            who = [("mlxlocal", "mlxlocal")] + ([("mlx_lm", "mlx-lm")] if "mlx_lm" in s else [])
+            values = [s[k][f"{key}_tps"]["mean"] or 0 for k, _ in who]
+            bars = ax.bar([label for _, label in who], values, color=["C0", "C1"][: len(who)])
+            ax.bar_label(bars, fmt="%.0f")
+            what = f"prompt {s['prompt_tokens']}" if key == "prefill" else f"generate {s['gen_tokens']}"
+            ax.set(title=f"{key} ({what})", ylabel="tok/s")
     fig.suptitle(res["model"])
     fig.tight_layout()
     out = Path(path)

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from mlxlocal.cli.common import KERNELS_HELP
+from mlxlocal.cli.options import Kernels
 
 BENCH_HELP = """Benchmark the local engine (default) or a running server (--url).
 
@@ -140,7 +140,7 @@ def bench(
                                        "lookup (see above)"),
     num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help="Tokens drafted per step at "
                                                    "most, 1..32 [default: 4]"),
-    kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
+    kernels: Kernels = None,
     models: Optional[str] = typer.Option(None, "--models", help="bench kernels: comma-separated model shapes "
                                          "[default: all of qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.2-1b, llama-3.2-3b, "
                                          "llama-3.1-8b]"),

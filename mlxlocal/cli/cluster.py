@@ -16,7 +16,7 @@ HELP = """Run an mlxlocal command on N ranks of MLX's ring backend, the model sp
 
   mlxlocal launch-cluster -n 2 -- serve -m qwen3-8b
   mlxlocal launch-cluster -n 2 --pp -- generate -m qwen3-8b -p "hi"
-  mlxlocal launch-cluster --hostfile hosts.json -- chat -m llama-3.3-70b
+  mlxlocal launch-cluster --hostfile hosts.json -- chat -m qwen3-32b
 
 -n starts the ranks on this machine (loopback); --hostfile runs them on several Macs
 through mlx.launch (see `mlx.distributed_config` to write one)."""

@@ -10,19 +10,6 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import (
-    DRAFT_MODEL_HELP,
-    FREQ_HELP,
-    KERNELS_HELP,
-    KV_BITS_HELP,
-    KV_COMPACT_HELP,
-    KV_DISK_DIR_HELP,
-    KV_DISK_HELP,
-    KV_GROUP_HELP,
-    KV_MEMORY_HELP,
-    MODEL_HELP,
-    NUM_DRAFT_HELP,
-    PRES_HELP,
-    PROMPT_LOOKUP_HELP,
     agent_limits,
     compaction_policy,
     engine_options,
@@ -31,6 +18,37 @@ from mlxlocal.cli.common import (
     human_bytes,
     kernels_mode,
     speculation,
+)
+from mlxlocal.cli.options import (
+    OUTPUT,
+    BlockSize,
+    DraftModel,
+    FrequencyPenalty,
+    Kernels,
+    KvBits,
+    KvBlocks,
+    KvCacheMemory,
+    KvCompact,
+    KvDisk,
+    KvDiskDir,
+    KvGroupSize,
+    MaxSteps,
+    MaxTools,
+    MinP,
+    Model,
+    NoPrefixCache,
+    NumDraftTokens,
+    PresencePenalty,
+    PromptLookup,
+    RepetitionPenalty,
+    RerankTools,
+    Seed,
+    System,
+    Temp,
+    ThinkingBudget,
+    ToolEmbedder,
+    TopK,
+    TopP,
 )
 from mlxlocal.errors import MlxLocalError
 
@@ -48,39 +66,39 @@ def sampling_params(**fields):
 
 
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
+    model: Model,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; '-' or omitted reads stdin"),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum tokens to generate"),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 disables top-k"),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
-    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help=FREQ_HELP),
-    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help=PRES_HELP),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
-    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Encode the prompt as plain text"),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence"),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming"),
-    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
-    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
-    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
-    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
-    kv_disk: Optional[str] = typer.Option(None, "--kv-disk", help=KV_DISK_HELP),
-    kv_disk_dir: Optional[Path] = typer.Option(None, "--kv-disk-dir", help=KV_DISK_DIR_HELP),
-    kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    min_p: MinP = 0.0,
+    repetition_penalty: RepetitionPenalty = 1.0,
+    frequency_penalty: FrequencyPenalty = 0.0,
+    presence_penalty: PresencePenalty = 0.0,
+    seed: Seed = None,
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)", rich_help_panel=OUTPUT),
+    system: System = None,
+    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Encode the prompt as plain text", rich_help_panel=OUTPUT),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence", rich_help_panel=OUTPUT),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming", rich_help_panel=OUTPUT),
+    kv_cache_memory: KvCacheMemory = None,
+    kv_blocks: KvBlocks = None,
+    block_size: BlockSize = 16,
+    no_prefix_cache: NoPrefixCache = False,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    kv_disk: KvDisk = None,
+    kv_disk_dir: KvDiskDir = None,
+    kernels: Kernels = None,
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the output to JSON "
-                                               "valid against the JSON schema in this file"),
-    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regex"),
+                                               "valid against the JSON schema in this file", rich_help_panel=OUTPUT),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regex", rich_help_panel=OUTPUT),
     grammar_file: Optional[Path] = typer.Option(None, "--grammar", help="Constrain the output to the GBNF or "
-                                                "Lark grammar in this file"),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP),
-    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP),
-    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
+                                                "Lark grammar in this file", rich_help_panel=OUTPUT),
+    draft_model: DraftModel = None,
+    prompt_lookup: PromptLookup = False,
+    num_draft_tokens: NumDraftTokens = None,
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
     from mlxlocal.engine import KVPrecisionError, open_engine, prompt_encoder
@@ -222,57 +240,47 @@ def spec_line(stats) -> str:
             + (f" ({rate:.0%})" if rate is not None else ""))
 
 
-MAX_TOOLS_HELP = ("With more MCP tools than this, the prompt offers the top K for each user turn, the tools "
-                  "called before and a search_tools tool that finds more; 0 or all: every tool")
-TOOL_EMBEDDER_HELP = ("Embedding model (e.g. minilm) for the tool index's dense stage besides BM25 "
-                      "(default: BM25 only)")
-THINKING_BUDGET_HELP = ("A think block still open after this many tokens of a reply is closed "
-                        "and the model answers (default: no budget)")
-RERANK_HELP = ("The chat model itself re-ranks the tool index's top 20 at each user turn (one short "
-               "constrained generation per turn)")
-
-
 def chat(
-    model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
-    max_tokens: int = typer.Option(1024, "--max-tokens", "-n"),
-    thinking_budget: Optional[int] = typer.Option(None, "--thinking-budget",
-                                                  help=THINKING_BUDGET_HELP),
-    temp: float = typer.Option(0.0, "--temp"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
-    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help=FREQ_HELP),
-    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help=PRES_HELP),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    model: Model,
+    system: System = None,
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Maximum tokens per reply "
+                                             "(default: 1024; 128 on a synthetic model's random weights)"),
+    thinking_budget: ThinkingBudget = None,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    min_p: MinP = 0.0,
+    repetition_penalty: RepetitionPenalty = 1.0,
+    frequency_penalty: FrequencyPenalty = 0.0,
+    presence_penalty: PresencePenalty = 0.0,
+    seed: Seed = None,
     history_file: Optional[Path] = typer.Option(None, "--history-file", help="Input history (default under ~/.local/state/mlxlocal)"),
-    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
-    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
-    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
-    kv_group_size: int = typer.Option(64, "--kv-group-size", help=KV_GROUP_HELP),
-    kv_disk: Optional[str] = typer.Option(None, "--kv-disk", help=KV_DISK_HELP),
-    kv_disk_dir: Optional[Path] = typer.Option(None, "--kv-disk-dir", help=KV_DISK_DIR_HELP),
-    kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP),
+    kv_cache_memory: KvCacheMemory = None,
+    kv_blocks: KvBlocks = None,
+    block_size: BlockSize = 16,
+    no_prefix_cache: NoPrefixCache = False,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    kv_disk: KvDisk = None,
+    kv_disk_dir: KvDiskDir = None,
+    kernels: Kernels = None,
     mcp: list[Path] = typer.Option([], "--mcp", help="MCP config file (mcpServers, as Claude Desktop / Cursor "
                                    "write it): the model may call its servers' tools; repeatable"),
-    max_steps: int = typer.Option(8, "--max-steps", help="With --mcp: generations per turn at most"),
-    max_tools: str = typer.Option("8", "--max-tools", help="With --mcp: " + MAX_TOOLS_HELP),
-    tool_embedder: Optional[str] = typer.Option(None, "--tool-embedder", help="With --mcp: " + TOOL_EMBEDDER_HELP),
-    rerank_tools: bool = typer.Option(False, "--rerank-tools", help="With --mcp: " + RERANK_HELP),
-    kv_compact: Optional[str] = typer.Option(None, "--kv-compact", help=KV_COMPACT_HELP),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP),
-    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP),
-    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", help=NUM_DRAFT_HELP),
+    max_steps: MaxSteps = 8,
+    max_tools: MaxTools = "8",
+    tool_embedder: ToolEmbedder = None,
+    rerank_tools: RerankTools = False,
+    kv_compact: KvCompact = None,
+    draft_model: DraftModel = None,
+    prompt_lookup: PromptLookup = False,
+    num_draft_tokens: NumDraftTokens = None,
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
-    from mlxlocal.repl.chat import run_chat
+    from mlxlocal.repl.chat import DEFAULT_MAX_TOKENS, run_chat
 
     compact = compaction_policy(kv_compact)
     params = sampling_params(
-        max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         think_budget=thinking_budget,
@@ -290,7 +298,7 @@ def chat(
                                         tool_embedder=tool_embedder, rerank_tools=rerank_tools,
                                         compact=compact))
     raise typer.Exit(run_chat(model, system=system, params=params, history_file=history_file,
-                              engine_options=options, compact=compact))
+                              engine_options=options, compact=compact, max_tokens_given=max_tokens is not None))
 
 def register(app: typer.Typer) -> None:
     """Add `generate` and `chat` to the main Typer app."""

@@ -27,8 +27,9 @@ without running anything."""
 def launch(
     ctx: typer.Context,
     client: str = typer.Argument(..., help="claude | codex | opencode"),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", envvar="MLXLOCAL_LAUNCH_MODEL",
-                              help=MODEL_HELP),
+    model: Optional[str] = typer.Option(None, "--model", "-m", envvar="MLXLOCAL_LAUNCH_MODEL",
+                                        help=MODEL_HELP + f" (default: {DEFAULT_MODEL}, named and "
+                                        "confirmed before a download)"),
     served_model_name: Optional[str] = typer.Option(
         None, "--served-model-name", help="Name the client asks for (default: the alias, or the last "
         "component of a path or repo id)"),
@@ -53,6 +54,8 @@ def launch(
         spec = get_client(client)
     except LaunchError as e:
         fail(str(e), 2)
+    if model is None:
+        model = default_model(ask=not print_only)
     alias = served_model_name or served_alias(model)
     extra = list(ctx.args)
     if print_only:
@@ -67,6 +70,24 @@ def launch(
     except LaunchError as e:
         fail(str(e), 1)
     raise typer.Exit(code)
+
+
+def default_model(ask: bool) -> str:
+    """DEFAULT_MODEL, named (with its repository and whether it must be downloaded) and, where
+    a download is due and someone is at the terminal, confirmed."""
+    import sys
+
+    from mlxlocal.source.catalog import find_alias
+    from mlxlocal.source.hub import list_cached
+
+    repo = find_alias(DEFAULT_MODEL).repo  # type: ignore[union-attr]  # the catalog has it (tested)
+    cached = any(m.repo_id.lower() == repo.lower() and m.has_config for m in list_cached())
+    err.print(escape(f"launch: no --model given: using {DEFAULT_MODEL} ({repo}"
+                     + (")" if cached else ", not downloaded yet)") + "; --model picks another"),
+              highlight=False)
+    if ask and not cached and sys.stdin.isatty():
+        typer.confirm(f"Download {repo} now?", default=True, abort=True)
+    return DEFAULT_MODEL
 
 
 def register(app: typer.Typer) -> None:

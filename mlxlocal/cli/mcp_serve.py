@@ -10,12 +10,17 @@ from typing import Optional
 import typer
 
 from mlxlocal.cli.common import (
-    KV_MEMORY_HELP,
     MODEL_HELP,
     duration_option,
     engine_options,
     err,
     fail,
+)
+from mlxlocal.cli.options import (
+    BlockSize,
+    KvBlocks,
+    KvCacheMemory,
+    NoPrefixCache,
 )
 
 mcp_app = typer.Typer(name="mcp", help="The Model Context Protocol: serve the local model to MCP clients.",
@@ -70,10 +75,10 @@ def serve(
     mcp_session_idle: str = typer.Option("30m", "--mcp-session-idle", help="http: close a session after this "
                                          "time without a request (30s, 5m, 1h; -1 never)"),
     max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Sequences decoded together"),
-    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=KV_MEMORY_HELP),
-    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pool size in blocks"),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block"),
-    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Disable the radix prefix cache"),
+    kv_cache_memory: KvCacheMemory = None,
+    kv_blocks: KvBlocks = None,
+    block_size: BlockSize = 16,
+    no_prefix_cache: NoPrefixCache = False,
 ) -> None:
     """Serve the model to MCP clients: tools generate, chat, count_tokens; resource mlxlocal://models."""
     from mlxlocal.server.app import ServerConfig

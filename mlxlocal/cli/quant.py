@@ -53,8 +53,8 @@ def quantize_cmd(
     recipe: Optional[str] = typer.Option(None, "--recipe", help="mixed-4-6: 4-bit with sensitive tensors at 6"),
     method: str = typer.Option("rtn", "--method", help="rtn (round to nearest) | awq (activation-aware)"),
     calib_file: Optional[Path] = typer.Option(None, "--calib-file", help="Calibration text for awq (default: built in)"),
-    calib_seq_len: int = typer.Option(256, "--calib-seq-len"),
-    calib_samples: int = typer.Option(32, "--calib-samples"),
+    calib_seq_len: int = typer.Option(256, "--calib-seq-len", help="Tokens per calibration sample"),
+    calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration samples the quantizer sees"),
     awq_grid: int = typer.Option(20, "--awq-grid", help="Scale / clip search grid size for awq"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
 ) -> None:

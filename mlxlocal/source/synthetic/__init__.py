@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -138,7 +138,8 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
     parsed = parse_spec(spec)
     root = Path(root) if root is not None else default_root()
     target = root / parsed.dirname
-    if (target / MARKER).is_file():
+    # Complete (a marker), and the base model a context variant links to still there.
+    if (target / MARKER).is_file() and all(p.exists() for p in target.iterdir()):
         return target
     preset = load_catalog().synthetic[parsed.preset]
     config = copy.deepcopy(preset.config)
@@ -146,6 +147,8 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
         config["num_hidden_layers"] = parsed.layers
         for key in ("max_window_layers", "layer_types"):
             config.pop(key, None)
+    # context=N changes one config number, not a weight: the base model's files are linked.
+    base = materialize(replace(parsed, context=None).canonical, root, quiet) if parsed.context is not None else None
     if parsed.context is not None:
         config["max_position_embeddings"] = parsed.context
 
@@ -155,9 +158,16 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
     # Build next to the target, then rename: readers never see a partial directory.
     tmp = Path(tempfile.mkdtemp(prefix=f".{parsed.dirname}.", dir=root))
     try:
-        with contextlib.nullcontext() if quiet else BuildProgress(parsed.canonical, target) as progress:
-            write_model_dir(tmp, config, seed=parsed.seed, dtype=parsed.dtype, quantize_bits=parsed.bits,
-                            chat_template=preset.chat_template, progress=progress)
+        if base is not None:
+            for f in base.iterdir():
+                if f.name not in (MARKER, "config.json"):
+                    (tmp / f.name).symlink_to(Path("..") / base.name / f.name)
+            config = {**json.loads((base / "config.json").read_text()), "max_position_embeddings": parsed.context}
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        else:
+            with contextlib.nullcontext() if quiet else BuildProgress(parsed.canonical, target) as progress:
+                write_model_dir(tmp, config, seed=parsed.seed, dtype=parsed.dtype, quantize_bits=parsed.bits,
+                                chat_template=preset.chat_template, progress=progress)
         marker = {"spec": parsed.canonical, "preset": parsed.preset, "seed": parsed.seed,
                   "dtype": parsed.dtype, "bits": parsed.bits, "layers": parsed.layers,
                   "context": parsed.context}
@@ -182,7 +192,8 @@ class MaterializedModel:
 
 
 def _dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes the directory itself holds (a context variant's links to its base count as links)."""
+    return sum(f.lstat().st_size for f in path.rglob("*") if f.is_symlink() or f.is_file())
 
 
 def list_materialized(root: Path | None = None) -> list[MaterializedModel]:
