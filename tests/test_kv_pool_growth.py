@@ -4,6 +4,8 @@ pools are that budget from the start (a different path: no growth ever)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import FAMILY_CONFIGS, build_tiny, wait_for
 from engine_util import assert_no_leak, prompt_of, run
@@ -52,10 +54,17 @@ def test_pools_grow_under_load_and_decode_as_fixed_ones(loaded, wide, bits):
         e.shutdown()
 
 
-def test_idle_pools_shrink_back_and_serve_as_before(loaded):
+def test_idle_pools_give_back_their_free_tail_and_keep_the_cache(loaded):
     eng = PagedEngine(loaded, EngineConfig(kv_memory=4 << 20, kv_shrink_idle_s=0.2))
     prompts = [prompt_of(400, shift=i) for i in range(5)]
     first = concurrent(eng, prompts, 6)
+    grown = eng.num_blocks
+    assert grown > START
+    time.sleep(1)  # idle: nothing given back while the prefix cache holds the last blocks
+    last_kept = eng.call(lambda: max(eng.blocks.radix.by_block))
+    assert eng.num_blocks == max(last_kept + 1, START)
+    assert [run(eng, p, 2)[1].cached_tokens for p in prompts] == [399] * 5  # still cached
+    eng.call(eng.blocks.clear_prefix_cache)  # the cache let go (as eviction would): all of it back
     assert wait_for(lambda: eng.stats()["blocks_total"] == START, timeout=10)
     st = eng.stats()
     assert eng.pools.num_blocks == START and st["blocks_free"] + st["blocks_cached"] == START
@@ -75,6 +84,7 @@ def test_a_session_keeps_its_blocks_through_a_shrink(loaded):
         list(h)
     held = eng.call(lambda: max(b for b in range(eng.blocks.num_blocks) if eng.blocks.refs[b]))
     assert held >= START  # the session's blocks lie past the start size
+    eng.call(eng.blocks.clear_prefix_cache)  # only the session holds blocks now
     eng.call(eng._shrink)
     assert eng.num_blocks == held + 1  # cut right after them, not below
     more, stats = run(eng, mine + tokens + [7, 8], 4, session=session)
@@ -97,8 +107,13 @@ def test_block_manager_grows_before_evicting_and_shrinks_what_is_cached():
     assert sizes == [8, 16] and bm.num_blocks == 16 and bm.num_cached == 4
     d = bm.allocate(4)  # then the prefix cache gives what is missing
     assert sizes == [8, 16] and bm.num_cached == 2
-    bm.release(b + c + d)
+    bm.release(b + c + d)  # free again; a's two cached blocks remain, below 4
     assert bm.shrink(4) == 4 and sizes[-1] == 4
-    assert len(bm.free) + bm.num_cached == 4 and all(blk < 4 for blk in bm.radix.by_block)
+    assert len(bm.free) + bm.num_cached == 4 and bm.num_cached == 2
+    e = bm.allocate(8)  # grown again; one block cached high keeps the pool that long
+    bm.cache_prefix([2] * 2 * 8, e)
+    bm.release(e)
+    top = max(e)
+    assert bm.shrink(4) == top + 1 == bm.num_blocks
     fixed = BlockManager(4, 2, max_blocks=16)  # no resize hook: the size is the size
     assert fixed.max_blocks == 4 and fixed.shrink(1) == 4

@@ -163,20 +163,17 @@ class BlockManager:
                 self._to_free([b])
 
     def shrink(self, total: int) -> int:
-        """Give back the blocks from `total` on (or from past the last one in use, if
-        later): what the prefix cache holds there leaves it. Returns the new size."""
+        """Give back the free blocks from `total` on, up to the last one a sequence holds or
+        the prefix cache keeps (a cached prefix is worth more than its memory back: an agent's
+        next turn reuses it). Returns the new size."""
         if self.on_resize is None:
             return self.num_blocks
-        last = max((b for b in range(total, self.num_blocks) if self.refs[b]), default=total - 1)
-        total = last + 1
-        if total >= self.num_blocks:
+        kept = self.radix.by_block if self.radix is not None else {}
+        last = max((b for b in range(total, self.num_blocks) if self.refs[b] or b in kept), default=total - 1)
+        if last + 1 >= self.num_blocks:
             return self.num_blocks
-        if self.radix is not None:
-            high = [b for b in self.radix.by_block if b >= total]
-            low = [b for b in self.radix.detach(high) if self.refs[b] == 0 and b < total]
-            self._to_free(high + low)  # uncached now: told as freed (the disk tier forgets them)
-        self._resize(total)
-        return total
+        self._resize(last + 1)
+        return last + 1
 
     def _resize(self, total: int) -> None:
         assert self.on_resize is not None

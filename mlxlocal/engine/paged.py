@@ -366,8 +366,8 @@ class PagedEngine(EngineBase, StepPhases):
             self._queued = len(self.scheduler.waiting)
 
     def _shrink(self) -> None:
-        """Idle: the pools back to their start size (or to past the last block a session
-        holds); what the prefix cache kept in the blocks given back leaves it."""
+        """Idle: the pools' free tail given back, down to their start size at most (blocks
+        that sessions hold or the prefix cache keeps stay)."""
         before = self.blocks.num_blocks
         after = self.blocks.shrink(self._start_blocks)
         if after < before:
