@@ -1,6 +1,6 @@
 """Turn a replay file of recorded Anthropic /v1/messages requests into OpenAI
 /v1/chat/completions requests, to replay the same conversation against a server without
-the Messages API (mlx_lm.server) with `mlxlocal bench --url URL --replay OUT.jsonl`.
+the Messages API (mlx_lm.server) with `mlxlocal bench replay OUT.jsonl --url URL`.
 
     python scripts/anthropic_to_chat.py session.jsonl session_chat.jsonl
 

@@ -1,5 +1,5 @@
 """Serve one model directory with `mlxlocal serve`, `mlx_lm.server` and (where installed)
-vllm-mlx and rapid-mlx, then run `bench --url ... --compare-url ...` against them: the same
+vllm-mlx and rapid-mlx, then run `bench endpoint --url ... --compare-url ...` against them: the same
 concurrent load, one server at a time, alternating, medians (mlxlocal.bench.endpoint_compare).
 
     python scripts/bench_servers.py synthetic:tiny -c 8 -p 256 -g 64 -n 3

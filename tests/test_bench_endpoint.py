@@ -370,3 +370,16 @@ def test_compare_url_sends_prompts_no_server_has_seen(monkeypatch):
     assert seed1 != seed2 and not set(first[urls[0]]) & set(second[urls[0]])
     again, fixed = seeds_of(seed1)  # a given seed reproduces a comparison
     assert again == seed1 and fixed == first
+
+
+def test_a_served_synthetic_model_is_counted_with_its_own_tokenizer(tmp_path, monkeypatch):
+    # `bench --url` against `mlxlocal serve --model synthetic:tiny`: the name is no Hub repo, but
+    # the model was built on this machine, so prompts are sized in its tokens, not chars / 4.
+    from mlxlocal.bench.prompts import TokenCounter
+    from mlxlocal.source import synthetic
+
+    monkeypatch.setenv("MLXLOCAL_HOME", str(tmp_path))
+    assert TokenCounter(None, "synthetic:tiny").count("hello world")[1] == "chars/4 estimate"  # not built
+    synthetic.materialize("synthetic:tiny", quiet=True)
+    n, method = TokenCounter(None, "synthetic:tiny").count("hello world, " * 20)
+    assert method == f"tokenizer:{tmp_path / 'synthetic' / 'tiny_fp32'}" and n > 0

@@ -77,7 +77,7 @@ def test_compare_mlx_lm_ratios_and_alternation(tiny_model):
 
 
 def test_agent_scenario_cache_on_off(long_model):
-    res = bench("-m", str(long_model), "--scenario", "agent", "--turns", "3", "-g", "2", "-n", "1",
+    res = bench("agent", "-m", str(long_model), "--turns", "3", "-g", "2", "-n", "1",
                 "--compare", "mlx-lm", "--json")
     a = res["agent"]
     assert a["modes"] == ["on", "off", "mlx_lm"]
@@ -94,13 +94,13 @@ def test_agent_scenario_cache_on_off(long_model):
 
 
 def test_agent_no_prefix_cache(long_model):
-    a = bench("-m", str(long_model), "--scenario", "agent", "--turns", "2", "-g", "1", "-n", "1",
+    a = bench("agent", "-m", str(long_model), "--turns", "2", "-g", "1", "-n", "1",
               "--no-prefix-cache", "--json")["agent"]
     assert a["modes"] == ["off"] and a["cached_tokens_per_turn"]["off"] == [0, 0]
 
 
 def test_concurrent_scenario(tiny_model):
-    c = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "3", "-p", "8", "-g", "6",
+    c = bench("concurrent", "-m", str(tiny_model), "-c", "3", "-p", "8", "-g", "6",
               "-n", "1", "--json")["concurrent"]
     assert [r["streams"] for r in c["levels"]] == [1, 2, 3]
     assert all(r["decode_tps"] > 0 and r["e2e_tps"] > 0 for r in c["levels"])
@@ -115,7 +115,7 @@ def assert_median_of_known(value: float, runs: list) -> None:
 
 
 def test_concurrent_compare_mlx_lm(tiny_model):
-    c = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "2", "-p", "8", "-g", "5",
+    c = bench("concurrent", "-m", str(tiny_model), "-c", "2", "-p", "8", "-g", "5",
               "-n", "2", "--warmup", "0", "--compare", "mlx-lm", "--json")["concurrent"]
     assert "BatchGenerator" in c["mlx_lm_method"]
     # A B A B: each of ours directly followed by mlx-lm's on the same stream count; levels
@@ -137,14 +137,14 @@ def test_concurrent_compare_mlx_lm(tiny_model):
 
 
 def test_concurrent_without_compare_has_no_mlx_lm_fields(tiny_model):
-    c = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "1", "-p", "8", "-g", "3",
+    c = bench("concurrent", "-m", str(tiny_model), "-c", "1", "-p", "8", "-g", "3",
               "-n", "1", "--warmup", "0", "--json")["concurrent"]
     assert c["order"] == ["mlxlocal:1"] and "mlx_lm_method" not in c
     assert "mlx_lm_decode_tps" not in c["levels"][0]
 
 
 def test_sessions_scenario_compare(tiny_model):
-    res = bench("-m", str(tiny_model), "--scenario", "sessions", "-c", "2", "-p", "40", "-g", "3",
+    res = bench("sessions", "-m", str(tiny_model), "-c", "2", "-p", "40", "-g", "3",
                 "-n", "2", "--warmup", "0", "--compare", "mlx-lm", "--json")
     s = res["sessions"]
     assert s["sessions"] == 2 and s["prompt_tokens"] == 40 and s["clip_note"] is None
@@ -168,7 +168,7 @@ def test_sessions_scenario_compare(tiny_model):
 
 
 def test_sessions_prompt_clipped_to_context(tiny_model):
-    s = bench("-m", str(tiny_model), "--scenario", "sessions", "-c", "1", "-p", "5000", "-g", "2",
+    s = bench("sessions", "-m", str(tiny_model), "-c", "1", "-p", "5000", "-g", "2",
               "-n", "1", "--warmup", "0", "--json")["sessions"]
     assert s["context_length"] == 512 and s["prompt_tokens"] == 512 - 2 * 2 - s["new_turn_tokens"] - 1
     assert "clipped from 5000" in s["clip_note"] and s["ratios"] is None
@@ -178,7 +178,7 @@ def test_sessions_prompt_clipped_to_context(tiny_model):
 def test_plot_writes_png(tiny_model, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.png"
-    res = bench("-m", str(tiny_model), "--scenario", "concurrent", "-c", "2", "-p", "8", "-g", "4",
+    res = bench("concurrent", "-m", str(tiny_model), "-c", "2", "-p", "8", "-g", "4",
                 "-n", "1", "--plot", str(out), "--json")
     assert res["plot"] == str(out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -186,8 +186,8 @@ def test_plot_writes_png(tiny_model, tmp_path):
 
 def test_bad_options():
     runner = CliRunner()
-    for args in (["--compare", "llama.cpp"], ["--scenario", "chat"], ["-b", "0"], ["--bandwidth", "-1"],
-                 ["--scenario", "sessions", "-c", "0"]):
+    for args in (["--compare", "llama.cpp"], ["chat"], ["-b", "0"], ["--bandwidth", "-1"],
+                 ["sessions", "-c", "0"]):
         result = runner.invoke(app, ["bench", *args])
         assert result.exit_code == 2, (args, result.output)
 
@@ -197,7 +197,7 @@ def test_url_delegates_to_endpoint(monkeypatch):
     fake = types.ModuleType("mlxlocal.bench.endpoint")
     fake.run_endpoint_bench = lambda **kw: seen.update(kw)
     monkeypatch.setitem(sys.modules, "mlxlocal.bench.endpoint", fake)
-    result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9/v1", "-c", "4", "--requests", "8",
+    result = CliRunner().invoke(app, ["bench", "endpoint", "--url", "http://127.0.0.1:9/v1", "-c", "4", "--requests", "8",
                                       "-p", "64", "-g", "16", "--json"])
     assert result.exit_code == 0, result.output
     assert seen == dict(url="http://127.0.0.1:9/v1", model=None, concurrency=4, requests=8, prompt_tokens=64,
@@ -206,7 +206,7 @@ def test_url_delegates_to_endpoint(monkeypatch):
 
 def test_url_without_endpoint_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlxlocal.bench.endpoint", None)  # import raises ImportError
-    result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9/v1"])
+    result = CliRunner().invoke(app, ["bench", "endpoint", "--url", "http://127.0.0.1:9/v1"])
     assert result.exit_code == 1
     assert "endpoint benchmark" in result.output
 
@@ -256,14 +256,14 @@ def test_roofline_arithmetic():
 
 
 def test_structured_output_bench(tiny_model, tmp_path):
-    """--json-schema: free and constrained runs at batch 1 and the given batch, with the
+    """bench structured: free and constrained runs at batch 1 and the given batch, with the
     ratio, tokens per document and the shares of forced tokens and complete documents."""
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"k": {"enum": ["a", "bb"]}, "n": {
         "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3}},
         "required": ["k", "n"], "additionalProperties": False}))
-    res = bench("--model", str(tiny_model), "-p", "16", "-g", "40", "-n", "2", "--warmup", "0", "-b", "3",
-                "--json-schema", str(schema), "--json")["structured"]
+    res = bench("structured", str(schema), "--model", str(tiny_model), "-p", "16", "-g", "40", "-n", "2",
+                "--warmup", "0", "-b", "3", "--json")["structured"]
     assert [r["batch"] for r in res["batches"]] == [1, 3]
     for row in res["batches"]:
         assert row["free_decode_tps"] > 0 and row["constrained_decode_tps"] > 0
@@ -272,7 +272,7 @@ def test_structured_output_bench(tiny_model, tmp_path):
         assert 0 < row["constrained_tokens"] < 40 and 0 <= row["forced_share"] < 1
         assert len(row["runs"]["free"]) == len(row["runs"]["constrained"]) == 2
     assert res["batches"][0]["forced_share"] > 0  # alone: the keys are forced, fed in one forward
-    bad = CliRunner().invoke(app, ["bench", "--json-schema", str(tmp_path / "missing.json")])
+    bad = CliRunner().invoke(app, ["bench", "structured", str(tmp_path / "missing.json")])
     assert bad.exit_code == 2 and "missing.json" in bad.output
 
 
@@ -304,7 +304,7 @@ def test_step_profile_counts_the_decode_steps(tiny_model):
 
 
 def test_profile_phases_ours_and_mlx_lm(tiny_model):
-    res = bench("-m", str(tiny_model), "--profile", "-p", "16", "-g", "12", "-b", "4", "-n", "2",
+    res = bench("profile", "-m", str(tiny_model), "-p", "16", "-g", "12", "-b", "4", "-n", "2",
                 "--warmup", "1", "--json")
     p = res["profile"]
     assert [row["batch"] for row in p["rows"]] == [1, 4]
@@ -327,7 +327,7 @@ def test_profile_phases_ours_and_mlx_lm(tiny_model):
 def test_profile_report_says_how_host_compares(tiny_model):
     from mlxlocal.bench.profile import profile_lines
 
-    res = bench("-m", str(tiny_model), "--profile", "-p", "16", "-g", "10", "-b", "2", "-n", "1",
+    res = bench("profile", "-m", str(tiny_model), "-p", "16", "-g", "10", "-b", "2", "-n", "1",
                 "--warmup", "0", "--json")
     lines = profile_lines(res["profile"])
     assert sum("host" in line and "µs step" in line for line in lines) == 4
@@ -336,7 +336,7 @@ def test_profile_report_says_how_host_compares(tiny_model):
 
 # --- bench --contexts ---------------------------------------------------------------------------
 def test_contexts_table_one_row_per_context(tiny_model):
-    res = bench("-m", str(tiny_model), "--contexts", "64,160", "-g", "4", "-n", "2", "--warmup", "1",
+    res = bench("contexts", "64,160", "-m", str(tiny_model), "-g", "4", "-n", "2", "--warmup", "1",
                 "--compare", "mlx-lm", "--json")
     c = res["contexts"]
     assert [row["context"] for row in c["rows"]] == [64, 160]
@@ -353,14 +353,14 @@ def test_contexts_table_one_row_per_context(tiny_model):
 
 
 def test_contexts_refused_past_the_model():
-    result = CliRunner().invoke(app, ["bench", "--contexts", "4k,x"])
+    result = CliRunner().invoke(app, ["bench", "contexts", "4k,x"])
     assert result.exit_code == 2 and "'x' is not a token count" in result.output
-    result = CliRunner().invoke(app, ["bench", "--contexts", "64", "--profile"])
-    assert result.exit_code == 2 and "no --profile" in result.output
+    result = CliRunner().invoke(app, ["bench", "contexts", "64", "--plot", "x.png"])  # not one of its options
+    assert result.exit_code == 2 and "--plot" in result.output
 
 
 def test_contexts_over_the_model_context(tiny_model):
-    result = CliRunner().invoke(app, ["bench", "-m", str(tiny_model), "--contexts", "1024", "--json"])
+    result = CliRunner().invoke(app, ["bench", "contexts", "1024", "-m", str(tiny_model), "--json"])
     assert result.exit_code == 1 and "over the model's context of 512" in result.output
 
 

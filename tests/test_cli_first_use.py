@@ -172,3 +172,25 @@ def test_every_option_is_described_and_shared_ones_are_declared_once():
     for cmd in ("generate", "chat", "run"):
         assert panels[(cmd, "--temp")] == "Sampling"
     assert panels[("serve", "--port")] == "Server"
+
+
+def test_each_benchmark_is_a_subcommand_with_its_own_options():
+    from typer.testing import CliRunner
+
+    from mlxlocal.cli import app
+
+    runner = CliRunner()
+    top = runner.invoke(app, ["bench", "--help"], terminal_width=200).output
+    for name in ("speed", "agent", "akv", "concurrent", "sessions", "restart", "endpoint", "replay", "embed",
+                 "kernels", "spec", "structured", "profile", "contexts"):
+        assert f" {name} " in top, name
+    helps = {name: runner.invoke(app, ["bench", name, "--help"], terminal_width=200).output
+             for name in ("kernels", "agent", "endpoint", "spec")}
+    assert "--rows" in helps["kernels"] and "--prompt-tokens" not in helps["kernels"]
+    assert "Our Metal kernels" in helps["kernels"]  # its own help, not the bench overview
+    assert "--turns" in helps["agent"] and "--url" not in helps["agent"] and "--akv-keep" not in helps["agent"]
+    assert "--compare-url" in helps["endpoint"] and "--kv-bits" not in helps["endpoint"]
+    assert "--draft-model" in helps["spec"] and "--compare" not in helps["spec"]
+    # Options of the speed bench given before another benchmark's name are an error, not ignored.
+    res = runner.invoke(app, ["bench", "-p", "64", "agent"])
+    assert res.exit_code == 2 and "go after the benchmark's name" in res.output

@@ -281,12 +281,11 @@ def test_bad_policy_is_a_clear_error(args, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--akv"], "--akv is a variant of --scenario agent"),
-    (["--scenario", "agent", "--akv", "--compare", "mlx-lm"], "--akv runs its own modes"),
-    (["--scenario", "agent", "--akv", "--akv-keep", "0"], "--akv-keep must be >= 1"),
-    (["--scenario", "agent", "--akv", "-p", "100"], "--akv sizes its own trace"),
-    (["--scenario", "agent", "--akv", "--cached-discount", "2"], "--cached-discount must be in [0, 1]"),
-    (["--scenario", "agent", "--akv-keep", "3"], "apply to --scenario agent --akv only"),
+    (["akv", "--compare", "mlx-lm"], "--compare"),  # not an option of akv: it runs its own modes
+    (["akv", "--akv-keep", "0"], "--akv-keep must be >= 1"),
+    (["akv", "-p", "100"], "-p"),  # it sizes its own trace
+    (["akv", "--cached-discount", "2"], "--cached-discount must be in [0, 1]"),
+    (["agent", "--akv-keep", "3"], "--akv-keep"),  # akv's, not agent's
 ])
 def test_bad_bench_options(args, message):
     result = CliRunner().invoke(app, ["bench", *args])
@@ -302,7 +301,7 @@ def bench_model(tmp_path_factory) -> Path:
 
 
 def test_akv_bench_numbers_are_consistent(bench_model):
-    result = CliRunner().invoke(app, ["bench", "-m", str(bench_model), "--scenario", "agent", "--akv",
+    result = CliRunner().invoke(app, ["bench", "akv", "-m", str(bench_model),
                                       "--turns", "8", "--akv-keep", "2", "-g", "4", "-n", "2", "--json"])
     assert result.exit_code == 0, result.output
     a = json.loads(result.output.strip().splitlines()[-1])["akv"]
@@ -329,7 +328,7 @@ def test_akv_bench_numbers_are_consistent(bench_model):
     assert t["text"]["attended_last"] < t["standard"]["attended_last"]
     assert r["text"]["prefill_tokens"] > 1
     # The table prints too.
-    table = CliRunner().invoke(app, ["bench", "-m", str(bench_model), "--scenario", "agent", "--akv",
+    table = CliRunner().invoke(app, ["bench", "akv", "-m", str(bench_model),
                                      "--turns", "6", "--akv-keep", "2", "-g", "2"])
     assert table.exit_code == 0 and "akv_drop_reposition" in table.output and "API cost" in table.output
 

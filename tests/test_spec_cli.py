@@ -57,7 +57,7 @@ COMMANDS = {
     "chat": ["chat", "-m", "synthetic:tiny"],
     "run": ["run", "-m", "synthetic:tiny", "--mcp", "absent.json", "a task"],
     "serve": ["serve", "-m", "synthetic:tiny"],
-    "bench": ["bench"],
+    "bench": ["bench", "spec"],
 }
 BAD = [
     (["--draft-model", "synthetic:tiny", "--prompt-lookup"], ["--draft-model", "--prompt-lookup", "not both"]),
@@ -77,9 +77,11 @@ def test_option_errors_exit_2_naming_the_option(command, extra, words):
     assert "Traceback" not in r.output
 
 
-def test_bench_refuses_speculation_with_another_comparison():
-    r = cli("bench", "--prompt-lookup", "--scenario", "agent", "--compare", "mlx-lm")
-    assert r.exit_code == 2 and "--prompt-lookup" in r.output and "--scenario, --compare" in r.output, r.output
+def test_bench_spec_runs_its_own_comparison():
+    r = cli("bench", "spec", "--prompt-lookup", "--compare", "mlx-lm")  # not one of its options
+    assert r.exit_code == 2 and "--compare" in r.output, r.output
+    r = cli("bench", "spec")
+    assert r.exit_code == 2 and "--draft-model MODEL or --prompt-lookup" in r.output, r.output
 
 
 def test_serve_options_open_every_engine_with_speculation(monkeypatch, tiny_model):
@@ -205,7 +207,7 @@ ROW_KEYS = {"prompt", "batch", "prompt_tokens", "acceptance", "accepted_per_step
 
 
 def test_bench_prompt_lookup_json(tiny_model):
-    res = bench_json("-m", str(tiny_model), "--prompt-lookup", "-g", "16", "-n", "1", "--warmup", "0")
+    res = bench_json("spec", "-m", str(tiny_model), "--prompt-lookup", "-g", "16", "-n", "1", "--warmup", "0")
     s = res["speculative"]
     assert s["drafter"] == {"method": "lookup", "draft_model": None, "num_draft_tokens": 4}
     assert [(r["prompt"], r["batch"]) for r in s["rows"]] == [("repetitive", 1), ("free", 1)]
@@ -218,7 +220,7 @@ def test_bench_prompt_lookup_json(tiny_model):
 
 
 def test_bench_self_draft_accepts_everything_at_batch_1_and_2(tiny_model):
-    res = bench_json("-m", str(tiny_model), "--draft-model", str(tiny_model), "-g", "12", "-n", "1", "--warmup",
+    res = bench_json("spec", "-m", str(tiny_model), "--draft-model", str(tiny_model), "-g", "12", "-n", "1", "--warmup",
                      "0", "-b", "2")
     rows = res["speculative"]["rows"]
     assert [(r["prompt"], r["batch"]) for r in rows] == [("repetitive", 1), ("free", 1), ("repetitive", 2),

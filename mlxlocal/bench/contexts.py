@@ -1,4 +1,4 @@
-"""`bench --contexts 4096,16384,32768`: decode and prefill at long context, ours vs mlx-lm.
+"""`bench contexts 4096,16384,32768`: decode and prefill at long context, ours vs mlx-lm.
 
 One row per context C: a random prompt of C - g tokens, then g tokens (-g), so the last
 decode step attends to C positions. Each context runs the speed section (local.speed_bench:

@@ -1,4 +1,4 @@
-"""`bench --scenario agent --akv`: AKV cache engineering on a long agent trace.
+"""`bench akv`: AKV cache engineering on a long agent trace.
 
 A scripted agent trace (system prompt + tools, a task, then per step an assistant tool call
 and a tool result of a few hundred to a few thousand tokens: file dumps, web pages, logs)

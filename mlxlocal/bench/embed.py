@@ -1,4 +1,4 @@
-"""`mlxlocal bench --embed`: embedding throughput (texts/s, tokens/s) at several batch sizes.
+"""`mlxlocal bench embed`: embedding throughput (texts/s, tokens/s) at several batch sizes.
 
 The texts are a fixed, varied set (short queries to paragraphs), the same every run. With
 sentence-transformers importable (it needs PyTorch, never a dependency of mlxlocal) the same

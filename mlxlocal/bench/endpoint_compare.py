@@ -1,4 +1,4 @@
-"""`bench --url URL --compare-url URL2 [--compare-url URL3]`: the same concurrent load against
+"""`bench endpoint --url URL --compare-url URL2 [--compare-url URL3]`: the same concurrent load against
 several OpenAI-compatible servers (ours, mlx_lm.server, vllm-mlx, rapid-mlx ...), side by side.
 
 The servers run one at a time: each repeat sends every server, in turn (the order reversed on

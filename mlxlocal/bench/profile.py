@@ -1,4 +1,4 @@
-"""`bench --profile`: where a decode step's time goes, ours and mlx-lm's, at batch 1 and 8.
+"""`bench profile`: where a decode step's time goes, ours and mlx-lm's, at batch 1 and 8.
 
 Ours: the engine's StepProfile hook (mlxlocal.engine.profile) times each step's host phases
 (schedule, build, sample, output) and its evaluation (submit: mx.async_eval; wait: the block on

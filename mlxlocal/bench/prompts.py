@@ -114,6 +114,19 @@ def _encode(tok, text: str) -> list[int]:
         return list(tok.encode(text))
 
 
+def _synthetic_dir(model: str | None) -> str | None:
+    """The directory a `synthetic:` spec was built into, if it was (never builds one)."""
+    if not model or not model.startswith("synthetic:"):
+        return None
+    try:
+        from mlxlocal.source import synthetic
+
+        path = synthetic.default_root() / synthetic.parse_spec(model).dirname
+    except Exception:  # noqa: BLE001 - not a spec we know: no candidate
+        return None
+    return str(path) if (path / "config.json").is_file() else None
+
+
 class TokenCounter:
     """Counts tokens when the server reports no usage: a transformers tokenizer if one loads
     (the `tokenizer` argument, else the model name from local files only), else chars / 4."""
@@ -135,6 +148,9 @@ class TokenCounter:
             self.load_error = "transformers is not installed"
             return None
         candidates = [(self.spec, False)] if self.spec else [(self.model, True)]
+        built = _synthetic_dir(self.model) if not self.spec else None
+        if built is not None:  # an mlxlocal server's synthetic:NAME, built on this machine
+            candidates.append((built, True))
         for name, local_only in candidates:
             try:
                 self._tok = AutoTokenizer.from_pretrained(name, local_files_only=local_only)

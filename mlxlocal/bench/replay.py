@@ -1,4 +1,4 @@
-"""`mlxlocal bench --url URL --replay FILE.jsonl`: replay recorded client traffic, turn by turn.
+"""`mlxlocal bench replay FILE.jsonl --url URL`: replay recorded client traffic, turn by turn.
 
 The file is JSON Lines, one request per line, sent in file order, one at a time (a coding
 agent's conversation is sequential turns, each extending the previous prompt, which is what a

@@ -1,4 +1,4 @@
-"""Restart scenario (`bench --scenario restart`): a long prefix served cold, then from the
+"""Restart scenario (`bench restart`): a long prefix served cold, then from the
 disk tier by a new engine on the same store (what a restarted process finds), then from RAM.
 
 Per repeat, a fresh store and a new prompt of -p tokens (so nothing is cached before the cold

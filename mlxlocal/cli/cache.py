@@ -16,7 +16,7 @@ from mlxlocal.cli.common import fail, human_bytes
 
 cache_app = typer.Typer(help="The disk tier's KV block stores (--kv-disk): list, inspect, remove.",
                         no_args_is_help=True)
-DIR_HELP = "Where the stores are [default: $MLXLOCAL_HOME/kv, as --kv-disk-dir]"
+DIR_HELP = "Where the stores are (default: $MLXLOCAL_HOME/kv, as --kv-disk-dir)"
 
 
 def _root(dir: Optional[Path]) -> Path:

@@ -90,9 +90,9 @@ def kv_precision(kv_bits: Optional[int], kv_group_size: int) -> dict:
 
 KV_DISK_HELP = ("Keep prefix KV blocks on disk too, up to this size (e.g. 20GB): they outlive restarts and "
                 "evictions, and a prompt whose prefix is there is read back instead of recomputed")
-KV_DISK_DIR_HELP = "With --kv-disk: where the block files go [default: $MLXLOCAL_HOME/kv]"
+KV_DISK_DIR_HELP = "With --kv-disk: where the block files go (default: $MLXLOCAL_HOME/kv)"
 KERNELS_HELP = ("Decode kernels: auto (per op and shape, the faster of ours and MLX's built-in, timed once per chip "
-                "and kept in $MLXLOCAL_HOME/kernel_choices.json), ours, or mlx [default: $MLXLOCAL_KERNELS or auto]")
+                "and kept in $MLXLOCAL_HOME/kernel_choices.json), ours, or mlx (default: $MLXLOCAL_KERNELS or auto)")
 
 
 def kernels_mode(value: Optional[str]) -> None:
@@ -165,7 +165,7 @@ DRAFT_MODEL_HELP = ("Speculative decoding with this draft model (any --model spe
                     "the model itself")
 PROMPT_LOOKUP_HELP = ("Speculative decoding by prompt lookup: tokens drafted from n-gram matches in the prompt and "
                       "the reply so far (no extra model; pays off on text that repeats its input: code edits, JSON)")
-NUM_DRAFT_HELP = "With --draft-model or --prompt-lookup: tokens drafted per step at most, 1..32 [default: 4]"
+NUM_DRAFT_HELP = "With --draft-model or --prompt-lookup: tokens drafted per step at most, 1..32 (default: 4)"
 
 
 def speculation(draft_model: Optional[str], prompt_lookup: bool, num_draft_tokens: Optional[int],

@@ -23,7 +23,7 @@ differently once later messages follow (Qwen3's drops the think block of turns b
 the last user message): its tokens cannot be named by the request's message index.
 
 `ConversationSpans` is the same for a conversation kept as token ids (the chat REPL, the
-agent tool loop, `bench --scenario agent --akv`): each prompt is the ids the model saw and
+agent tool loop, `bench akv`): each prompt is the ids the model saw and
 produced plus the template's continuation (`encode_continuation`), so a reply's generated
 ids are never re-encoded; it records the spans as messages are added (the boundaries in the
 continuation's text, mapped to its tokens by decoding), the reply's span from its

@@ -109,7 +109,7 @@ class PagedEngine(EngineBase, StepPhases):
         self._queued = 0  # submitted, not yet running: read from any thread, so an int
         self._inflight: list[Sampled] = []  # the tokens of the step in flight
         self._wrote = False  # _write ran: this step's sampled tokens may be stale (step())
-        self.profile: StepProfile | None = None  # set: step() times its phases (bench --profile)
+        self.profile: StepProfile | None = None  # set: step() times its phases (bench profile)
 
     # --- front-end API (any thread) ----------------------------------------------
     def new_session(self) -> PagedSession:

@@ -1,4 +1,4 @@
-"""StepProfile: where each engine step's time goes, for `mlxlocal bench --profile`.
+"""StepProfile: where each engine step's time goes, for `mlxlocal bench profile`.
 
 Set `engine.profile = StepProfile()` and PagedEngine.step records, per step, the host time of
 its phases (schedule, build, sample, output) and its evaluation time: submit (mx.async_eval)
