@@ -176,18 +176,25 @@ def encode_parts(fp_digest: str, keys: list[str], arrays: dict) -> list:
     return [PREFIX.pack(MAGIC, VERSION, len(header), off, h.digest()), header, *chunks]
 
 
-def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict, list[str]]:
-    """(arrays, dtype names, the file's block keys), or CorruptBlock naming what did not
-    verify; `key` must be the first (a file is named by its first block's key)."""
-    if len(blob) < PREFIX.size:
+def _prefix(head: bytes, size: int) -> tuple[int, int, bytes]:
+    """(header length, payload length, checksum) of a file of `size` bytes starting with
+    `head`, or CorruptBlock."""
+    if len(head) < PREFIX.size:
         raise CorruptBlock("short file")
-    magic, version, hlen, plen, digest = PREFIX.unpack_from(blob)
+    magic, version, hlen, plen, digest = PREFIX.unpack(head)
     if magic != MAGIC:
         raise CorruptBlock("bad magic")
     if version != VERSION:
         raise CorruptBlock(f"format version {version}")
-    if hlen > MAX_HEADER or len(blob) != PREFIX.size + hlen + plen:
+    if hlen > MAX_HEADER or size != PREFIX.size + hlen + plen:
         raise CorruptBlock("length mismatch (truncated or padded)")
+    return hlen, plen, digest
+
+
+def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict, list[str]]:
+    """(arrays, dtype names, the file's block keys), or CorruptBlock naming what did not
+    verify; `key` must be the first (a file is named by its first block's key)."""
+    hlen, plen, digest = _prefix(bytes(blob[:PREFIX.size]), len(blob))
     body = memoryview(blob)[PREFIX.size:]
     if _checksum(body) != digest:
         raise CorruptBlock("checksum mismatch")
@@ -223,16 +230,7 @@ def read_into(f, size: int, fp_digest: str, key: str, place) -> list[str] | None
     as is a name left out. Returns
     the file's keys; CorruptBlock when it does not verify (what place's views hold is then
     garbage: the caller drops it)."""
-    head = f.read(PREFIX.size)
-    if len(head) < PREFIX.size:
-        raise CorruptBlock("short file")
-    magic, version, hlen, plen, digest = PREFIX.unpack(head)
-    if magic != MAGIC:
-        raise CorruptBlock("bad magic")
-    if version != VERSION:
-        raise CorruptBlock(f"format version {version}")
-    if hlen > MAX_HEADER or size != PREFIX.size + hlen + plen:
-        raise CorruptBlock("length mismatch (truncated or padded)")
+    hlen, plen, digest = _prefix(f.read(PREFIX.size), size)
     raw = f.read(hlen)
     try:
         header = json.loads(raw)
