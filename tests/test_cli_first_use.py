@@ -14,7 +14,8 @@ import pytest
 import typer
 
 HEAVY = ("mlx", "mlx_lm", "numpy", "transformers", "huggingface_hub", "tokenizers", "jinja2",
-         "fastapi", "uvicorn", "starlette", "httpx", "safetensors", "mlxlocal.engine", "mlxlocal.server")
+         "fastapi", "uvicorn", "starlette", "httpx", "safetensors", "mlxlocal.engine", "mlxlocal.server",
+         "markdown_it", "pygments")
 
 PROBE = """
 import json, sys
@@ -194,3 +195,30 @@ def test_each_benchmark_is_a_subcommand_with_its_own_options():
     # Options of the speed bench given before another benchmark's name are an error, not ignored.
     res = runner.invoke(app, ["bench", "-p", "64", "agent"])
     assert res.exit_code == 2 and "go after the benchmark's name" in res.output
+
+
+def test_the_deferred_rich_modules_work_when_used():
+    code = """
+import sys
+import mlxlocal.cli
+assert 'markdown_it' not in sys.modules and 'pygments' not in sys.modules
+from io import StringIO
+from rich.console import Console
+from rich.markdown import Markdown
+import rich.markdown, rich.traceback
+m = Markdown('# Title\\n\\n*hello*')
+assert isinstance(m, Markdown) and isinstance(m, rich.markdown.Markdown)
+out = StringIO()
+Console(file=out, width=40).print(m)
+assert 'Title' in out.getvalue() and 'hello' in out.getvalue()
+assert callable(rich.traceback.install) and 'pygments' in sys.modules
+try:
+    1 / 0
+except ZeroDivisionError:
+    tb = rich.traceback.Traceback()
+Console(file=out, width=80).print(tb)
+assert 'ZeroDivisionError' in out.getvalue()
+print('ok')
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -1,3 +1,4 @@
+# ruff: noqa: I001  (lazy_rich must be imported before typer)
 """The `mlxlocal` command line (Typer). Front end only: it talks to the loader and the engine.
 
 One module per command group, each adding its commands with `register(app)`:
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
+# First: typer's help renderer imports parts of rich that --help never draws (lazy_rich.py).
+from mlxlocal.cli import lazy_rich  # noqa: F401  (installs its stand-ins on import)
 import typer
 from rich.markup import escape
 
