@@ -10,10 +10,8 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -30,7 +28,7 @@ def blocks(heading: str) -> dict[str, str]:
 
 def test_the_serve_quickstart_answers_curl_and_the_openai_client(tmp_path):
     got = blocks("## Serve:")
-    serve, curl = got["sh"].replace("\\\n", " ").strip().splitlines()
+    serve, wait, curl = got["sh"].replace("\\\n", " ").strip().splitlines()
     assert serve.endswith(" &") and "mlxlocal serve" in serve and "8080" in serve
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,16 +37,14 @@ def test_the_serve_quickstart_answers_curl_and_the_openai_client(tmp_path):
     argv = shlex.split(serve.removesuffix(" &").replace("8080", str(port)))
     argv = [sys.executable, "-m", "mlxlocal", *argv[argv.index("mlxlocal") + 1:]]
     env = dict(os.environ, MLXLOCAL_HOME=str(tmp_path))
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below; a pipe nobody reads could fill
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        # The README's own wait for the server (its loop, bounded here).
+        assert "/health" in wait and "until" in wait
+        waited = subprocess.run(["timeout", "180", "bash", "-c", wait.split("#")[0].replace("8080", str(port))],
+                                capture_output=True, text=True)
+        assert waited.returncode == 0 and proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
         out = subprocess.run(["bash", "-c", curl.replace("8080", str(port))], capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0, out.stderr
@@ -60,3 +56,4 @@ def test_the_serve_quickstart_answers_curl_and_the_openai_client(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
