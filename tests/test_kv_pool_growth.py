@@ -117,3 +117,17 @@ def test_block_manager_grows_before_evicting_and_shrinks_what_is_cached():
     assert bm.shrink(4) == top + 1 == bm.num_blocks
     fixed = BlockManager(4, 2, max_blocks=16)  # no resize hook: the size is the size
     assert fixed.max_blocks == 4 and fixed.shrink(1) == 4
+
+
+def test_an_idle_engine_tries_the_shrink_once_not_in_a_loop(loaded):
+    eng = PagedEngine(loaded, EngineConfig(kv_memory=4 << 20, kv_shrink_idle_s=0.05))
+    calls = []
+    real = eng._shrink
+    eng._shrink = lambda: (calls.append(1), real())[1]
+    concurrent(eng, [prompt_of(400, shift=i) for i in range(5)], 4)  # grown; the cache keeps the top
+    time.sleep(0.6)
+    assert eng.num_blocks > START and len(calls) == 1  # tried once, kept what the cache holds
+    run(eng, prompt_of(30, shift=7), 2)  # a request, then idle again: one more try
+    time.sleep(0.3)
+    assert len(calls) == 2
+    eng.shutdown()

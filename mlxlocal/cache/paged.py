@@ -102,9 +102,12 @@ class KVPools:
     @property
     def block_nbytes(self) -> int:
         """Bytes one more block of the full-attention pools takes (what resize grows by)."""
-        per = [a.nbytes // max(1, a.shape[1]) for i, w in enumerate(self.windowed) if not w
-               for pool in (self.k[i], self.v[i]) for a in quantized.parts(pool)]
-        return sum(per)
+        return sum(a.nbytes // max(1, a.shape[1]) for i, w in enumerate(self.windowed) if not w
+                   for pool in (self.k[i], self.v[i]) for a in quantized.parts(pool))
+
+    def nbytes_at(self, num_blocks: int) -> int:
+        """What the pools would take resized to num_blocks (the window pools keep their size)."""
+        return self.nbytes + (num_blocks - self.num_blocks) * self.block_nbytes
 
     def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
         return quantized.encode(x, self.bits, self.group_size)

@@ -9,8 +9,8 @@ from typing import Annotated, List, NoReturn, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
+from mlxlocal.cli.common import fail
 from mlxlocal.cli.options import DraftModel, Kernels, NumDraftTokens, PromptLookup
 
 BENCH_HELP = """Benchmarks of the local engine and of servers. Without a subcommand: the engine's speed (as `bench speed`): warm-up, then mean ± sd over repeats of prefill tok/s, decode tok/s, TTFT and peak memory on random prompts of exactly -p tokens (prefix cache off, greedy, EOS ignored), the decode roofline (bandwidth ÷ bytes read per token), and with --compare mlx-lm the same model through mlx-lm in the same process, runs alternating, as ratios ours ÷ mlx-lm. Default model: synthetic:qwen3-0.6b on Metal (-p 512 -g 128); synthetic:tiny on the CPU backend (-p 256 -g 64).
@@ -206,18 +206,13 @@ def kernels(models: Annotated[Optional[str], typer.Option("--models", help="Comm
 
 
 def _fail(msg: str, code: int = 2) -> NoReturn:
-    Console(stderr=True, soft_wrap=True).print("[bold red]error:[/] " + escape(msg), highlight=False)
-    raise typer.Exit(code)
+    """common.fail, exiting 2 (a usage error) unless told otherwise."""
+    fail(msg, code)
 
 
 def _run(model=None, prompt_tokens=None, gen_tokens=None, batch=1, repeats=None, warmup=1, compare=None, scenario=None, concurrency=None, turns=None, akv=False, akv_keep=None, cached_discount=0.1, output_price=4.0, bandwidth=None, as_json=False, plot=None, no_prefix_cache=False, url=None, requests=None, prompt_file=None, replay=None, replay_path=None, json_schema=None, kv_bits=None, kv_group_size=64, embed=False, draft_model=None, prompt_lookup=False, num_draft_tokens=None, kernels=None, contexts=None, profile=False, compare_url=None) -> None:
     """The benchmark the options ask for (each subcommand passes its own); exits 2 naming a bad option."""
-    err = Console(stderr=True, soft_wrap=True)
-
-    def fail(msg: str, code: int = 2) -> NoReturn:
-        err.print("[bold red]error:[/] " + escape(msg), highlight=False)
-        raise typer.Exit(code)
-
+    fail = _fail
     from mlxlocal.cli.common import kernels_mode, kv_precision, speculation
 
     kernels_mode(kernels)  # exits 2 naming --kernels (or MLXLOCAL_KERNELS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -70,14 +71,14 @@ class PagedEngine(EngineBase, StepPhases):
         self.pools = runner.new_pools(runner.shapes, start, bs, runner.dtype, windowed, window_blocks, **q)
         self.blocks = BlockManager(start, bs, cfg.prefix_cache, max_blocks=size.num_blocks,
                                    on_resize=self.pools.resize if resizable else None)
-        self._start_blocks = self.pools.num_blocks
-        self._idle_since: float | None = None
+        self._start_blocks = start
+        self._shrink_at: float | None = None  # when idle: when to give back the pools' free tail
         self.windows = WindowBlocks(window_blocks, bs, window) if window else None
         snapshots = None
         if runner.recurrent:
             # State snapshots may take a quarter of what the K/V pools take.
-            per_block = self.pools.nbytes // max(1, self.pools.num_blocks)
-            snapshots = runner.snapshots = StateSnapshots(per_block * size.num_blocks // 4, runner.state_bytes)
+            snapshots = runner.snapshots = StateSnapshots(self.pools.nbytes_at(size.num_blocks) // 4,
+                                                          runner.state_bytes)
         self.reuse = PrefixReuse(self.blocks, self.windows, snapshots)
         # Hybrid and window models resume a prefix only where their extra state is; a partly
         # matching block is never reused (no recurrent state mid-block, window blocks whole).
@@ -234,8 +235,8 @@ class PagedEngine(EngineBase, StepPhases):
     @property
     def kv_pool(self) -> dict:
         n, most = self.blocks.num_blocks, self.blocks.max_blocks
-        pool = {"kind": "paged", "blocks": n, "block_size": self.config.block_size, "bytes": self.pools.nbytes,
-                "max_blocks": most, "max_bytes": self.pools.nbytes + (most - n) * self.pools.block_nbytes}
+        pool = {"kind": "paged", "blocks": n, "block_size": self.config.block_size,
+                "bytes": self.pools.nbytes, "max_blocks": most, "max_bytes": self.pools.nbytes_at(most)}
         if self.config.kv_bits:  # quantized K/V (absent: the model dtype)
             pool.update(kv_bits=self.config.kv_bits, kv_group_size=self.config.kv_group_size)
         if self.windows is not None:  # sliding-window layers' own blocks
@@ -335,13 +336,15 @@ class PagedEngine(EngineBase, StepPhases):
                 # Idle: hand MLX's buffer cache back to the system, so one large request
                 # does not keep its peak memory for the life of the server.
                 mx.clear_cache()
-            # Pools grown past their start are given back after a while without requests
-            # (calls such as stats() do not count).
+            # Pools grown past their start give back their free tail once per idle spell, a
+            # while after the last request (calls such as stats() do not count).
             now = time.monotonic()
-            if not block or self._idle_since is None:
-                self._idle_since = None if not block else now
-            grown = block and self.blocks.num_blocks > self._start_blocks
-            wait = max(0.0, self._idle_since + self.config.kv_shrink_idle_s - now) if grown else None
+            if not block:
+                self._shrink_at = None
+            elif self._shrink_at is None:
+                self._shrink_at = now + self.config.kv_shrink_idle_s
+            due = block and self._shrink_at != math.inf and self.blocks.num_blocks > self._start_blocks
+            wait = max(0.0, self._shrink_at - now) if due else None
             try:
                 while True:
                     item = self._inbox.get(block=block, timeout=wait)
@@ -352,8 +355,9 @@ class PagedEngine(EngineBase, StepPhases):
                         return
                     self._handle(item)
             except queue.Empty:
-                if grown and time.monotonic() - self._idle_since >= self.config.kv_shrink_idle_s:
+                if due and time.monotonic() >= self._shrink_at:
                     self._shrink()
+                    self._shrink_at = math.inf  # tried: not again until requests come and go
             try:
                 self.step()
             except Exception as e:  # not pinned on one request: fail what is in flight, go on

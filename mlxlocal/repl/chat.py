@@ -459,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         compact = parse_policy(args.kv_compact)
     except ValueError as e:
         parser.error(str(e))
-    params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens, temperature=args.temp, top_p=args.top_p,
-                            seed=args.seed, think_budget=args.thinking_budget)
+    n = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+    params = SamplingParams(max_tokens=n, temperature=args.temp, top_p=args.top_p, seed=args.seed,
+                            think_budget=args.thinking_budget)
     try:
         params.validate()
     except ValueError as e:

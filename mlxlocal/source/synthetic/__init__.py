@@ -141,16 +141,8 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
     # Complete (a marker), and the base model a context variant links to still there.
     if (target / MARKER).is_file() and all(p.exists() for p in target.iterdir()):
         return target
-    preset = load_catalog().synthetic[parsed.preset]
-    config = copy.deepcopy(preset.config)
-    if parsed.layers is not None:
-        config["num_hidden_layers"] = parsed.layers
-        for key in ("max_window_layers", "layer_types"):
-            config.pop(key, None)
     # context=N changes one config number, not a weight: the base model's files are linked.
-    base = materialize(replace(parsed, context=None).canonical, root, quiet) if parsed.context is not None else None
-    if parsed.context is not None:
-        config["max_position_embeddings"] = parsed.context
+    base = None if parsed.context is None else materialize(replace(parsed, context=None).canonical, root, quiet)
 
     root.mkdir(parents=True, exist_ok=True)
     if target.exists():  # a leftover without marker was never completed
@@ -159,12 +151,14 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{parsed.dirname}.", dir=root))
     try:
         if base is not None:
-            for f in base.iterdir():
-                if f.name not in (MARKER, "config.json"):
-                    (tmp / f.name).symlink_to(Path("..") / base.name / f.name)
-            config = {**json.loads((base / "config.json").read_text()), "max_position_embeddings": parsed.context}
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            _link_variant(base, tmp, max_position_embeddings=parsed.context)
         else:
+            preset = load_catalog().synthetic[parsed.preset]
+            config = copy.deepcopy(preset.config)
+            if parsed.layers is not None:
+                config["num_hidden_layers"] = parsed.layers
+                for key in ("max_window_layers", "layer_types"):
+                    config.pop(key, None)
             with contextlib.nullcontext() if quiet else BuildProgress(parsed.canonical, target) as progress:
                 write_model_dir(tmp, config, seed=parsed.seed, dtype=parsed.dtype, quantize_bits=parsed.bits,
                                 chat_template=preset.chat_template, progress=progress)
@@ -181,6 +175,15 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _link_variant(base: Path, out: Path, **config) -> None:
+    """`out` as `base` with other config.json values: its other files are links to base's."""
+    for f in base.iterdir():
+        if f.name not in (MARKER, "config.json"):
+            (out / f.name).symlink_to(Path("..") / base.name / f.name)
+    merged = {**json.loads((base / "config.json").read_text()), **config}
+    (out / "config.json").write_text(json.dumps(merged, indent=2))
 
 
 @dataclass(frozen=True)
