@@ -141,7 +141,8 @@ class BlockManager:
         if len(self.free) < n and self.num_blocks < self.max_blocks:
             # Grow before evicting what the prefix cache holds: doubling, so the copies a
             # growth costs add up to about the final size.
-            self._resize(min(self.max_blocks, max(2 * self.num_blocks, self.num_blocks + n - len(self.free))))
+            short = n - len(self.free)
+            self._resize(min(self.max_blocks, max(2 * self.num_blocks, self.num_blocks + short)))
         if len(self.free) < n and self.radix is not None:
             self._to_free(self.radix.evict(n - len(self.free), self._unreferenced))
         if len(self.free) < n:
@@ -169,7 +170,8 @@ class BlockManager:
         if self.on_resize is None:
             return self.num_blocks
         kept = self.radix.by_block if self.radix is not None else {}
-        last = max((b for b in range(total, self.num_blocks) if self.refs[b] or b in kept), default=total - 1)
+        last = max((b for b in range(total, self.num_blocks) if self.refs[b] or b in kept),
+                   default=total - 1)
         if last + 1 >= self.num_blocks:
             return self.num_blocks
         self._resize(last + 1)

@@ -46,15 +46,18 @@ from mlxlocal.cli.options import (
 def run(
     task: Optional[str] = typer.Argument(None, help="The task; '-' or omitted reads stdin"),
     model: str = typer.Option(..., "--model", "-m", help=MODEL_HELP),
-    mcp: list[Path] = typer.Option(..., "--mcp", help="MCP config file (mcpServers); repeatable", rich_help_panel=TOOLS),
+    mcp: list[Path] = typer.Option(..., "--mcp", help="MCP config file (mcpServers); repeatable",
+                                   rich_help_panel=TOOLS),
     max_steps: MaxSteps = 8,
     max_tools: MaxTools = "8",
     tool_embedder: ToolEmbedder = None,
     rerank_tools: RerankTools = False,
     as_json: bool = typer.Option(False, "--json", help="Print the whole transcript as one JSON object: messages, "
-                                 "calls, results, policy decisions, token counts per step", rich_help_panel=OUTPUT),
+                                 "calls, results, policy decisions, token counts per step",
+                                 rich_help_panel=OUTPUT),
     yes: bool = typer.Option(False, "--yes", help="Approve the calls the Rule-of-Two policy would ask a human "
-                             "about (without it they are stopped); blocked calls stay blocked", rich_help_panel=TOOLS),
+                             "about (without it they are stopped); blocked calls stay blocked",
+                             rich_help_panel=TOOLS),
     system: System = None,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Maximum tokens per generation"),
     temp: Temp = 0.0,

