@@ -1,8 +1,8 @@
 """StepProfile: where each engine step's time goes, for `mlxlocal bench profile`.
 
 Set `engine.profile = StepProfile()` and PagedEngine.step records, per step, the host time of
-its phases (schedule, build, sample, output) and its evaluation time: submit (mx.async_eval)
-and wait (the previous step's tokens). On a Mac the GPU runs while the host builds the next
+its phases (schedule, build, sample, output) and its evaluation time: wait (for the previous
+step to end: its pools are then written in place) and submit (mx.async_eval). On a Mac the GPU runs while the host builds the next
 step, so a step with little evaluation time is host-bound. Unset (None), no timing at all.
 """
 
@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import time
 
-import mlx.core as mx
-
 HOST_PHASES = ("schedule", "build", "sample", "output")
-# Inside MLX's evaluation: async_eval (which also blocks while too many tasks are in flight) and
-# the wait for the previous step's tokens.
-EVAL_PHASES = ("submit", "wait")
+# Inside MLX's evaluation: the wait for the previous step to end and async_eval (which also
+# blocks while too many tasks are in flight).
+EVAL_PHASES = ("wait", "submit")
 PHASES = HOST_PHASES + EVAL_PHASES
 
 
@@ -37,12 +35,6 @@ class StepProfile:
         t = time.perf_counter()
         self._cur[phase] += t - self._t
         self._t = t
-
-    def wait(self, previous: list[tuple]) -> None:
-        """Block on the previous step's token arrays (what _take would block on) and time it."""
-        self.lap("submit")
-        mx.eval([src[0] for *_, src, _ in previous if src is not None])
-        self.lap("wait")
 
     def end(self, decode: int, prefill: int) -> None:
         self._cur.update(t1=self._t, decode=decode, prefill=prefill)

@@ -131,7 +131,8 @@ class Runner(Protocol):
     state_bytes: int  # one sequence's recurrent state (0 without)
     snapshots: StateSnapshots | None  # set by the engine, which knows the memory budget
 
-    def forward(self, pools: KVPools, seqs: list[Sequence], n: int) -> mx.array: ...
+    def forward(self, pools: KVPools, seqs: list[Sequence], n: int,
+                submit: Callable[[], None] | None = None) -> mx.array: ...
 
     def run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], inputs: mx.array,
             every: bool = False) -> mx.array: ...
@@ -169,7 +170,8 @@ class NativeRunner(OneRank):
         self.model, self.shapes, self.windows = model, shapes, windows
         self.dtype = model.model.embed_tokens(mx.array([0])).dtype
 
-    def forward(self, pools: KVPools, seqs: list[Sequence], n: int) -> mx.array:
+    def forward(self, pools: KVPools, seqs: list[Sequence], n: int,
+                submit: Callable[[], None] | None = None) -> mx.array:
         starts = [s.num_computed for s in seqs]
         return self.run(pools, seqs, starts, step_inputs(seqs, starts, n))
 
@@ -199,12 +201,17 @@ class MlxLmRunner(OneRank):
         # batched decode, after which such a model decodes one sequence per forward.
         self.batched_decode: bool | None = None
 
-    def forward(self, pools: KVPools, seqs: list[Sequence], n: int) -> mx.array:
+    def forward(self, pools: KVPools, seqs: list[Sequence], n: int,
+                submit: Callable[[], None] | None = None) -> mx.array:
+        """`submit`: evaluates the pools' writes so far, called between two forwards of one
+        call (a write after a pending read of the same pool would copy it)."""
         starts = [s.num_computed for s in seqs]
         if n > 1 and starts[0] + n == len(seqs[0].tokens):
             # mlx-lm models return logits for every position: run the chunk but its last
             # token, whose logits alone are needed, then that token in a forward of its own.
             self._run(pools, seqs, starts, n - 1)
+            if submit is not None:
+                submit()
             return self._run(pools, seqs, [starts[0] + n - 1], 1)
         if len(seqs) > 1 and self.batched_decode is None:
             try:
@@ -216,7 +223,12 @@ class MlxLmRunner(OneRank):
                             type(self.model).__module__, e)
                 self.batched_decode = False
         if len(seqs) > 1 and not self.batched_decode:
-            return mx.concatenate([self._run(pools, [s], [p], n) for s, p in zip(seqs, starts)])
+            logits = []
+            for s, p in zip(seqs, starts):
+                if logits and submit is not None:
+                    submit()
+                logits.append(self._run(pools, [s], [p], n))
+            return mx.concatenate(logits)
         return self._run(pools, seqs, starts, n)
 
     def run(self, pools: KVPools, seqs: list[Sequence], starts: list[int], inputs: mx.array,

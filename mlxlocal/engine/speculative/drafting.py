@@ -115,8 +115,8 @@ class ModelDrafter:
     def allocate(self, num_blocks: int, block_size: int) -> None:
         self.pools = KVPools(self.runner.shapes, num_blocks, block_size, self.runner.dtype)
 
-    def mirror(self, seqs: list[Sequence], n: int) -> None:
-        self.runner.forward(self.pools, seqs, n)  # only its K/V writes matter
+    def mirror(self, seqs: list[Sequence], n: int, submit: Callable[[], None] | None = None) -> None:
+        self.runner.forward(self.pools, seqs, n, submit)  # only its K/V writes matter
 
     def propose(self, seqs: list[Sequence], K: int) -> tuple[mx.array, mx.array | None]:
         """(drafts [B, K], q [B, K, V] for the rows whose draft was sampled, else None);
@@ -142,6 +142,9 @@ class ModelDrafter:
                 qs.append(probs)
             drafts.append(token)
             x = token.reshape(-1, 1)
+            # Evaluated before the next feed writes the pools: a write while this feed's
+            # reads are pending would copy each whole pool (engine/paged.py: _submit).
+            mx.eval([token] + qs[-1:] + self.pools.state())
         q = mx.stack(qs, axis=1) if sampled else None
         return mx.stack(drafts, axis=1), q
 
@@ -257,9 +260,10 @@ class Speculator:
                 if len(seq.tokens) + K < self.context_length and self.scheduler.reserve(seq, K + 1)]
         return [chosen[i] for i in keep], [drafts[i] for i in keep]
 
-    def mirror(self, seqs: list[Sequence], n: int) -> None:
+    def mirror(self, seqs: list[Sequence], n: int, submit: Callable[[], None] | None = None) -> None:
+        """The draft model fed the tokens the target is fed (`submit`: Runner.forward's)."""
         if self.drafter is not None:
-            self.drafter.mirror(seqs, n)
+            self.drafter.mirror(seqs, n, submit)
 
     def state(self) -> list[mx.array]:
         return self.drafter.state() if self.drafter is not None else []
@@ -290,7 +294,9 @@ class Speculator:
             q = q[..., :V] if q.shape[-1] > V else mx.pad(q, [(0, 0), (0, 0), (0, V - q.shape[-1])])
         u_accept, u_draw = self._uniforms(seqs, n)
         accepted, token = accept_drafts(p.reshape(B, n, V), q, draft_tokens, ks, u_accept, u_draw)
-        mx.eval(accepted, token, draft_tokens, lse)
+        # With the draft's last feed, whose writes would otherwise wait for the next forward
+        # and be evaluated there with reads of theirs: the pools then copy (paged.py: _submit).
+        mx.eval(accepted, token, draft_tokens, lse, self.state())
         accepted, token, draft_tokens = accepted.tolist(), token.tolist(), draft_tokens.tolist()
         finite = [[math.isfinite(v) for v in row] for row in lse.reshape(B, n).tolist()]
         logprobs = logprobs.reshape(B, n, V)
