@@ -95,9 +95,10 @@ def hook_forward(monkeypatch, runner, value: float, after: int = 3) -> None:
     """Spoil the POISON request's logits once it has `after` tokens out."""
     forward = runner.forward
 
-    def spoiled(pools, seqs, n):
+    def spoiled(pools, seqs, n, **kw):
         rows = [s.params.seed == POISON and s.num_generated >= after for s in seqs]
-        return spoil(forward(pools, seqs, n), rows, value) if any(rows) else forward(pools, seqs, n)
+        logits = forward(pools, seqs, n, **kw)
+        return spoil(logits, rows, value) if any(rows) else logits
     monkeypatch.setattr(runner, "forward", spoiled)
 
 

@@ -164,22 +164,22 @@ def test_non_finite_logits_are_an_error_that_says_so_and_the_server_serves_on(fu
     engine = app.state.registry.models[0].engine
     forward = engine.runner.forward
 
-    def spoiled(pools, seqs, n, after: int):
-        logits = forward(pools, seqs, n)
+    def spoiled(pools, seqs, n, after: int, **kw):
+        logits = forward(pools, seqs, n, **kw)
         rows = mx.array([s.num_generated >= after for s in seqs])[:, None]
         # Tokens before the spoiled one are forced to an ordinary token: a sampled EOS would end
         # the reply before the NaN is reached.
         ordinary = mx.where(mx.arange(logits.shape[-1]) == 100, 0.0, -1e9).astype(logits.dtype)
         return mx.where(rows, mx.array(float("nan"), logits.dtype), ordinary)
-    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n: spoiled(p, s, n, 0))
+    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n, **kw: spoiled(p, s, n, 0, **kw))
     r = client.post("/v1/chat/completions", json=body)  # before any byte: a 500 naming it
     assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_logits", r.text
     assert "non-finite" in r.json()["error"]["message"]
-    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n: spoiled(p, s, n, 1))
+    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n, **kw: spoiled(p, s, n, 1, **kw))
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
         text = s.read().decode()  # mid-stream: an error event, then the end of the stream
     assert s.status_code == 200 and '"code": "non_finite_logits"' in text.replace('":"', '": "'), text
-    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n: spoiled(p, s, n, 0))
+    monkeypatch.setattr(engine.runner, "forward", lambda p, s, n, **kw: spoiled(p, s, n, 0, **kw))
     r = client.post("/api/generate", json={**ROUTES["/api/generate"], "model": model})
     assert r.status_code == 500 and "non-finite" in r.json()["error"], r.text
     monkeypatch.undo()

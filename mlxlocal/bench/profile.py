@@ -1,8 +1,9 @@
 """`bench profile`: where a decode step's time goes, ours and mlx-lm's, at batch 1 and 8.
 
 Ours: the engine's StepProfile hook (mlxlocal.engine.profile) times each step's host phases
-(schedule, build, sample, output) and its evaluation (submit: mx.async_eval; wait: the block on
-the previous step's tokens); the step's wall time is the gap between consecutive step starts
+(schedule, build, sample, output) and its evaluation (submit: mx.async_eval; wait: for the
+previous forward to end before the next is submitted, and the block on the previous step's
+tokens); the step's wall time is the gap between consecutive step starts
 (what the engine loop adds between steps shows as "loop"). mlx-lm: the same phases of its own
 loops, timed from outside: generate_step at batch 1 (mlx_lm.generate), BatchGenerator beyond.
 Its model call is "build", logsumexp and sampling "sample", mx.async_eval "submit", the block on

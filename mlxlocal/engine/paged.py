@@ -483,6 +483,8 @@ class PagedEngine(EngineBase, StepPhases):
             if prof is not None:
                 prof.lap("submit")
         self._inflight = sampled
+        if prof is not None:
+            prof.wait(previous)
         self._take(previous)
         if self._wrote:  # a think marker was written after a token whose successor is sampled
             self._wrote = False  # here: that successor is stale, dropped; the marker is fed next
@@ -510,8 +512,8 @@ class PagedEngine(EngineBase, StepPhases):
 
         submit = lambda: self._submit(state())  # noqa: E731
         if self.spec is not None:
-            self.spec.mirror(seqs, n, submit)  # a draft model sees every token the target does
-        logits = self.runner.forward(self.pools, seqs, n, submit)
+            self.spec.mirror(seqs, n, submit=submit)  # the draft sees every token the target does
+        logits = self.runner.forward(self.pools, seqs, n, submit=submit)
         if (prof := self.profile) is not None:
             prof.lap("build")
         self._submit([logits] + state())

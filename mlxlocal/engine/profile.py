@@ -2,7 +2,8 @@
 
 Set `engine.profile = StepProfile()` and PagedEngine.step records, per step, the host time of
 its phases (schedule, build, sample, output) and its evaluation time: wait (for the previous
-step to end: its pools are then written in place) and submit (mx.async_eval). On a Mac the GPU runs while the host builds the next
+forward to end, so that the pools are written in place, and for the previous step's tokens)
+and submit (mx.async_eval). On a Mac the GPU runs while the host builds the next
 step, so a step with little evaluation time is host-bound. Unset (None), no timing at all.
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import time
 
+import mlx.core as mx
+
 HOST_PHASES = ("schedule", "build", "sample", "output")
-# Inside MLX's evaluation: the wait for the previous step to end and async_eval (which also
-# blocks while too many tasks are in flight).
-EVAL_PHASES = ("wait", "submit")
+# Inside MLX's evaluation: async_eval (which also blocks while too many tasks are in flight)
+# and the waits (for the previous forward, for the previous tokens).
+EVAL_PHASES = ("submit", "wait")
 PHASES = HOST_PHASES + EVAL_PHASES
 
 
@@ -35,6 +38,11 @@ class StepProfile:
         t = time.perf_counter()
         self._cur[phase] += t - self._t
         self._t = t
+
+    def wait(self, previous: list[tuple]) -> None:
+        """Block on the previous step's token arrays (what _take would block on), timed."""
+        mx.eval([src[0] for *_, src, _ in previous if src is not None])
+        self.lap("wait")
 
     def end(self, decode: int, prefill: int) -> None:
         self._cur.update(t1=self._t, decode=decode, prefill=prefill)

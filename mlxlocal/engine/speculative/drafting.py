@@ -116,7 +116,7 @@ class ModelDrafter:
         self.pools = KVPools(self.runner.shapes, num_blocks, block_size, self.runner.dtype)
 
     def mirror(self, seqs: list[Sequence], n: int, submit: Callable[[], None] | None = None) -> None:
-        self.runner.forward(self.pools, seqs, n, submit)  # only its K/V writes matter
+        self.runner.forward(self.pools, seqs, n, submit=submit)  # only its K/V writes matter
 
     def propose(self, seqs: list[Sequence], K: int) -> tuple[mx.array, mx.array | None]:
         """(drafts [B, K], q [B, K, V] for the rows whose draft was sampled, else None);
@@ -263,7 +263,7 @@ class Speculator:
     def mirror(self, seqs: list[Sequence], n: int, submit: Callable[[], None] | None = None) -> None:
         """The draft model fed the tokens the target is fed (`submit`: Runner.forward's)."""
         if self.drafter is not None:
-            self.drafter.mirror(seqs, n, submit)
+            self.drafter.mirror(seqs, n, submit=submit)
 
     def state(self) -> list[mx.array]:
         return self.drafter.state() if self.drafter is not None else []
