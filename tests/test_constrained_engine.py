@@ -110,7 +110,8 @@ def test_forced_tokens_are_fed_in_one_forward_when_alone(engine, monkeypatch):
     grammar = schema_grammar(const)
     calls = []
     forward = engine.runner.forward
-    monkeypatch.setattr(engine.runner, "forward", lambda pools, seqs, n, **kw: calls.append(n) or forward(pools, seqs, n, **kw))
+    monkeypatch.setattr(engine.runner, "forward",
+                        lambda pools, seqs, n, **kw: calls.append(n) or forward(pools, seqs, n, **kw))
     chunks = list(engine.submit(prompt(engine), SamplingParams(max_tokens=60, grammar=grammar)))
     assert json.loads(text_of(chunks)) == {"answer": "forty-two, as computed"}
     n_tokens = chunks[-1].stats.completion_tokens
