@@ -318,6 +318,8 @@ def test_missing_shard(tmp_path: Path) -> None:
     ('{"weight_map": {}}', "empty"),
     ('{"weight_map": {"w": 3}}', "'w'"),
     ('{"weight_map": {"w": "../outside.safetensors"}}', "outside the model directory"),
+    ('{"weight_map": {"w": "a/../../outside.safetensors"}}', "outside the model directory"),
+    ('{"weight_map": {"w": "/etc/outside.safetensors"}}', "outside the model directory"),
 ])
 def test_index_malformed(tmp_path: Path, text: str, needle: str) -> None:
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"w": mx.ones((2,))})
@@ -325,6 +327,18 @@ def test_index_malformed(tmp_path: Path, text: str, needle: str) -> None:
     with pytest.raises(WeightFileError) as exc:
         load_model_weights(tmp_path)
     assert_error(tmp_path / INDEX_NAME, exc, needle)
+
+
+def test_shards_linked_out_of_the_dir_load(tmp_path: Path) -> None:
+    """The HF cache's snapshot files are links into its blobs/: named inside, stored out."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    mx.save_safetensors(str(blobs / "1234.safetensors"), {"w": mx.ones((2,))})
+    (snap / "model-00001-of-00001.safetensors").symlink_to(Path("../../blobs/1234.safetensors"))
+    (snap / INDEX_NAME).write_text('{"weight_map": {"w": "model-00001-of-00001.safetensors"}}')
+    weights, _ = load_model_weights(snap)
+    assert mx.array_equal(weights["w"], mx.ones((2,)))
 
 
 def test_weight_map_tensor_missing_from_shard(tmp_path: Path) -> None:
