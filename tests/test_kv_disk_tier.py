@@ -107,6 +107,40 @@ def test_a_longer_prompt_continues_on_disk_after_ram(models, tmp_path):
         e.shutdown()
 
 
+def test_a_request_arriving_while_others_decode_is_read_ahead_then_restored(models, tmp_path):
+    want = stored(models["native"], tmp_path)
+    files = sum(e.stat().st_size for e in os.scandir(tmp_path) if e.is_dir()
+                for e in os.scandir(e.path) if e.name.endswith(".kv"))
+    second = engine(models["native"], tmp_path)
+    other = iter(second.submit([7, 8, 9], SamplingParams(max_tokens=200, ignore_eos=True)))
+    first = next(other)  # decoding: the next request's blocks are read ahead first
+    assert first.token is not None
+    toks, lps, cached, disk = run(second, PROMPT)
+    # The files of the prompt's full blocks were read ahead, off the engine thread (not
+    # those of its partial last block, which only the restore reads), then restored.
+    assert 0 < second.tier.prefetcher.read_bytes < files
+    assert (cached, disk) == (149, 149) and (toks, lps) == want[:2]
+    rest = list(other)
+    assert len([c for c in rest if c.token is not None]) == 199, rest[-1]
+    # Served from RAM now: nothing more is read ahead.
+    assert run(second, PROMPT)[2:] == (149, 0)
+    assert second.tier.prefetcher.read_bytes < files
+    second.shutdown()
+
+
+def test_a_restore_that_grows_the_pools_reads_into_the_grown_ones(models, tmp_path):
+    want = stored(models["native"], tmp_path)
+    second = engine(models["native"], tmp_path, kv_blocks=None, kv_memory=8 << 20)
+    start = second.stats()["blocks_total"]
+    for i in range(start // 10):  # other prompts' blocks, kept by the prefix cache, fill it
+        run(second, [(t * 7 + i * 13 + 1) % 300 for t in range(150)], 1)
+    full = second.stats()["blocks_total"]
+    toks, lps, cached, disk = run(second, PROMPT)
+    assert second.stats()["blocks_total"] > full  # grown while its blocks were read back
+    assert (cached, disk) == (149, 149) and (toks, lps) == want[:2]
+    second.shutdown()
+
+
 def test_other_kv_precision_is_another_store(models, tmp_path):
     stored(models["native"], tmp_path)
     other = engine(models["native"], tmp_path, kv_bits=8)  # fingerprint differs: nothing to reuse

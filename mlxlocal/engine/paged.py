@@ -392,6 +392,11 @@ class PagedEngine(EngineBase, StepPhases):
                     self.scheduler.prefix_hit_tokens += seq.stats.cached_tokens
                 self.scheduler.add(seq)
                 self.tokens_in += len(seq.prompt)
+                if self.tier is not None and self.scheduler.running and seq.edit is None \
+                        and not seq.block_table:
+                    # Others decode meanwhile: its disk blocks are read ahead off this thread.
+                    done = self.tier.prefetch(seq.tokens)
+                    seq.prefetch = (done, time.monotonic()) if done is not None else None
             except Exception as e:  # a request the engine cannot take fails alone
                 self._fail(seq, e)
         elif item[0] == "call":

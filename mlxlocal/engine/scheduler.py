@@ -9,6 +9,7 @@ freed and it goes back to the front of the queue to be recomputed later.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine.edits import first_touched, restart
 from mlxlocal.engine.sequence import Sequence, Status
 
+PREFETCH_WAIT_S = 30.0  # longest a request waits for its disk blocks' read-ahead
 ROOM_BLOCKS = 1024  # most growth room a new run asks for (16k tokens at block size 16)
 
 
@@ -176,9 +178,14 @@ class Scheduler:
         # A token still in flight cannot be prefilled: only the known ones count here.
         prefilling = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
         candidate = min((s for s in prefilling if s not in blocked), key=lambda s: s.id, default=None)
-        if candidate is None and self.waiting and len(self.running) < self.max_num_seqs:
+        if candidate is None and self.waiting and len(self.running) < self.max_num_seqs \
+                and not self._prefetching(self.waiting[0]):
             head = self.waiting.popleft()
-            self.admit(head)
+            try:
+                self.admit(head)
+            except BaseException:
+                self.waiting.appendleft(head)  # failed with the step's others, never lost
+                raise
             if not self._edits_due(head) or not self.reserve(head, self._chunk(head, budget)):
                 self._unadmit(head)
                 if not self.running:
@@ -190,6 +197,18 @@ class Scheduler:
             if n > 0 and self.reserve(candidate, n):
                 plan.prefill, plan.prefill_tokens = candidate, n
         return plan
+
+    def _prefetching(self, seq: Sequence) -> bool:
+        """seq's disk blocks are still being read ahead while others decode: it waits (the
+        engine thread would otherwise read them with every stream stalled), PREFETCH_WAIT_S
+        at most. Alone, it is admitted at once."""
+        if seq.prefetch is None:
+            return False
+        done, since = seq.prefetch
+        if not self.running or done.is_set() or time.monotonic() - since > PREFETCH_WAIT_S:
+            seq.prefetch = None
+            return False
+        return True
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq's next prefill chunk: within the budget, ending where a hybrid's

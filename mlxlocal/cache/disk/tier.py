@@ -13,6 +13,7 @@ change of weights, dtype, KV precision, rope, block size or tokenizer.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from functools import partial
 
@@ -22,6 +23,7 @@ import numpy as np
 from mlxlocal.cache import quantized
 from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
 from mlxlocal.cache.disk.format import Fingerprint, chain_hashes, np_dtype
+from mlxlocal.cache.disk.prefetch import Prefetcher
 from mlxlocal.cache.disk.store import DiskStore, norm_key
 from mlxlocal.cache.paged import KVPools
 from mlxlocal.cache.states import StateSnapshots
@@ -50,6 +52,7 @@ class DiskTier:
         self._tails: dict[int, tuple] = {}  # pool block -> (chain before it, its tokens) written
         self.restored_blocks = 0
         self.restore_seconds = 0.0
+        self.prefetcher = Prefetcher(store, lambda chain, i: self._key(chain, None, i), SEARCH_BACK)
 
     @classmethod
     def open(cls, root: str, budget: int, model_dir: str, pools: KVPools, blocks: BlockManager,
@@ -211,7 +214,11 @@ class DiskTier:
             if m == n_full:
                 return 0
             chains = chain_hashes(tokens[: n_full * bs], bs, tags)
-            new = self._read_back([self._key(chains[i], tags, i) for i in range(n_full)], m)
+            try:
+                new = self._read_back([self._key(chains[i], tags, i) for i in range(n_full)], m)
+            except Exception:  # the tier only saves time: the request is served by prefill
+                log.exception("disk tier: reading blocks back failed")
+                return 0
             if not new:
                 return 0
             n = m + len(new)
@@ -233,6 +240,19 @@ class DiskTier:
             return restored
         finally:
             self.blocks.release(held)
+
+    def prefetch(self, tokens: list[int]) -> threading.Event | None:
+        """Read ahead, on the prefetch thread, the files restore(tokens) would read: the
+        event is set when they are in memory. None: RAM holds every full block, or no room."""
+        bs = self.block_size
+        n_full = len(tokens) // bs
+        if self.blocks.radix is None or n_full == 0:
+            return None
+        held, _ = self.blocks.match_tokens(tokens[: n_full * bs], None)
+        self.blocks.release(held)
+        if len(held) == n_full:
+            return None
+        return self.prefetcher.submit(tokens[: n_full * bs], bs, len(held))
 
     def _read_back(self, keys: list, start: int) -> list[int]:
         """Fresh pool blocks holding keys[start:]'s blocks read from disk, file after file,
@@ -261,7 +281,11 @@ class DiskTier:
             if keys[c] not in self.store:
                 continue
             done: dict = {}
-            got = self.store.read_into(keys[c], partial(self._place, keys, c, i, views=views, done=done))
+            try:
+                got = self.store.read_into(keys[c], partial(self._place, keys, c, i, views=views, done=done))
+            except BaseException:
+                self.blocks.release(done.get("ids", []))
+                raise
             if got is not None:
                 for b, (r, arrays) in zip(done["ids"], done["states"]):
                     self._put_state(b, arrays, f"b{r}.")
@@ -286,6 +310,12 @@ class DiskTier:
         ids = self._allocate(hi - lo)
         if not ids:
             return None
+        if any(v.shape != p.shape for v, p in zip(views, self._parts())):
+            fresh = self._pool_views()  # the pools grew to make room for these blocks
+            if fresh is None:
+                self.blocks.release(ids)
+                return None
+            views[:] = fresh
         done.update(ids=ids, hi=hi, states=[])
         sinks: dict = {}
         runs = _runs(ids)

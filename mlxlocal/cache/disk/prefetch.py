@@ -1,0 +1,64 @@
+"""Prefetch: the block files a waiting request will restore, read ahead on a thread of its own.
+
+The engine thread reads restored blocks straight into the pools (tier.py), which a cold
+file would hold up for as long as the disk takes, with every other stream waiting. A
+request admitted while others decode is therefore prefetched first: this thread reads its
+files once (hashing its prompt on the way) and drops the bytes, the OS keeps them, and the
+scheduler admits the request once that is done; the engine thread then copies from memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from mlxlocal.cache.disk.format import chain_hashes
+from mlxlocal.cache.disk.store import DiskStore
+
+log = logging.getLogger("mlxlocal.engine")
+QUEUED = 64  # prompts waiting to be prefetched at most; past it a request is not prefetched
+BUFFER = 4 << 20
+
+
+class Prefetcher:
+    def __init__(self, store: DiskStore, key: Callable[[bytes, int], object], search_back: int):
+        self.store, self.key, self.search_back = store, key, search_back
+        self.read_bytes = 0  # what the thread read ahead, for stats and tests
+        self._jobs: queue.Queue = queue.Queue(QUEUED)
+        self._thread: threading.Thread | None = None
+
+    def submit(self, tokens: list[int], block_size: int, start: int) -> threading.Event | None:
+        """Read ahead the files holding the full blocks of `tokens` from block `start` (what
+        RAM holds ends there); the event is set when done. None: the queue is full."""
+        done = threading.Event()
+        try:
+            self._jobs.put_nowait((tokens, block_size, start, done))
+        except queue.Full:
+            return None
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mlxlocal-kv-prefetch", daemon=True)
+            self._thread.start()
+        return done
+
+    def _run(self) -> None:
+        buf = bytearray(BUFFER)
+        while True:
+            tokens, bs, start, done = self._jobs.get()
+            try:
+                self._warm(tokens, bs, start, buf)
+            except Exception:  # a prefetch only saves time: the restore reads what it needs
+                log.exception("disk tier: prefetch failed")
+            finally:
+                done.set()
+
+    def _warm(self, tokens: list[int], bs: int, start: int, buf: bytearray) -> None:
+        keys = [self.key(c, i) for i, c in enumerate(chain_hashes(tokens, bs, None))]
+        # A file is named by its first block: the one holding block `start` may begin before it.
+        first = next((c for c in range(start, max(-1, start - self.search_back), -1)
+                      if keys[c] in self.store), None)
+        if first is None:
+            return
+        for k in keys[first:]:
+            self.read_bytes += self.store.warm(k, buf)
