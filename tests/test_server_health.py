@@ -19,6 +19,7 @@ import mlx.core as mx
 import pytest
 from server_util import running_server
 
+from mlxlocal.engine import sampling
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.server import ServerConfig
 
@@ -42,6 +43,15 @@ def no_eos(served, monkeypatch):
         return token, logprobs
 
     monkeypatch.setattr(Sampler, "__call__", call)
+    batch = sampling.sample_batch  # the engine's usual path: one call for a step's sequences
+
+    def sample_batch(*args, **kwargs):
+        tokens, logprobs = batch(*args, **kwargs)
+        for e in eos:
+            tokens = mx.where(tokens == e, 7, tokens)
+        return tokens, logprobs
+
+    monkeypatch.setattr(sampling, "sample_batch", sample_batch)
 
 
 def chat(url: str, **kw) -> httpx.Response:

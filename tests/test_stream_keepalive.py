@@ -103,14 +103,15 @@ def anthropic_messages(url, model):
 def ollama_chat(url, model):
     c = ollama.Client(host=url, timeout=TIMEOUT)
     parts = list(c.chat(model=model, messages=[{"role": "user", "content": long_prompt()}], stream=True,
-                        options={"num_predict": 3}))
+                        options={"num_predict": 3, "temperature": 0}))
     assert all(not p.done for p in parts[:-1])  # the keep-alives are plain not-done chunks
     return parts[-1].done_reason
 
 
 def ollama_generate(url, model):
     c = ollama.Client(host=url, timeout=TIMEOUT)
-    parts = list(c.generate(model=model, prompt=long_prompt(), stream=True, options={"num_predict": 3}))
+    parts = list(c.generate(model=model, prompt=long_prompt(), stream=True,
+                            options={"num_predict": 3, "temperature": 0}))
     return parts[-1].done_reason
 
 
