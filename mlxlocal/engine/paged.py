@@ -392,11 +392,8 @@ class PagedEngine(EngineBase, StepPhases):
                     self.scheduler.prefix_hit_tokens += seq.stats.cached_tokens
                 self.scheduler.add(seq)
                 self.tokens_in += len(seq.prompt)
-                if self.tier is not None and self.scheduler.running and seq.edit is None \
-                        and not seq.block_table:
-                    # Others decode meanwhile: its disk blocks are read ahead off this thread.
-                    done = self.tier.prefetch(seq.tokens)
-                    seq.prefetch = (done, time.monotonic()) if done is not None else None
+                if self.scheduler.running:  # others decode meanwhile: read its disk blocks ahead
+                    self.reuse.prefetch(seq)
             except Exception as e:  # a request the engine cannot take fails alone
                 self._fail(seq, e)
         elif item[0] == "call":
@@ -499,46 +496,13 @@ class PagedEngine(EngineBase, StepPhases):
             if seq.status is not Status.FINISHED:
                 seq.pending, seq.pending_from = token, src
         if verify:  # drafts checked in one forward; the accepted tokens handed out now
-            mx.eval(self._fence)  # the pools written in place (_submit)
+            self._wait_forward()  # its writes then go to the pools in place (_submit)
             self.spec.verify(verify, drafts,
                              lambda seq, token, lp: self._guarded(seq, self._accept, seq, token, lp),
                              self._non_finite)
         if prof is not None:
             prof.lap("output")
             prof.end(len(plan.decode), plan.prefill_tokens if plan.prefill is not None else 0)
-
-    def _forward(self, seqs: list[Sequence], n: int) -> mx.array:
-        """Feed n tokens of each sequence and start their evaluation; return last-position
-        logits [B, V] (being evaluated)."""
-
-        def state() -> list[mx.array]:
-            arrays = self.pools.state() + self.runner.state(seqs)
-            return arrays + self.spec.state() if self.spec is not None else arrays
-
-        submit = lambda: self._submit(state())  # noqa: E731
-        if self.spec is not None:
-            self.spec.mirror(seqs, n, submit=submit)  # the draft sees every token the target does
-        logits = self.runner.forward(self.pools, seqs, n, submit=submit)
-        if (prof := self.profile) is not None:
-            prof.lap("build")
-        self._submit([logits] + state())
-        return logits
-
-    def _submit(self, arrays: list[mx.array]) -> None:
-        """Evaluate a forward once the previous one is done. MLX writes a pool in place only
-        when nothing else holds it, and a forward in flight holds the pools it reads until it
-        ends: started earlier, every layer's write would copy its whole pool (8 streams:
-        1,064 tok/s with 4,097 blocks, 1,668 with 289). Sampling is evaluated apart, so the
-        wait ends with the previous forward and the graph was built meanwhile."""
-        mx.eval(self._fence)  # evaluated with the previous forward: waits for all of it
-        if (prof := self.profile) is not None:
-            prof.lap("wait")
-        # A fresh array of this evaluation: the arrays given may be pools, which the next
-        # write rebinds to its own (pending) result.
-        self._fence = [mx.zeros((1,))]
-        mx.async_eval(arrays + self._fence)
-        if prof is not None:
-            prof.lap("submit")
 
     def _accept(self, seq: Sequence, token: int | mx.array, lp: list[mx.array] | None = None) -> None:
         token = token if isinstance(token, int) else int(token.item())

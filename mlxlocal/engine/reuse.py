@@ -202,6 +202,12 @@ class PrefixReuse:
             n_full = len(computed) // self.block_size
             self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])
 
+    def prefetch(self, seq: Sequence) -> None:
+        """A new request's disk blocks read ahead off the engine thread (the scheduler admits
+        it once they are in memory); one that reuses a session's or an edit's blocks reads none."""
+        if self.tier is not None and seq.edit is None and not seq.block_table:
+            seq.prefetch = self.tier.prefetch(seq.tokens)
+
     def release_session(self, session: Session) -> None:
         """Give back everything a (paged) session holds (on the engine thread)."""
         self.blocks.release(session.block_table)

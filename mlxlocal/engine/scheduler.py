@@ -9,7 +9,6 @@ freed and it goes back to the front of the queue to be recomputed later.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +18,6 @@ from mlxlocal.cache.window import WindowBlocks
 from mlxlocal.engine.edits import first_touched, restart
 from mlxlocal.engine.sequence import Sequence, Status
 
-PREFETCH_WAIT_S = 30.0  # longest a request waits for its disk blocks' read-ahead
 ROOM_BLOCKS = 1024  # most growth room a new run asks for (16k tokens at block size 16)
 
 
@@ -42,7 +40,7 @@ class Scheduler:
                  resume: Callable[[Sequence], None] | None = None, windows: WindowBlocks | None = None,
                  snapshot_chunks: bool = False, apply_edit: Callable[[Sequence], None] | None = None,
                  match_edited: Callable[[Sequence], bool] | None = None,
-                 restore: Callable[[list[int]], int] | None = None):
+                 restore: Callable[..., int] | None = None):
         self.blocks = blocks
         self.windows = windows  # sliding-window layers' blocks, if the model has such layers
         self.copy_block = copy_block  # KVPools.copy_block: reuse a partly matching block by copying it
@@ -133,10 +131,12 @@ class Scheduler:
                 # of them: the last token's block too, which the match above copies from).
                 probe = shared if edited else seq.tokens
                 if self.restore is not None and seq.num_computed // self.block_size < len(probe) // self.block_size:
-                    restored = self.restore(probe)
+                    chains = seq.prefetch.chains if seq.prefetch is not None else None
+                    restored = self.restore(probe, None, chains)
                     if restored:
                         self.blocks.release(seq.block_table)
                         seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
+                seq.prefetch = None
                 if self.resume is not None:
                     self.resume(seq)
                 if restored and seq.preemptions == 0:
@@ -200,15 +200,9 @@ class Scheduler:
 
     def _prefetching(self, seq: Sequence) -> bool:
         """seq's disk blocks are still being read ahead while others decode: it waits (the
-        engine thread would otherwise read them with every stream stalled), PREFETCH_WAIT_S
-        at most. Alone, it is admitted at once."""
-        if seq.prefetch is None:
-            return False
-        done, since = seq.prefetch
-        if not self.running or done.is_set() or time.monotonic() - since > PREFETCH_WAIT_S:
-            seq.prefetch = None
-            return False
-        return True
+        engine thread would otherwise read them with every stream stalled), for a while at
+        most (disk/prefetch.py). Alone, it is admitted at once."""
+        return seq.prefetch is not None and bool(self.running) and seq.prefetch.pending()
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq's next prefill chunk: within the budget, ending where a hybrid's

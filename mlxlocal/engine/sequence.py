@@ -52,7 +52,7 @@ class Sequence:
     spec: Any = None  # engine.speculative.SpecState: its draft length and lookup index, if it speculates
     think: Any = None  # engine.think.ThinkBudget: the request's thinking budget, if any
     written: int = 0  # tokens the engine wrote after the prompt unsampled (think): not output
-    prefetch: Any = None  # (threading.Event, since): its disk blocks read ahead (disk/prefetch.py)
+    prefetch: Any = None  # cache.disk.prefetch.Prefetch: its disk blocks read ahead, if they are
 
     def __post_init__(self):
         if not self.tokens:

@@ -13,7 +13,6 @@ change of weights, dtype, KV precision, rope, block size or tokenizer.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from functools import partial
 
@@ -23,7 +22,7 @@ import numpy as np
 from mlxlocal.cache import quantized
 from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
 from mlxlocal.cache.disk.format import Fingerprint, chain_hashes, np_dtype
-from mlxlocal.cache.disk.prefetch import Prefetcher
+from mlxlocal.cache.disk.prefetch import Prefetch, Prefetcher
 from mlxlocal.cache.disk.store import DiskStore, norm_key
 from mlxlocal.cache.paged import KVPools
 from mlxlocal.cache.states import StateSnapshots
@@ -200,9 +199,11 @@ class DiskTier:
         self.snapshots.put(block, state)
 
     # --- read-back ----------------------------------------------------------------------
-    def restore(self, tokens: list[int], tags: list | None = None) -> int:
+    def restore(self, tokens: list[int], tags: list | None = None,
+                chains: list[bytes] | None = None) -> int:
         """Read the full blocks of `tokens` past what the prefix cache holds back from disk,
-        into the radix tree (cached, unreferenced); returns the tokens restored."""
+        into the radix tree (cached, unreferenced); returns the tokens restored. `chains`:
+        their full blocks' chain hashes, where a prefetch already worked them out."""
         radix, bs = self.blocks.radix, self.block_size
         n_full = len(tokens) // bs
         if radix is None or n_full == 0:
@@ -213,7 +214,8 @@ class DiskTier:
             m = len(held)
             if m == n_full:
                 return 0
-            chains = chain_hashes(tokens[: n_full * bs], bs, tags)
+            if chains is None or len(chains) != n_full or tags is not None:
+                chains = chain_hashes(tokens[: n_full * bs], bs, tags)
             try:
                 new = self._read_back([self._key(chains[i], tags, i) for i in range(n_full)], m)
             except Exception:  # the tier only saves time: the request is served by prefill
@@ -241,18 +243,15 @@ class DiskTier:
         finally:
             self.blocks.release(held)
 
-    def prefetch(self, tokens: list[int]) -> threading.Event | None:
-        """Read ahead, on the prefetch thread, the files restore(tokens) would read: the
-        event is set when they are in memory. None: RAM holds every full block, or no room."""
+    def prefetch(self, tokens: list[int]) -> Prefetch | None:
+        """Read ahead, on the prefetch thread, the files restore(tokens) would read. None:
+        RAM holds every full block, or the prefetch queue is full."""
         bs = self.block_size
         n_full = len(tokens) // bs
         if self.blocks.radix is None or n_full == 0:
             return None
-        held, _ = self.blocks.match_tokens(tokens[: n_full * bs], None)
-        self.blocks.release(held)
-        if len(held) == n_full:
-            return None
-        return self.prefetcher.submit(tokens[: n_full * bs], bs, len(held))
+        in_ram = len(self.blocks.radix.match(tokens[: n_full * bs]))
+        return self.prefetcher.submit(tokens[: n_full * bs], bs, in_ram) if in_ram < n_full else None
 
     def _read_back(self, keys: list, start: int) -> list[int]:
         """Fresh pool blocks holding keys[start:]'s blocks read from disk, file after file,
