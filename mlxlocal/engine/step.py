@@ -3,9 +3,9 @@
 A forward goes to evaluation once the previous one has ended (`_submit`: the pools are then
 written in place). A step's logits are sampled in one batched call (the grammar masks first,
 one call for all constrained rows); the tokens stay lazy arrays (`Sampled`) while the next
-step's forward is queued, then one host read per batch hands them out (`_take`). `StepPhases` is PagedEngine's
-base: the methods use the engine's pools, runner, speculator, scheduler, grammars, profile,
-`_fence`, `_accept`, `_fail` and `_guarded`.
+step's forward is queued, then one host read per batch hands them out (`_take`).
+`StepPhases` is PagedEngine's base: the methods use the engine's pools, runner, speculator,
+scheduler, grammars, profile, `_fence`, `_accept`, `_fail` and `_guarded`.
 """
 
 from __future__ import annotations

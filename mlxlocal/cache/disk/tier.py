@@ -251,7 +251,9 @@ class DiskTier:
         if self.blocks.radix is None or n_full == 0:
             return None
         in_ram = len(self.blocks.radix.match(tokens[: n_full * bs]))
-        return self.prefetcher.submit(tokens[: n_full * bs], bs, in_ram) if in_ram < n_full else None
+        if in_ram == n_full:
+            return None
+        return self.prefetcher.submit(tokens[: n_full * bs], bs, in_ram)
 
     def _read_back(self, keys: list, start: int) -> list[int]:
         """Fresh pool blocks holding keys[start:]'s blocks read from disk, file after file,
