@@ -55,7 +55,8 @@ class Prefetcher:
         except queue.Full:
             return None
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mlxlocal-kv-prefetch", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="mlxlocal-kv-prefetch",
+                                            daemon=True)
             self._thread.start()
         return job
 

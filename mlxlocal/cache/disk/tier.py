@@ -283,7 +283,8 @@ class DiskTier:
                 continue
             done: dict = {}
             try:
-                got = self.store.read_into(keys[c], partial(self._place, keys, c, i, views=views, done=done))
+                place = partial(self._place, keys, c, i, views=views, done=done)
+                got = self.store.read_into(keys[c], place)
             except BaseException:
                 self.blocks.release(done.get("ids", []))
                 raise
