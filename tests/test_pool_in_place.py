@@ -58,3 +58,28 @@ def test_speculative_steps_write_both_pools_in_place(models):
     finally:
         eng.shutdown()
     assert excess < part // 2, f"peak {excess / 2**20:.1f} MiB above the pools: a pool was copied"
+
+
+def test_a_first_token_goes_out_before_the_next_forward_is_submitted(models):
+    """The first token is handed out before the decode after it is submitted: a submit may
+    block until most of that forward has run (MLX's CPU backend), which would add a whole
+    forward to the time to first token. Later tokens still go out while the next runs."""
+    eng = open_engine(models["native"], kv_blocks=256, prefix_cache=False)
+    seen: list[tuple[int, bool]] = []  # per forward submitted: (tokens out, first one out)
+    real = type(eng)._submit
+
+    def submit(arrays):
+        for seq in eng.scheduler.running:
+            seen.append((len(seq.tokens) - len(seq.prompt), bool(seq.out.t_first)))
+        real(eng, arrays)
+
+    eng._submit = submit
+    try:
+        out = [c.token for c in eng.generate(prompt_of(40), SamplingParams(max_tokens=4, ignore_eos=True))
+               if c.token is not None]
+    finally:
+        eng.shutdown()
+    assert len(out) == 4
+    assert seen[0] == (0, False)  # the prompt's forward
+    assert seen[1] == (1, True)  # the first decode: the first token already out
+    assert seen[2] == (1, True)  # the next: submitted before the second token is taken

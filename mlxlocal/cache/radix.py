@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 Chunk = tuple[int, ...]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Node:
     chunk: Chunk
     block: int
