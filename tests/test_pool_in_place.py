@@ -75,11 +75,36 @@ def test_a_first_token_goes_out_before_the_next_forward_is_submitted(models):
 
     eng._submit = submit
     try:
-        out = [c.token for c in eng.generate(prompt_of(40), SamplingParams(max_tokens=4, ignore_eos=True))
-               if c.token is not None]
+        chunks = eng.generate(prompt_of(40), SamplingParams(max_tokens=4, ignore_eos=True))
+        out = [c.token for c in chunks if c.token is not None]
     finally:
         eng.shutdown()
     assert len(out) == 4
     assert seen[0] == (0, False)  # the prompt's forward
     assert seen[1] == (1, True)  # the first decode: the first token already out
     assert seen[2] == (1, True)  # the next: submitted before the second token is taken
+
+
+def test_an_engine_shut_down_gives_its_memory_back(tiny_models):
+    """An engine is freed whole once shut down and dropped (weights, pools), engine after
+    engine: as a server unloading idle models needs. Objects frozen out of the collector's
+    scans while it ran (gc.freeze at its start) are unfrozen at shutdown, else its cycles
+    would never be collected."""
+    import gc
+
+    def once():
+        eng = open_engine(load_from_dir(tiny_models["qwen3"]), kv_blocks=512)
+        chunks = eng.generate(prompt_of(20), SamplingParams(max_tokens=2, ignore_eos=True))
+        out = [c.token for c in chunks if c.token is not None]
+        eng.shutdown()
+        assert len(out) == 2
+
+    once()  # MLX's caches and compiled kernels, once
+    gc.collect()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    for _ in range(3):
+        once()
+        gc.collect()
+        mx.synchronize()
+    assert mx.get_active_memory() - base < 1 << 20, "a shut-down engine's arrays are still alive"

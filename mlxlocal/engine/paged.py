@@ -265,6 +265,8 @@ class PagedEngine(EngineBase, StepPhases):
         self._die("the engine was shut down")
         if thread is None or not thread.is_alive():
             self.runner.close()  # tensor parallel: the followers' loops end too
+        gc.unfreeze()  # frozen at start (_start_thread): else this engine's cycles, model and
+        # pools included, would never be collected
         if self.tier is not None:  # queued block writes get `timeout` to reach the disk
             self.tier.close(timeout)
 
