@@ -173,8 +173,11 @@ def test_anthropic_pings_until_the_first_token(slow_server, tiny_model):
         "messages": [{"role": "user", "content": long_prompt()}]})
     events = [line[7:] for line in lines if line.startswith("event: ")]
     assert events[0] == "message_start" and events.count("ping") >= 8
-    first_block = events.index("content_block_start")
-    assert set(events[1:first_block]) == {"ping"}
+    # Pings until the first token; two sampled tokens may show no text (a held-back UTF-8
+    # fragment), so what follows the pings is the first block or, without one, the final delta.
+    after = next(i for i, event in enumerate(events[1:], 1) if event != "ping")
+    assert events[after] in ("content_block_start", "message_delta")
+    assert "ping" not in events[after:]
     # Each ping after the first (sent with message_start, as before) has the progress beside it.
     assert sum(line.startswith(": keepalive ") for line in lines) == events.count("ping") - 1
 
