@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import BASE, FAMILY_CONFIGS, MLX_LM_CONFIGS, build_tiny
 
-from mlxlocal.engine import EngineConfig, PagedEngine, SamplingParams
+from mlxlocal.engine import EngineConfig, PagedEngine, SamplingParams, SpeculativeConfig
 from mlxlocal.source.loader import load_from_dir
 from mlxlocal.source.synthetic.weights import write_model_dir
 
@@ -24,6 +24,11 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"native": build_tiny(root / "llama", dict(FAMILY_CONFIGS["llama"], **WIDE), template="llama3", seed=1),
             "mlx_lm": build_tiny(root / "gemma", dict(BASE, **WIDE, model_type="gemma", rope_theta=10000.0), seed=1),
             "hybrid": build_tiny(root / "hybrid", MLX_LM_CONFIGS["hybrid"], seed=1),
+            # sliding-window layers (32 tokens: 2 blocks) beside global ones, native and mlx-lm's
+            "window": build_tiny(root / "window", dict(
+                FAMILY_CONFIGS["llama"], **WIDE, sliding_window=32,
+                layer_types=["sliding_attention", "full_attention"]), template="llama3", seed=1),
+            "gemma3": build_tiny(root / "gemma3", MLX_LM_CONFIGS["gemma3"], seed=1),
             # bfloat16 pools: read back through their bits (numpy has no bfloat16)
             "bf16": write_model_dir(root / "bf16", dict(FAMILY_CONFIGS["llama"], **WIDE), seed=1,
                                     dtype="bfloat16", chat_template="llama3")}
@@ -59,34 +64,70 @@ def written(eng: PagedEngine) -> int:
     return eng.tier.store.stats()["writes"]  # blocks (a file holds a run of them)
 
 
-@pytest.mark.parametrize("kind,bits", [("native", None), ("native", 8), ("bf16", None), ("mlx_lm", None),
-                                       ("hybrid", None)])
+WHOLE_BLOCKS = ("hybrid", "window", "gemma3")  # resume at block boundaries: no partial blocks kept
+
+
+@pytest.mark.parametrize("kind,bits", [
+    ("native", None), ("native", 8), ("bf16", None), ("mlx_lm", None), ("hybrid", None),
+    ("window", None), ("window", 8), ("gemma3", None)])
 def test_a_restart_reads_the_prefix_back_and_decodes_as_cold(models, tmp_path, kind, bits):
     q = {"kv_bits": bits} if bits else {}
+    whole = kind in WHOLE_BLOCKS
     cold = engine(models[kind], None, **q)
     want = run(cold, PROMPT)
     cold.shutdown()
     first = engine(models[kind], tmp_path, **q)
     assert run(first, PROMPT)[:2] == want[:2]
     # The prompt's 9 full blocks, and its partial last block twice (at its first token, then
-    # with the reply at the end); a hybrid keeps no partial blocks.
-    assert written(first) == 9 + (0 if kind == "hybrid" else 2)
+    # with the reply at the end); hybrid and window models keep no partial blocks.
+    assert written(first) == 9 + (0 if whole else 2)
     first.shutdown()
 
     second = engine(models[kind], tmp_path, **q)  # a new process would see the same files
     toks, lps, cached, disk = run(second, PROMPT)
     # Every token of the prompt but the last (always computed) from disk: its full blocks,
-    # and the partial last one (a hybrid resumes at block boundaries: full blocks only).
-    assert (cached, disk) == ((144, 144) if kind == "hybrid" else (149, 149))
+    # and the partial last one (hybrid and window models resume at block boundaries).
+    assert (cached, disk) == ((144, 144) if whole else (149, 149))
     assert toks == want[0]
     assert max(abs(a - b) for a, b in zip(lps, want[1])) < 1e-4, (lps, want[1])
     st = second.stats()
-    blocks = 9 if kind == "hybrid" else 10  # with the partial one
+    blocks = 9 if whole else 10  # with the partial one
     assert st["disk_hit_blocks"] == blocks and st["disk_read_bytes"] > 0
     # Now in RAM: the next request hits there and reads nothing more from disk.
     # (A hybrid resumes at block boundaries only: it has no recurrent state mid-block.)
-    assert run(second, PROMPT)[2:] == (144 if kind == "hybrid" else 149, 0)
+    assert run(second, PROMPT)[2:] == (144 if whole else 149, 0)
     assert second.stats()["disk_hit_blocks"] == blocks
+    if second.windows is not None:  # window layers: the 2 blocks a query at 144 sees came back
+        assert second.windows.first_needed(144) == 7
+        assert len(second.windows.kept) >= 2
+    second.shutdown()
+
+
+def test_a_draft_models_kv_comes_back_with_the_blocks(models, tmp_path):
+    """A draft model's pools share the target's block ids: its K/V is written and read back
+    with theirs (a self-draft accepts every token only if it is there), in a store of the
+    pair's own."""
+    def drafted(disk):
+        draft = SpeculativeConfig("draft", draft=load_from_dir(models["native"]),
+                                  num_draft_tokens=3)
+        return engine(models["native"], disk, speculative=draft)
+
+    want = run(cold := drafted(None), PROMPT, 12)
+    cold.shutdown()
+    stored(models["native"], tmp_path)  # the target alone: another store
+    first = drafted(tmp_path)
+    assert run(first, PROMPT, 12)[:2] == want[:2]
+    # 9 full blocks and the partial one at the first token; at the end (161 tokens computed)
+    # a tenth full block and a partial one of 1 token.
+    assert written(first) == 9 + 1 + 1 + 1
+    first.shutdown()
+    assert len([d for d in os.listdir(tmp_path) if not d.startswith(".")]) == 2
+    second = drafted(tmp_path)
+    toks, lps, cached, disk = run(second, PROMPT, 12)
+    assert (cached, disk) == (149, 149) and toks == want[0]
+    assert max(abs(a - b) for a, b in zip(lps, want[1])) < 1e-4
+    st = second.stats()
+    assert st["spec_drafted"] >= 6 and st["spec_accepted"] == st["spec_drafted"], st
     second.shutdown()
 
 

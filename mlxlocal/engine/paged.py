@@ -185,20 +185,19 @@ class PagedEngine(EngineBase, StepPhases):
         return cache_edits.fit(len(prompt), edits, self.context_length)
 
     def _open_tier(self, cfg: EngineConfig, loaded: LoadedModel, drafter) -> DiskTier | None:
-        """The disk tier under the prefix cache (--kv-disk), where this engine's state is
-        all in its K/V pools; else None, and the log says why."""
+        """The disk tier under the prefix cache (--kv-disk); None without one, and under
+        tensor parallelism (each rank's pools hold a shard: not written down yet)."""
         if not cfg.kv_disk or not cfg.prefix_cache:
             return None
-        why = ("sliding-window layers" if any(self.pools.windowed) else
-               "a draft model" if drafter is not None else
-               "tensor parallelism" if type(self.pools) is not KVPools else None)
-        if why is not None:
-            log.warning("--kv-disk: not used for %s (%s): its state is not all in its K/V blocks",
-                        self.info.name, why)
+        if type(self.pools) is not KVPools:
+            log.warning("--kv-disk: not used for %s under tensor parallelism", self.info.name)
             return None
-        return DiskTier.open(cfg.kv_disk_dir or str(default_kv_dir()), cfg.kv_disk, str(loaded.info.path),
-                             self.pools, self.blocks, self.runner.dtype, cfg.kv_bits, cfg.kv_group_size,
-                             self.info.name, self.reuse.snapshots)
+        draft = (None if drafter is None else
+                 (drafter.model_dir, drafter.runner.dtype, drafter.pools))
+        return DiskTier.open(cfg.kv_disk_dir or str(default_kv_dir()), cfg.kv_disk,
+                             str(loaded.info.path), self.pools, self.blocks, self.runner.dtype,
+                             cfg.kv_bits, cfg.kv_group_size, self.info.name, self.reuse.snapshots,
+                             draft=draft, windows=self.windows)
 
     def _copy_block(self, src: int, dst: int) -> None:
         self.pools.copy_block(src, dst)

@@ -196,11 +196,11 @@ class PrefixReuse:
             seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, tags=tags)
         else:
             seq.block_table = self.blocks.cache_prefix(computed, seq.block_table, partial=seq.session is None)
-        if self.tier is not None:  # its full blocks (and the partial last one) written through
-            self.tier.save(computed, seq.block_table, tags)
         if self.windows is not None and self.blocks.radix is not None:
             n_full = len(computed) // self.block_size
             self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])
+        if self.tier is not None:  # its full blocks (and the partial last one) written through,
+            self.tier.save(computed, seq.block_table, tags)  # with the window blocks kept above
 
     def prefetch(self, seq: Sequence) -> None:
         """A new request's disk blocks read ahead off the engine thread (the scheduler admits

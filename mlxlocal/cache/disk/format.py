@@ -50,15 +50,19 @@ class Fingerprint:
     tokenizer: str
     model_type: str
     config: str = ""  # digest of the whole config.json (conservative: any change misses)
+    draft: str = ""  # a draft model's own fingerprint digest: its K/V is in the blocks too
 
     @property
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not self.draft:  # no draft model: the digest stores had before drafts came in
+            del fields["draft"]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike, *, dtype: str, kv_bits: int | None,
-                       kv_group_size: int, block_size: int) -> Fingerprint:
+                       kv_group_size: int, block_size: int, draft: str = "") -> Fingerprint:
         """From config.json, safetensors headers (+ sampled bytes), tokenizer files: fast."""
         root = Path(path)
         raw = (root / "config.json").read_bytes()
@@ -71,7 +75,7 @@ class Fingerprint:
                    rope=json.dumps(rope, sort_keys=True, separators=(",", ":")),
                    block_size=int(block_size), tokenizer=tokenizer_digest(root),
                    model_type=str(config.get("model_type", "")),
-                   config=hashlib.blake2b(raw, digest_size=16).hexdigest())
+                   config=hashlib.blake2b(raw, digest_size=16).hexdigest(), draft=draft)
 
 
 def weights_digest(root: Path) -> str:

@@ -8,6 +8,10 @@ next blocks, as long as they verify, are read back into fresh pool blocks in one
 pool and join the radix tree, so the normal match finds them. Keys are chain hashes (with
 the blocks' cache-edit tags) in a store per model fingerprint: KV is never reused across a
 change of weights, dtype, KV precision, rope, block size or tokenizer.
+
+A block's file carries all the state a resume at its end needs: a draft model's K/V (its pools
+share the block ids), a hybrid's recurrent-state snapshot and a sliding-window layer's block at
+that position, where the RAM cache kept them (per-block arrays "b<r>.<name>").
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from mlxlocal.cache.disk.prefetch import Prefetch, Prefetcher
 from mlxlocal.cache.disk.store import DiskStore, norm_key
 from mlxlocal.cache.paged import KVPools
 from mlxlocal.cache.states import StateSnapshots
+from mlxlocal.cache.window import WindowBlocks
 
 log = logging.getLogger("mlxlocal.engine")
 RUN_BYTES = 64 << 20  # most bytes one file holds: the LRU's unit
@@ -36,13 +41,20 @@ NO_CHAIN, TAIL, TAIL_TOKENS = bytes(16), ("tail",), "t"  # a prompt's partial la
 
 class DiskTier:
     def __init__(self, store: DiskStore, pools: KVPools, blocks: BlockManager,
-                 snapshots: StateSnapshots | None = None):
+                 snapshots: StateSnapshots | None = None, *, draft_pools: KVPools | None = None,
+                 windows: WindowBlocks | None = None):
         self.store, self.pools, self.blocks = store, pools, blocks
         self.snapshots = snapshots  # hybrids: a block's recurrent-state snapshot goes with it
+        self.windows = windows  # sliding-window layers: the window block kept at a block's position
+        self.whole_blocks = snapshots is not None or windows is not None  # no partial last blocks
+        self._block_pools = [("", pools)]
+        if draft_pools is not None:
+            self._block_pools.append(("d", draft_pools))
         self.block_size = blocks.block_size
-        # Every pool array, named: "<layer>.<k|v>.<part>" (quantized pools have 3 parts).
-        self.names = [f"{i}.{kv}.{j}" for i in range(len(pools.k)) for kv in "kv"
-                      for j in range(len(quantized.parts(pools.k[i] if kv == "k" else pools.v[i])))]
+        # Every block-indexed pool array, named "<layer>.<k|v>.<part>" (quantized pools have 3
+        # parts; a draft model's layers "d<layer>"); sliding-window layers' "w<layer>.<k|v>.<part>".
+        self.names = [f"{tag}{i}.{kv}.{j}" for tag, i, kv, j, _ in self._arrays(windowed=False)]
+        self.window_names = [f"w{i}.{kv}.{j}" for _, i, kv, j, _ in self._arrays(windowed=True)]
         self._on_disk: set[bytes | tuple] = set()  # keys written or read by this process
         # Pool blocks whose content is on disk (until freed: forget), so a prefix served from
         # RAM skips the save without hashing its tokens.
@@ -56,16 +68,39 @@ class DiskTier:
     @classmethod
     def open(cls, root: str, budget: int, model_dir: str, pools: KVPools, blocks: BlockManager,
              dtype: mx.Dtype, kv_bits: int | None, kv_group_size: int,
-             model_name: str | None = None, snapshots: StateSnapshots | None = None) -> DiskTier:
-        """The store for this model's fingerprint under root (made if new)."""
-        fp = Fingerprint.from_model_dir(model_dir, dtype=str(dtype).removeprefix("mlx.core."), kv_bits=kv_bits,
-                                        kv_group_size=kv_group_size, block_size=blocks.block_size)
-        about = {"model": model_name or str(model_dir), "path": str(model_dir)}
-        return cls(DiskStore(root, budget, fp, about=about), pools, blocks, snapshots)
+             model_name: str | None = None, snapshots: StateSnapshots | None = None, *,
+             draft: tuple[str, mx.Dtype, KVPools] | None = None,
+             windows: WindowBlocks | None = None) -> DiskTier:
+        """The store for this model's fingerprint under root (made if new); `draft`: a draft
+        model's (directory, dtype, pools), its K/V kept with the blocks and its fingerprint
+        in the store's."""
+        def fingerprint(path: str, dtype: mx.Dtype, bits: int | None, group: int, extra: str = ""):
+            return Fingerprint.from_model_dir(
+                path, dtype=str(dtype).removeprefix("mlx.core."), kv_bits=bits,
+                kv_group_size=group, block_size=blocks.block_size, draft=extra)
+
+        drafted = fingerprint(draft[0], draft[1], None, 0).digest if draft is not None else ""
+        fp = fingerprint(model_dir, dtype, kv_bits, kv_group_size, drafted)
+        about = {"model": model_name or str(model_dir), "path": str(model_dir),
+                 **({"draft": str(draft[0])} if draft is not None else {})}
+        return cls(DiskStore(root, budget, fp, about=about), pools, blocks, snapshots,
+                   draft_pools=draft[2] if draft is not None else None, windows=windows)
+
+    def _arrays(self, windowed: bool) -> list[tuple[str, int, str, int, mx.array]]:
+        """(pools' tag, layer, k|v, part, array) of the block-indexed pools (windowed=False) or
+        of the sliding-window layers' pools (True), in a fixed order."""
+        pools_list = [("", self.pools)] if windowed else self._block_pools
+        return [(tag, i, kv, j, part) for tag, pools in pools_list for i in range(len(pools.k))
+                if pools.windowed[i] == windowed
+                for kv, pool in (("k", pools.k[i]), ("v", pools.v[i]))
+                for j, part in enumerate(quantized.parts(pool))]
 
     def _parts(self) -> list[mx.array]:
-        return [p for i in range(len(self.pools.k)) for pool in (self.pools.k[i], self.pools.v[i])
-                for p in quantized.parts(pool)]
+        """The block-indexed pool arrays, in `names` order (fetched anew: resizes replace them)."""
+        return [a[-1] for a in self._arrays(windowed=False)]
+
+    def _window_parts(self) -> list[mx.array]:
+        return [a[-1] for a in self._arrays(windowed=True)]
 
     @staticmethod
     def _key(chain: bytes, tags: list | None, i: int):
@@ -94,8 +129,13 @@ class DiskTier:
             return 0
         ids = mx.array([table[i] for i in todo])
         rows = [p[:, ids] for p in self._parts()]  # [heads, len(todo), block_size, ...] each
-        mx.eval(rows)
+        kept = self.windows.kept if self.windows is not None else {}
+        at = {x: kept[table[i]] for x, i in enumerate(todo) if table[i] in kept}
+        wrows = [p[:, mx.array(list(at.values()))] for p in self._window_parts()] if at else []
+        mx.eval(rows, wrows)
         host = [_host(r) for r in rows]  # views of the evaluated arrays: no MLX op off this thread
+        whost = [_host(r) for r in wrows]
+        column = {x: c for c, x in enumerate(at)}  # todo index -> its window block's column
         per_file = max(1, RUN_BYTES // max(1, sum(h[:, 0].nbytes for h in host)))
         queued = 0
         for j, _, n in _runs(todo):  # consecutive blocks of the chain: a file each, RUN_BYTES at most
@@ -105,6 +145,9 @@ class DiskTier:
                 arrays = {name: h[:, a:b] for name, h in zip(self.names, host)}
                 for r in range(a, b):  # hybrids: each block's snapshot, where it has one
                     arrays.update(self._state(table[todo[r]], f"b{r - a}."))
+                    if r in column:  # window layers: the block kept at its position
+                        arrays.update({f"b{r - a}.{name}": h[:, column[r]]
+                                       for name, h in zip(self.window_names, whost)})
                 if not self.store.put_run(run, arrays):
                     return queued  # the writer is behind: the rest waits for a later save
                 self._known(run)
@@ -130,7 +173,7 @@ class DiskTier:
         chain before them: restored with the blocks, the prompt needs no recompute of them.
         Hybrids resume at block boundaries only: none kept for them."""
         bs, r = self.block_size, len(tokens) - n_full * self.block_size
-        if not 0 < r < bs or len(table) <= n_full or self.snapshots is not None:
+        if not 0 < r < bs or len(table) <= n_full or self.whole_blocks:
             return
         prev = self._chain_of.get(table[n_full - 1]) if n_full else NO_CHAIN
         block, tail = table[n_full], tuple(tokens[n_full * bs:])
@@ -148,7 +191,7 @@ class DiskTier:
         fresh block; None when the disk has none of them."""
         bs = self.block_size
         rest = tokens[len(tokens) // bs * bs:]
-        got = self.store.get_run((prev, TAIL)) if rest and self.snapshots is None else None
+        got = self.store.get_run((prev, TAIL)) if rest and not self.whole_blocks else None
         if got is None:
             return None
         arrays = got[0]
@@ -263,8 +306,10 @@ class DiskTier:
         views = self._pool_views()
         new: list[int] = []
         i = start
+        # Window layers: only the blocks a query at the end sees come back (the pool is small).
+        window_from = self.windows.first_needed(len(keys) * self.block_size) if self.windows else 0
         while views is not None and i < len(keys):
-            got = self._read_file(keys, i, views)
+            got = self._read_file(keys, i, views, window_from)
             if got is None:
                 break
             ids, hi = got
@@ -274,7 +319,8 @@ class DiskTier:
                 break
         return new
 
-    def _read_file(self, keys: list, i: int, views: list[np.ndarray]) -> tuple[list[int], int] | None:
+    def _read_file(self, keys: list, i: int, views: list[np.ndarray],
+                   window_from: int) -> tuple[list[int], int] | None:
         """(fresh blocks holding keys[i:]'s next run from one file, the index past what the
         file could give): a file is named by its first block's key, so the search walks back
         from i (most often it starts right there)."""
@@ -283,14 +329,18 @@ class DiskTier:
                 continue
             done: dict = {}
             try:
-                place = partial(self._place, keys, c, i, views=views, done=done)
+                place = partial(self._place, keys, c, i, views=views, done=done,
+                                window_from=window_from - c)
                 got = self.store.read_into(keys[c], place)
             except BaseException:
                 self.blocks.release(done.get("ids", []))
                 raise
             if got is not None:
-                for b, (r, arrays) in zip(done["ids"], done["states"]):
-                    self._put_state(b, arrays, f"b{r}.")
+                extras = [(done["ids"][r - (i - c)], arrays, f"b{r}.")
+                          for r, arrays in done["extras"].items()]
+                for b, arrays, prefix in extras:
+                    self._put_state(b, arrays, prefix)
+                self._put_windows(extras)
                 return done["ids"], c + done["hi"]
             if done.get("ids"):  # it did not verify: what was read into them is garbage
                 self.blocks.release(done["ids"])
@@ -298,10 +348,11 @@ class DiskTier:
         return None
 
     def _place(self, keys: list, c: int, i: int, names: list[str], table: dict, *,
-               views: list[np.ndarray], done: dict) -> dict | None:
+               views: list[np.ndarray], done: dict, window_from: int) -> dict | None:
         """read_into's place(): where the bytes of the file named keys[c] go. Its blocks from
         i on, as far as they are this chain's, go into fresh pool blocks; the others are
-        read for the checksum and dropped; hybrids' snapshots into host arrays."""
+        read for the checksum and dropped; a block's own arrays (hybrids' snapshots, window
+        layers' blocks from the file's block `window_from` on) into host arrays."""
         lo = hi = i - c
         while hi < len(names) and c + hi < len(keys) and names[hi] == norm_key(keys[c + hi]):
             hi += 1  # past it, the file goes on with another prompt's chain
@@ -318,7 +369,7 @@ class DiskTier:
                 self.blocks.release(ids)
                 return None
             views[:] = fresh
-        done.update(ids=ids, hi=hi, states=[])
+        done.update(ids=ids, hi=hi, extras={})
         sinks: dict = {}
         runs = _runs(ids)
         for view, name in zip(views, self.names):
@@ -330,14 +381,44 @@ class DiskTier:
                     segments.append(memoryview(view[p, start:start + k]).cast("B"))
                 segments.append((n - lo - len(ids)) * per_block)
             sinks[name] = [s for s in segments if not isinstance(s, int) or s]
-        for r in range(lo, lo + len(ids)) if self.snapshots is not None else ():
-            prefix, arrays = f"b{r}.", {}
-            for name, (dtype, shape) in table.items():
-                if name.startswith(prefix):
-                    arrays[name] = np.empty(shape, np_dtype(dtype))
-                    sinks[name] = [memoryview(arrays[name]).cast("B")]
-            done["states"].append((r, arrays))
+        for name, (dtype, shape) in table.items() if self.whole_blocks else ():
+            block, dot, rest = name[1:].partition(".")
+            if name[0] != "b" or not dot or not block.isdigit():
+                continue
+            r = int(block)
+            if not lo <= r < lo + len(ids) or (rest.startswith("w") and r < window_from):
+                continue  # read for the checksum, dropped
+            arr = done["extras"].setdefault(r, {})[name] = np.empty(shape, np_dtype(dtype))
+            sinks[name] = [memoryview(arr).cast("B")]
         return sinks
+
+    def _put_windows(self, extras: list[tuple[int, dict, str]]) -> None:
+        """Window layers: the blocks read back ((full block, arrays, prefix) of each) into
+        window blocks, kept for their full block as the RAM cache keeps them; one whose
+        arrays are missing or do not fit is left out (a resume stops short of it)."""
+        parts = self._window_parts()
+        if self.windows is None or not parts:
+            return
+        want = [(part[:, 0].shape, part.dtype.size) for part in parts]
+        found = [(b, [arrays.get(prefix + name) for name in self.window_names])
+                 for b, arrays, prefix in extras]
+        found = [(b, got) for b, got in found if all(
+            a is not None and (a.shape, a.dtype.itemsize) == w for a, w in zip(got, want))]
+        while found:
+            try:
+                ids = self.windows.allocate(len(found))
+                break
+            except OutOfBlocks:
+                found = found[1:]  # the last blocks are the ones a resume needs
+        if not found:
+            return
+        index = mx.array(ids)
+        for j, part in enumerate(parts):
+            rows = mx.array(np.stack([got[j] for _, got in found], axis=1))
+            part[:, index] = rows.view(part.dtype) if rows.dtype != part.dtype else rows
+        mx.eval(parts)
+        for (b, _), w in zip(found, ids):
+            self.windows.kept[b] = w  # the allocation's reference is the cache's
 
     def _pool_views(self) -> list[np.ndarray] | None:
         """The pools' memory as writable numpy arrays (evaluated first: a step in flight

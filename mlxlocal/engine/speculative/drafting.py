@@ -107,6 +107,7 @@ class ModelDrafter:
             raise ValueError(f"draft model {loaded.info.name} has recurrent or sliding-window layers; "
                              "a draft model must be plain attention")
         self.name = loaded.info.name
+        self.model_dir = str(loaded.info.path)  # the disk tier fingerprints it with the target
         self.pools: KVPools | None = None
 
     def bytes_per_block(self, block_size: int) -> int:
