@@ -84,6 +84,8 @@ def serve(
     kv_disk: KvDisk = None,
     kv_disk_dir: KvDiskDir = None,
     kernels: Kernels = None,
+    ui: bool = typer.Option(True, "--ui/--no-ui", help="The chat page at / (and /ui), behind the "
+                            "same Host / Origin checks; it asks for the API key if one is set"),
     mcp_endpoint: bool = typer.Option(True, "--mcp-endpoint/--no-mcp-endpoint", help="The models as MCP tools "
                                       "(Streamable HTTP) at /mcp, behind the same Host / Origin / API-key checks",
                                       rich_help_panel=MCP_ENDPOINT),
@@ -175,7 +177,7 @@ def serve(
                           kv_compact=policy if policy.active else None, max_sessions=max_sessions,
                           session_idle=idle, mcp_max_sessions=mcp_max_sessions, mcp_session_idle=mcp_idle,
                           expose_paths=expose_paths, allow_client_unload=allow_client_unload,
-                          stream_keepalive=stream_keepalive)
+                          stream_keepalive=stream_keepalive, ui=ui)
     if not run_server(config, err):
         raise typer.Exit(1)
 

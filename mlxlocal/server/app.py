@@ -25,6 +25,8 @@ from mlxlocal.server.metrics import Metrics
 from mlxlocal.server.pipeline import DROPPED_HEADER
 from mlxlocal.server.pipeline import SCOPE_KEY as DROPPED_SCOPE_KEY
 from mlxlocal.server.registry import ModelRegistry
+from mlxlocal.server.ui import is_ui_path
+from mlxlocal.server.ui import router as ui_router
 
 
 @dataclass
@@ -44,6 +46,7 @@ class ServerConfig:
     keep_alive_timeout: int = 5  # idle seconds between requests on one connection
     max_connections: int | None = None  # None: half the open-file limit, at most 4096
     mcp_endpoint: bool = True  # MCP (Streamable HTTP) at /mcp: mcp_http.py
+    ui: bool = True  # the chat page at / and /ui (ui.py); --no-ui leaves it out
     mcp_max_sessions: int = 256  # MCP sessions open at once; a full table evicts the LRU idle one
     mcp_session_idle: float = 1800.0  # seconds an MCP session lives without a request
     expose_paths: bool = False  # --expose-paths: models' file paths to clients (model_cards.client_names)
@@ -182,7 +185,10 @@ class Guard:
         # check above) passes without the key, to CORSMiddleware, which answers it with CORS
         # headers only and calls no route. Any other OPTIONS needs the key like every method.
         preflight = scope["method"] == "OPTIONS" and origin and "access-control-request-method" in headers
-        if cfg.api_key and path != "/health" and not preflight:
+        # The chat page's files are public (a navigation cannot send a key; the page asks for
+        # it and sends it on its API calls), but Host and Origin were checked above.
+        page = cfg.ui and scope["method"] in ("GET", "HEAD") and is_ui_path(path)
+        if cfg.api_key and path != "/health" and not preflight and not page:
             bearer = headers.get("authorization", "")
             given = bearer[7:] if bearer.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
@@ -376,5 +382,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.include_router(anthropic_api.router)
     app.include_router(ollama_api.router)
     app.include_router(embeddings_api.router)
+    if config.ui:
+        app.include_router(ui_router)
     return app
 

@@ -59,6 +59,8 @@ def banner_text(config: ServerConfig, registry: ModelRegistry, port: int | None 
         lines.append(f"  spec     speculative decoding, {spec.describe()} · a request opts out with "
                      "\"speculative\": false")
     lines.append(f"  APIs     {DIALECTS}")
+    if config.ui:
+        lines.append(f"  chat     {url_of(config.host, port or config.port)}/ in a browser")
     if config.mcp_endpoint:
         lines.append(f"  MCP      {url_of(config.host, port or config.port)}/mcp (Streamable HTTP)")
     policy = config.kv_compact.describe() if config.kv_compact is not None else "off"
