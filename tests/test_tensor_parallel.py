@@ -158,6 +158,21 @@ def test_two_ranks_with_kv_bits_and_speculation(quantized_tp_model):
     assert row["draft_accepted"] > 0 and row["lookup_accepted"] > 0, row
 
 
+def test_two_ranks_keep_the_disk_tier_each_its_part(tiny_model, tmp_path):
+    """--kv-disk in a cluster: each rank writes its KV heads of the prompt's blocks to a store of
+    its own; a new engine reads them back on both ranks and answers as the whole model. When
+    rank 1's file is damaged, rank 0's verified copy is not used either: the prompt is
+    prefilled, and written again on both ranks, so the next engine restores it."""
+    (row,) = launch(2, str(tiny_model), f"--disk={tmp_path}")
+    assert row["disk_first"] and row["disk_restored"], row
+    # 9 full blocks on every rank (no partial last block in a cluster: it is prefilled).
+    assert (row["disk_tokens"], row["disk_hits"]) == (144, 9), row
+    assert row["disk_stores"] == ["0/2", "1/2"]
+    assert row["damaged_same"] and row["damaged_disk_tokens"] == 0, row
+    assert row["damaged_removed"] == 1  # rank 0's copy of the run, not used without rank 1's
+    assert row["healed_same"] and row["healed_disk_tokens"] == 144, row
+
+
 MOE = dict(BASE, model_type="qwen3_moe", rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)
 

@@ -65,6 +65,9 @@ def check(path: str) -> dict:
     extra = {}
     if "--features" in sys.argv:
         extra = features(sharded, whole, prompts)
+    for arg in sys.argv:
+        if arg.startswith("--disk="):
+            extra.update(disk(sharded, whole, arg.removeprefix("--disk=")))
     return {**extra, "model": path, "batch1": batch1, "batch8": got == want, "prefix": prefix, "prefix_hit_tokens": hits,
             "bytes_rank0": weight_bytes(sharded), "bytes_whole": weight_bytes(whole),
             "heads": getattr(sharded.shard.plan, "local_heads", None)}
@@ -88,6 +91,42 @@ def features(sharded, whole, prompts) -> dict:
         tp.shutdown()
         ref.shutdown()
     return out
+
+
+def disk(sharded, whole, root: str) -> dict:
+    """The disk tier in a cluster: an engine writes a prompt's blocks (each rank its part, in a
+    store of its own), the next engine on the same stores reads them back and answers as the
+    whole model; then rank 1's file is damaged and the next engine prefills instead."""
+    from pathlib import Path
+
+    from mlxlocal.engine import SamplingParams
+
+    prompt = prompt_of(150, 5)
+    ref = open_engine(whole, block_size=16)
+    want = greedy(ref, prompt, 8)
+    ref.shutdown()
+
+    def serve() -> tuple[list[int], int, dict]:
+        eng = open_engine(sharded, block_size=16, kv_disk=64 << 20, kv_disk_dir=root)
+        chunks = list(eng.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+        eng.tier.store.flush()
+        stats = eng.stats()
+        eng.shutdown()  # the other ranks' writers finish with their pools
+        return [c.token for c in chunks if c.token is not None], chunks[-1].stats.disk_tokens, stats
+
+    first, _, _ = serve()
+    restored, disk_tokens, stats = serve()
+    stores = {json.loads((d / "manifest.json").read_text()).get("shard"): d
+              for d in Path(root).iterdir() if d.is_dir()}
+    damaged = max(stores["1/2"].glob("*.kv"), key=lambda f: f.stat().st_size)
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    after, after_disk, after_stats = serve()
+    healed, healed_disk, _ = serve()  # written again on both ranks by the prefill above
+    return {"disk_first": first == want, "disk_restored": restored == want, "disk_tokens": disk_tokens,
+            "disk_hits": stats["disk_hit_blocks"], "disk_stores": sorted(stores),
+            "damaged_same": after == want, "damaged_disk_tokens": after_disk,
+            "damaged_removed": after_stats["disk_corrupt_removed"],
+            "healed_same": healed == want, "healed_disk_tokens": healed_disk}
 
 
 if __name__ == "__main__":

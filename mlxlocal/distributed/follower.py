@@ -10,7 +10,9 @@ from typing import Any
 import mlx.core as mx
 
 from mlxlocal.cache import KVPools
+from mlxlocal.cache.disk.tier import DiskTier
 from mlxlocal.cache.mlx_lm_views import CacheLayout
+from mlxlocal.distributed import tier
 from mlxlocal.distributed.channel import Channel, world
 from mlxlocal.distributed.leader import _Rows, local_shapes
 from mlxlocal.distributed.messages import (
@@ -25,6 +27,9 @@ from mlxlocal.distributed.messages import (
     Report,
     Run,
     Stop,
+    TierOpen,
+    TierRead,
+    TierSave,
 )
 from mlxlocal.distributed.report import all_sum_probe, gather_rank_numbers
 from mlxlocal.distributed.tensor import weight_bytes
@@ -43,12 +48,14 @@ class Follower:
         self.runners: dict[int, NativeRunner] = {}  # by model id
         self.loaded: dict = {}  # mlx-lm models loaded, waiting for their cache probe
         self.pools: dict[int, tuple[NativeRunner, KVPools]] = {}  # by engine id
+        self.tiers: dict[int, DiskTier] = {}  # by engine id: its disk tier's store on this rank
         self.forwards = 0
         # What each kind of message does here (bound now: a subclass's handlers count).
         self.handlers: dict[type[Message], Callable[[Any], None]] = {
             Load: self._load, Pools: self._pools, Copy: self._copy, Stop: self._stop,
             ProbeCache: self._probe_cache, Noop: self._noop, Probe: self._probe, Report: self._report,
-            Run: self._run}
+            Run: self._run, TierOpen: self._tier_open, TierSave: self._tier_save,
+            TierRead: self._tier_read}
 
     def serve(self) -> int:
         """Repeat rank 0's messages until it exits; returns the number of forwards run."""
@@ -84,6 +91,20 @@ class Follower:
 
     def _stop(self, msg: Stop) -> None:
         self.pools.pop(msg.engine, None)
+        tier = self.tiers.pop(msg.engine, None)
+        if tier is not None:  # its queued writes finish first
+            tier.close()
+
+    def _tier_open(self, msg: TierOpen) -> None:
+        pools = self.pools[msg.engine][1]
+        self.tiers[msg.engine] = tier.open_store(msg, pools, self.group.rank(), self.group.size())
+
+    def _tier_save(self, msg: TierSave) -> None:
+        if not self.tiers[msg.engine].write_run(msg.keys, msg.blocks):
+            log.debug("disk tier: this rank's writer is behind; a run was dropped")
+
+    def _tier_read(self, msg: TierRead) -> None:
+        tier.read(self.tiers.get(msg.engine), msg, self.group)
 
     def _probe_cache(self, msg: ProbeCache) -> None:
         """An mlx-lm model's runner: its cache probe runs a forward, with rank 0's."""

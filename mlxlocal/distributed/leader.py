@@ -94,6 +94,18 @@ class _Leading:
         self.on_lost = None
         self.channel.on_lost.append(lambda reason: self.on_lost and self.on_lost(f"ClusterError: {reason}"))
 
+    @property
+    def shard_label(self) -> str:
+        """This rank's part of the KV, as a disk-tier store names it: "<rank>/<ranks>"."""
+        return f"{self.channel.group.rank()}/{self.channel.group.size()}"
+
+    def tier_mirror(self, root: str, budget: int, fingerprint):
+        """The disk tier's mirror: the other ranks keep their parts of each block (tier.py)."""
+        from mlxlocal.distributed.tier import TierMirror
+
+        assert self.pools is not None
+        return TierMirror(self.channel, self.pools.engine, root, budget, fingerprint)
+
     def new_pools(self, *args, **kwargs) -> MirroredPools:
         self.pools = MirroredPools(self.channel, self.model_id, *args, **kwargs)
         return self.pools

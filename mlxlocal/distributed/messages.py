@@ -117,6 +117,41 @@ class Noop(Message):
 
 
 @dataclass(frozen=True)
+class TierOpen(Message):
+    """Open engine `engine`'s disk tier: a store under `root` of `budget` bytes, named by
+    rank 0's `fingerprint` fields with this rank's (distributed/tier.py)."""
+
+    op: ClassVar[str] = "tier_open"
+    engine: int
+    root: str
+    budget: int
+    fingerprint: dict
+
+
+@dataclass(frozen=True)
+class TierSave(Message):
+    """Write this rank's part of pool `blocks` as one file of blocks `keys`."""
+
+    op: ClassVar[str] = "tier_save"
+    engine: int
+    keys: list[str]
+    blocks: list[int]
+
+
+@dataclass(frozen=True)
+class TierRead(Message):
+    """Read this rank's part of blocks `keys` (from the file `file`'s block `skip` on) into
+    pool `blocks`, and answer whether it verified."""
+
+    op: ClassVar[str] = "tier_read"
+    engine: int
+    file: str
+    skip: int
+    keys: list[str]
+    blocks: list[int]
+
+
+@dataclass(frozen=True)
 class Exit(Message):
     """Rank 0 is done: exit."""
 
@@ -124,7 +159,8 @@ class Exit(Message):
 
 
 KINDS: dict[str, type[Message]] = {kind.op: kind for kind in
-                                   (Load, Pools, Copy, Stop, ProbeCache, Run, Report, Probe, Noop, Exit)}
+                                   (Load, Pools, Copy, Stop, ProbeCache, Run, Report, Probe, Noop,
+                                    TierOpen, TierSave, TierRead, Exit)}
 
 
 def encode(msg: Message) -> dict[str, Any]:
@@ -146,4 +182,4 @@ def decode(wire: dict[str, Any]) -> Message:
 
 
 __all__ = ["KINDS", "Copy", "Exit", "Load", "Message", "Noop", "Pools", "Probe", "ProbeCache", "Report",
-           "Run", "Stop", "decode", "encode"]
+           "Run", "Stop", "TierOpen", "TierRead", "TierSave", "decode", "encode"]

@@ -185,19 +185,25 @@ class PagedEngine(EngineBase, StepPhases):
         return cache_edits.fit(len(prompt), edits, self.context_length)
 
     def _open_tier(self, cfg: EngineConfig, loaded: LoadedModel, drafter) -> DiskTier | None:
-        """The disk tier under the prefix cache (--kv-disk); None without one, and under
-        tensor parallelism (each rank's pools hold a shard: not written down yet)."""
+        """The disk tier under the prefix cache (--kv-disk), or None. In a cluster every rank
+        keeps its part of the KV (the runner mirrors rank 0's tier): not yet for sliding-window
+        or recurrent layers there, which the log says."""
         if not cfg.kv_disk or not cfg.prefix_cache:
             return None
-        if type(self.pools) is not KVPools:
-            log.warning("--kv-disk: not used for %s under tensor parallelism", self.info.name)
-            return None
+        cluster = self.runner if type(self.pools) is not KVPools else None
+        if cluster is not None:
+            why = ("sliding-window layers" if any(self.pools.windowed) else
+                   "recurrent layers" if self.reuse.snapshots is not None else
+                   None if hasattr(cluster, "tier_mirror") else "pools of this kind")
+            if why is not None:
+                log.warning("--kv-disk: not used for %s in a cluster (%s)", self.info.name, why)
+                return None
         draft = (None if drafter is None else
                  (drafter.model_dir, drafter.runner.dtype, drafter.pools))
         return DiskTier.open(cfg.kv_disk_dir or str(default_kv_dir()), cfg.kv_disk,
                              str(loaded.info.path), self.pools, self.blocks, self.runner.dtype,
                              cfg.kv_bits, cfg.kv_group_size, self.info.name, self.reuse.snapshots,
-                             draft=draft, windows=self.windows)
+                             draft=draft, windows=self.windows, cluster=cluster)
 
     def _copy_block(self, src: int, dst: int) -> None:
         self.pools.copy_block(src, dst)

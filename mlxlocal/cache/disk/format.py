@@ -51,18 +51,21 @@ class Fingerprint:
     model_type: str
     config: str = ""  # digest of the whole config.json (conservative: any change misses)
     draft: str = ""  # a draft model's own fingerprint digest: its K/V is in the blocks too
+    shard: str = ""  # "<rank>/<ranks>": a cluster rank's store holds that rank's part of the KV
 
     @property
     def digest(self) -> str:
         fields = asdict(self)
-        if not self.draft:  # no draft model: the digest stores had before drafts came in
-            del fields["draft"]
+        for extra in ("draft", "shard"):  # unset: the digest stores had before these came in
+            if not fields[extra]:
+                del fields[extra]
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike, *, dtype: str, kv_bits: int | None,
-                       kv_group_size: int, block_size: int, draft: str = "") -> Fingerprint:
+                       kv_group_size: int, block_size: int, draft: str = "",
+                       shard: str = "") -> Fingerprint:
         """From config.json, safetensors headers (+ sampled bytes), tokenizer files: fast."""
         root = Path(path)
         raw = (root / "config.json").read_bytes()
@@ -75,7 +78,8 @@ class Fingerprint:
                    rope=json.dumps(rope, sort_keys=True, separators=(",", ":")),
                    block_size=int(block_size), tokenizer=tokenizer_digest(root),
                    model_type=str(config.get("model_type", "")),
-                   config=hashlib.blake2b(raw, digest_size=16).hexdigest(), draft=draft)
+                   config=hashlib.blake2b(raw, digest_size=16).hexdigest(), draft=draft,
+                   shard=shard)
 
 
 def weights_digest(root: Path) -> str:

@@ -36,8 +36,10 @@ _TMP = ".tmp-"
 _STALE_TMP_S = 3600
 
 
-def norm_key(key: Key) -> str:
-    """A key as the files record it."""
+def norm_key(key: Key | str) -> str:
+    """A key as the files record it (a str is one already)."""
+    if isinstance(key, str):
+        return key
     chain, tag = (key, None) if isinstance(key, bytes | bytearray) else key
     return bytes(chain).hex() + ("" if tag is None else "/" + repr(tag))
 
@@ -247,6 +249,13 @@ class DiskStore:
                 self._count(corrupt_removed=1)
                 with self._mu:
                     self._held = (max(0, self._held[0] - 1), max(0, self._held[1] - st.st_size))
+
+    def remove(self, key: Key) -> None:
+        """Remove the file named by `key`, if there (a cluster rank's part of it did not verify:
+        written again with the next save, on every rank)."""
+        path = self._path(norm_key(key))
+        with contextlib.suppress(OSError):
+            self._remove_corrupt(path, os.stat(path).st_ino)
 
     def warm(self, key: Key, buf: bytearray) -> int:
         """Read the file named by `key` through `buf` and drop the bytes: the OS keeps them,

@@ -12,6 +12,10 @@ change of weights, dtype, KV precision, rope, block size or tokenizer.
 A block's file carries all the state a resume at its end needs: a draft model's K/V (its pools
 share the block ids), a hybrid's recurrent-state snapshot and a sliding-window layer's block at
 that position, where the RAM cache kept them (per-block arrays "b<r>.<name>").
+
+In a cluster each rank keeps its part of the KV in a store of its own (its fingerprint names
+the rank): rank 0's tier decides, and its `mirror` has the other ranks write the same runs and
+read the same files (write_run, read_run); a file is used only where every rank verified its own.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -39,18 +44,32 @@ KNOWN_KEYS = 1 << 20  # keys remembered as on disk (a million blocks: 16M tokens
 NO_CHAIN, TAIL, TAIL_TOKENS = bytes(16), ("tail",), "t"  # a prompt's partial last block
 
 
+class Mirror(Protocol):
+    """The other ranks of a cluster, each with its part of every block (distributed/leader.py)."""
+
+    def saved(self, keys: list[str], blocks: list[int]) -> None:
+        """Rank 0 queued these blocks as one file: the others write their parts the same way."""
+
+    def read(self, file: str, skip: int, keys: list[str], blocks: list[int]) -> bool:
+        """Rank 0 read `keys` (the file's blocks from `skip`) into `blocks`: the others read
+        theirs; True when every rank's verified."""
+
+
 class DiskTier:
-    def __init__(self, store: DiskStore, pools: KVPools, blocks: BlockManager,
+    def __init__(self, store: DiskStore, pools: KVPools, blocks: BlockManager | None,
                  snapshots: StateSnapshots | None = None, *, draft_pools: KVPools | None = None,
-                 windows: WindowBlocks | None = None):
+                 windows: WindowBlocks | None = None, mirror: Mirror | None = None):
+        # blocks: None on a cluster's other ranks (rank 0's tier says which blocks).
         self.store, self.pools, self.blocks = store, pools, blocks
         self.snapshots = snapshots  # hybrids: a block's recurrent-state snapshot goes with it
         self.windows = windows  # sliding-window layers: the window block kept at a block's position
-        self.whole_blocks = snapshots is not None or windows is not None  # no partial last blocks
+        self.mirror = mirror
+        # No partial last blocks for these (nor mirrored, in a cluster).
+        self.whole_blocks = snapshots is not None or windows is not None or mirror is not None
         self._block_pools = [("", pools)]
         if draft_pools is not None:
             self._block_pools.append(("d", draft_pools))
-        self.block_size = blocks.block_size
+        self.block_size = pools.block_size
         # Every block-indexed pool array, named "<layer>.<k|v>.<part>" (quantized pools have 3
         # parts; a draft model's layers "d<layer>"); sliding-window layers' "w<layer>.<k|v>.<part>".
         self.names = [f"{tag}{i}.{kv}.{j}" for tag, i, kv, j, _ in self._arrays(windowed=False)]
@@ -70,21 +89,25 @@ class DiskTier:
              dtype: mx.Dtype, kv_bits: int | None, kv_group_size: int,
              model_name: str | None = None, snapshots: StateSnapshots | None = None, *,
              draft: tuple[str, mx.Dtype, KVPools] | None = None,
-             windows: WindowBlocks | None = None) -> DiskTier:
+             windows: WindowBlocks | None = None, cluster=None) -> DiskTier:
         """The store for this model's fingerprint under root (made if new); `draft`: a draft
         model's (directory, dtype, pools), its K/V kept with the blocks and its fingerprint
-        in the store's."""
+        in the store's. `cluster`: rank 0 of a cluster (its runner): the store is this rank's,
+        and the other ranks open theirs through it (its tier_mirror)."""
         def fingerprint(path: str, dtype: mx.Dtype, bits: int | None, group: int, extra: str = ""):
             return Fingerprint.from_model_dir(
                 path, dtype=str(dtype).removeprefix("mlx.core."), kv_bits=bits,
-                kv_group_size=group, block_size=blocks.block_size, draft=extra)
+                kv_group_size=group, block_size=blocks.block_size, draft=extra,
+                shard=cluster.shard_label if cluster is not None else "")
 
         drafted = fingerprint(draft[0], draft[1], None, 0).digest if draft is not None else ""
         fp = fingerprint(model_dir, dtype, kv_bits, kv_group_size, drafted)
         about = {"model": model_name or str(model_dir), "path": str(model_dir),
                  **({"draft": str(draft[0])} if draft is not None else {})}
+        mirror = cluster.tier_mirror(root, budget, fp) if cluster is not None else None
         return cls(DiskStore(root, budget, fp, about=about), pools, blocks, snapshots,
-                   draft_pools=draft[2] if draft is not None else None, windows=windows)
+                   draft_pools=draft[2] if draft is not None else None, windows=windows,
+                   mirror=mirror)
 
     def _arrays(self, windowed: bool) -> list[tuple[str, int, str, int, mx.array]]:
         """(pools' tag, layer, k|v, part, array) of the block-indexed pools (windowed=False) or
@@ -150,6 +173,9 @@ class DiskTier:
                                        for name, h in zip(self.window_names, whost)})
                 if not self.store.put_run(run, arrays):
                     return queued  # the writer is behind: the rest waits for a later save
+                if self.mirror is not None:  # the other ranks write their parts alike
+                    self.mirror.saved([norm_key(k) for k in run],
+                                      [table[todo[x]] for x in range(a, b)])
                 self._known(run)
                 self._saved.update(table[todo[x]] for x in range(a, b))
                 queued += len(run)
@@ -335,6 +361,13 @@ class DiskTier:
             except BaseException:
                 self.blocks.release(done.get("ids", []))
                 raise
+            if got is not None and self.mirror is not None and not self._mirrored(keys, c, i, done):
+                # Another rank's part did not verify: unused, and rank 0's copy goes too, so
+                # the next save writes the run again on every rank.
+                self.blocks.release(done["ids"])
+                self.store.remove(keys[c])
+                self._on_disk.difference_update(keys[c:c + done["hi"]])
+                return None
             if got is not None:
                 extras = [(done["ids"][r - (i - c)], arrays, f"b{r}.")
                           for r, arrays in done["extras"].items()]
@@ -346,6 +379,33 @@ class DiskTier:
                 self.blocks.release(done["ids"])
                 return None
         return None
+
+    def _mirrored(self, keys: list, c: int, i: int, done: dict) -> bool:
+        """The other ranks read their parts of the blocks rank 0 just read (every one verified)."""
+        ids = done["ids"]
+        return self.mirror.read(norm_key(keys[c]), i - c,
+                                [norm_key(keys[i + r]) for r in range(len(ids))], ids)
+
+    # --- a cluster's other ranks: rank 0 says which blocks ------------------------------
+    def write_run(self, keys: list[str], ids: list[int]) -> bool:
+        """This rank's part of the blocks rank 0 queued as one file (keys), from pool `ids`."""
+        index = mx.array(ids)
+        rows = [p[:, index] for p in self._parts()]
+        mx.eval(rows)
+        return self.store.put_run(keys, {n: _host(r) for n, r in zip(self.names, rows)})
+
+    def read_run(self, file: str, skip: int, keys: list[str], ids: list[int]) -> bool:
+        """This rank's part of the blocks `keys` (the file's from `skip` on) into pool `ids`;
+        True when the file verified."""
+        views = self._pool_views()
+
+        def place(names: list[str], table: dict) -> dict | None:
+            layout = {k: (shape, np_dtype(dtype).itemsize) for k, (dtype, shape) in table.items()}
+            if names[skip:skip + len(keys)] != keys or not self._fits(layout, len(names)):
+                return None
+            return self._sinks(views, skip, ids, len(names))
+
+        return views is not None and self.store.read_into(file, place) is not None
 
     def _place(self, keys: list, c: int, i: int, names: list[str], table: dict, *,
                views: list[np.ndarray], done: dict, window_from: int) -> dict | None:
@@ -370,6 +430,21 @@ class DiskTier:
                 return None
             views[:] = fresh
         done.update(ids=ids, hi=hi, extras={})
+        sinks = self._sinks(views, lo, ids, n)
+        for name, (dtype, shape) in table.items() if self.whole_blocks else ():
+            block, dot, rest = name[1:].partition(".")
+            if name[0] != "b" or not dot or not block.isdigit():
+                continue
+            r = int(block)
+            if not lo <= r < lo + len(ids) or (rest.startswith("w") and r < window_from):
+                continue  # read for the checksum, dropped
+            arr = done["extras"].setdefault(r, {})[name] = np.empty(shape, np_dtype(dtype))
+            sinks[name] = [memoryview(arr).cast("B")]
+        return sinks
+
+    def _sinks(self, views: list[np.ndarray], lo: int, ids: list[int], n: int) -> dict:
+        """read_into's buffers for a file of n blocks whose blocks lo.. go into pool `ids`
+        (the others read for the checksum and dropped)."""
         sinks: dict = {}
         runs = _runs(ids)
         for view, name in zip(views, self.names):
@@ -381,15 +456,6 @@ class DiskTier:
                     segments.append(memoryview(view[p, start:start + k]).cast("B"))
                 segments.append((n - lo - len(ids)) * per_block)
             sinks[name] = [s for s in segments if not isinstance(s, int) or s]
-        for name, (dtype, shape) in table.items() if self.whole_blocks else ():
-            block, dot, rest = name[1:].partition(".")
-            if name[0] != "b" or not dot or not block.isdigit():
-                continue
-            r = int(block)
-            if not lo <= r < lo + len(ids) or (rest.startswith("w") and r < window_from):
-                continue  # read for the checksum, dropped
-            arr = done["extras"].setdefault(r, {})[name] = np.empty(shape, np_dtype(dtype))
-            sinks[name] = [memoryview(arr).cast("B")]
         return sinks
 
     def _put_windows(self, extras: list[tuple[int, dict, str]]) -> None:
