@@ -462,7 +462,7 @@ async function loadMcp() {
     const li = document.createElement("li");
     const name = document.createElement("code");
     name.textContent = t.name;
-    const about = (t.description || "").split(/(?<=\.)\s|\n/)[0];  // its first sentence
+    const about = (t.description || "").replace(/\s+/g, " ").split(/(?<=\.) /)[0];  // 1st sentence
     li.append(name, ` ${about}`);
     return li;
   }));
