@@ -291,6 +291,17 @@ def test_edit_regenerate_export_and_import(page, two_models, tmp_path):
     page.wait_for_selector("#status.error:has-text('bad.json: not JSON')")
 
 
+@pytest.mark.slow
+def test_a_full_browser_storage_is_said_and_the_chat_goes_on(page, two_models):
+    page.evaluate("""() => { Storage.prototype.setItem = () => {
+        throw new DOMException('over the quota', 'QuotaExceededError'); }; }""")
+    with scripted_output(tokenizer(two_models[1]), "still here"):
+        send(page, "hi")
+        reply = reply_done(page)
+    assert reply.locator(".content").inner_text().strip() == "still here"
+    assert "storage is full (QuotaExceededError)" in page.inner_text("#status.error")
+
+
 TOOLS_CHAT = {"conversations": [{
     "id": "with-tools", "title": "Tools", "model": "tiny-qwen3", "system": "", "drops": [],
     "params": {"temperature": 0, "max_tokens": 4},

@@ -29,8 +29,13 @@ function valid(c) {
 }
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(conversations));
-  if (current) localStorage.setItem(CURRENT, current.id);
+  try {
+    localStorage.setItem(STORE, JSON.stringify(conversations));
+    if (current) localStorage.setItem(CURRENT, current.id);
+  } catch (e) { // the browser's quota (a few MB): the page goes on, unsaved, and says so
+    status(`Not saved: the browser's storage is full (${e.name}). Export, then delete old chats.`,
+           true);
+  }
 }
 
 function newId() {
@@ -403,10 +408,10 @@ async function generate() {
   }
   running = null;
   setRunning(false);
-  save();
+  if (stopped) status("Stopped.");
+  else if (!m.error) status("");
+  save(); // after: a storage error stays on the status line
   renderAll();
-  if (!stopped && !m.error) status("");
-  else if (stopped) status("Stopped.");
 }
 
 function setRunning(on) {
