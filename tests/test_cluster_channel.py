@@ -23,6 +23,9 @@ from mlxlocal.distributed.messages import (
     Report,
     Run,
     Stop,
+    TierOpen,
+    TierRead,
+    TierSave,
     decode,
     encode,
 )
@@ -36,6 +39,8 @@ ONE_OF_EACH = [
     Run(3, [4], True, [[1]], [[2]], tokens=[[5]], mlx_lm=True),
     Run(0, [0, 0], False, [[1], [2]], pp=True, n=3, parts=[[0, 1], [1, 2]], dtype="bfloat16"),
     Report(), Probe([2, 1, 64], "float16", 8, ring=True), Noop("x" * 10), Exit(),
+    TierOpen(3, "/kv", 1 << 30, {"weights": "ab", "dtype": "float16", "kv_bits": None}),
+    TierSave(3, ["a1", "b2"], [7, 8]), TierRead(3, "a1", 1, ["b2"], [9]),
 ]
 
 

@@ -61,9 +61,10 @@ class RadixCache:
         """Full-block match (chunk i under tags[i], if given), then (block, k): the untagged
         child (full or partial) sharing the longest common prefix k > 0 with the next chunk
         of `tokens`, to be copied."""
-        node, blocks, now = self.root, [], next(self._clock)
-        for i, chunk in enumerate(self._chunks(tokens)):
-            child = node.children.get(self._key(chunk, tags, i))
+        node, blocks, now, bs = self.root, [], next(self._clock), self.block_size
+        for i in range(len(tokens) // bs):  # chunk by chunk: a miss stops before the rest is cut
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            child = node.children.get(chunk if tags is None else self._key(chunk, tags, i))
             if child is None:
                 break
             node = child
@@ -101,13 +102,14 @@ class RadixCache:
                 del self.by_block[block]
         chunks = self._chunks(tokens)
         node, held, now = self.root, [], next(self._clock)
-        for i, (chunk, block) in enumerate(zip(chunks, blocks)):
+        for i, chunk in enumerate(chunks[: len(blocks)]):
             key = self._key(chunk, tags, i)
             child = node.children.get(key)
-            if child is None:
-                child = Node(chunk, block, node, key=key)
-                node.children[key] = child
-                self.by_block[block] = child
+            if child is None:  # the rest of the chain is new: no more lookups
+                self._grow(node, chunks, blocks, tags, i, now)
+                held += blocks[i:len(chunks)]
+                node = self.by_block[blocks[min(len(chunks), len(blocks)) - 1]]
+                break
             child.last_used = now
             held.append(child.block)
             node = child
@@ -117,6 +119,18 @@ class RadixCache:
             node.children[tail] = leaf
             self.by_block[leaf.block] = leaf
         return held
+
+    def _grow(self, node: Node, chunks: list[Chunk], blocks: list[int], tags: list | None,
+              start: int, now: int) -> None:
+        """New nodes for chunks[start:] (with their blocks) in a chain below `node`."""
+        by_block = self.by_block
+        for i in range(start, min(len(chunks), len(blocks))):
+            chunk, block = chunks[i], blocks[i]
+            key = chunk if tags is None else self._key(chunk, tags, i)
+            child = Node(chunk, block, node, {}, now, key)
+            node.children[key] = child
+            by_block[block] = child
+            node = child
 
     def detach(self, blocks: list[int]) -> list[int]:
         """Take these blocks' nodes out of the tree (their content is about to be rewritten),
