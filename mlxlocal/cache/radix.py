@@ -106,9 +106,8 @@ class RadixCache:
             key = self._key(chunk, tags, i)
             child = node.children.get(key)
             if child is None:  # the rest of the chain is new: no more lookups
-                self._grow(node, chunks, blocks, tags, i, now)
+                node = self._grow(node, chunks, blocks, tags, i, now)
                 held += blocks[i:len(chunks)]
-                node = self.by_block[blocks[min(len(chunks), len(blocks)) - 1]]
                 break
             child.last_used = now
             held.append(child.block)
@@ -121,8 +120,8 @@ class RadixCache:
         return held
 
     def _grow(self, node: Node, chunks: list[Chunk], blocks: list[int], tags: list | None,
-              start: int, now: int) -> None:
-        """New nodes for chunks[start:] (with their blocks) in a chain below `node`."""
+              start: int, now: int) -> Node:
+        """New nodes for chunks[start:] (with their blocks) in a chain below `node`; the last."""
         by_block = self.by_block
         for i in range(start, min(len(chunks), len(blocks))):
             chunk, block = chunks[i], blocks[i]
@@ -131,6 +130,7 @@ class RadixCache:
             node.children[key] = child
             by_block[block] = child
             node = child
+        return node
 
     def detach(self, blocks: list[int]) -> list[int]:
         """Take these blocks' nodes out of the tree (their content is about to be rewritten),

@@ -91,9 +91,9 @@ class Follower:
 
     def _stop(self, msg: Stop) -> None:
         self.pools.pop(msg.engine, None)
-        tier = self.tiers.pop(msg.engine, None)
-        if tier is not None:  # its queued writes finish first
-            tier.close()
+        disk = self.tiers.pop(msg.engine, None)
+        if disk is not None:  # its queued writes finish first
+            disk.close()
 
     def _tier_open(self, msg: TierOpen) -> None:
         pools = self.pools[msg.engine][1]

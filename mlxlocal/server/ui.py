@@ -10,6 +10,7 @@ origin only: no inline script, no eval, no frames. `--no-ui` leaves the routes o
 
 from __future__ import annotations
 
+import functools
 from importlib import resources
 
 from fastapi import APIRouter
@@ -34,6 +35,7 @@ def is_ui_path(path: str) -> bool:
     return path in UI_PATHS or path.startswith("/ui/")
 
 
+@functools.cache  # FILES only: read once, not per request
 def _file(name: str) -> bytes:
     return resources.files("mlxlocal.server").joinpath("static", name).read_bytes()
 

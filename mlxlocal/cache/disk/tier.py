@@ -400,8 +400,7 @@ class DiskTier:
         views = self._pool_views()
 
         def place(names: list[str], table: dict) -> dict | None:
-            layout = {k: (shape, np_dtype(dtype).itemsize) for k, (dtype, shape) in table.items()}
-            if names[skip:skip + len(keys)] != keys or not self._fits(layout, len(names)):
+            if names[skip:skip + len(keys)] != keys or not self._fits(_layout(table), len(names)):
                 return None
             return self._sinks(views, skip, ids, len(names))
 
@@ -417,8 +416,7 @@ class DiskTier:
         while hi < len(names) and c + hi < len(keys) and names[hi] == norm_key(keys[c + hi]):
             hi += 1  # past it, the file goes on with another prompt's chain
         n = len(names)
-        layout = {k: (shape, np_dtype(dtype).itemsize) for k, (dtype, shape) in table.items()}
-        if hi == lo or not self._fits(layout, n):
+        if hi == lo or not self._fits(_layout(table), n):
             return None
         ids = self._allocate(hi - lo)
         if not ids:
@@ -533,6 +531,11 @@ def _host(a: mx.array) -> np.ndarray:
         a = a.view(mx.uint16)
         mx.eval(a)
     return np.array(a, copy=False)
+
+
+def _layout(table: dict) -> dict:
+    """A file's array table ({name: (dtype name, shape)}) as _fits reads it."""
+    return {k: (shape, np_dtype(dtype).itemsize) for k, (dtype, shape) in table.items()}
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
