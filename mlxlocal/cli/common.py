@@ -166,21 +166,47 @@ DRAFT_MODEL_HELP = ("Speculative decoding with this draft model (any --model spe
 PROMPT_LOOKUP_HELP = ("Speculative decoding by prompt lookup: tokens drafted from n-gram matches in the prompt and "
                       "the reply so far (no extra model; pays off on text that repeats its input: code edits, JSON)")
 NUM_DRAFT_HELP = "With --draft-model or --prompt-lookup: tokens drafted per step at most, 1..32 (default: 4)"
+MTP_HELP = ("Multi-token prediction: draft with the model's own MTP modules (DeepSeek-V3/R1, GLM-4.5, "
+            "Qwen3.5 checkpoints that keep them). auto: when the model has them (default); off; N: "
+            "N draft tokens per step, 1..32 (auto drafts 3)")
+
+
+def mtp_mode(value: Optional[str]) -> str | int | None:
+    """--mtp's value: "auto", "off", a draft length, or None (not given); exits 2 otherwise."""
+    if value is None:
+        return None
+    v = value.strip().lower()
+    if v in ("auto", "off"):
+        return v
+    if not v.isdigit() or not 1 <= int(v) <= 32:
+        fail(f"--mtp must be auto, off or a number of draft tokens in 1..32, got {value!r}", 2)
+    return int(v)
 
 
 def speculation(draft_model: Optional[str], prompt_lookup: bool, num_draft_tokens: Optional[int],
-                options: Optional[dict] = None):
-    """--draft-model / --prompt-lookup / --num-draft-tokens -> a SpeculationChoice (an engine
-    option, put in `options` as "speculative" when given) or None; exits 2 naming the options
-    when they do not go together."""
-    from mlxlocal.engine import DEFAULT_DRAFT_TOKENS, SpeculationChoice
+                options: Optional[dict] = None, mtp: Optional[str] = None):
+    """--draft-model / --prompt-lookup / --mtp / --num-draft-tokens -> a SpeculationChoice (an
+    engine option, put in `options` as "speculative" when given) or None; exits 2 naming the
+    options when they do not go together. --mtp auto (its default where a command offers it)
+    is a choice that applies only to models with MTP modules."""
+    from mlxlocal.engine import DEFAULT_DRAFT_TOKENS, DEFAULT_MTP_TOKENS, SpeculationChoice
 
+    mode = mtp_mode(mtp)
     if draft_model is not None and prompt_lookup:
         fail("--draft-model and --prompt-lookup: give one drafter, not both", 2)
+    if isinstance(mode, int) and (draft_model is not None or prompt_lookup):
+        fail("--mtp N and --draft-model / --prompt-lookup: give one drafter, not both", 2)
     if draft_model is None and not prompt_lookup:
         if num_draft_tokens is not None:
-            fail("--num-draft-tokens needs a drafter: add --draft-model MODEL or --prompt-lookup", 2)
-        return None
+            fail("--num-draft-tokens needs a drafter: add --draft-model MODEL or --prompt-lookup "
+                 "(--mtp N sets MTP's)", 2)
+        if mode in (None, "off"):
+            return None
+        n = mode if isinstance(mode, int) else DEFAULT_MTP_TOKENS
+        choice = SpeculationChoice("mtp", None, n, auto=mode == "auto")
+        if options is not None:
+            options["speculative"] = choice
+        return choice
     n = DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
     if not 1 <= n <= 32:
         fail(f"--num-draft-tokens must be in 1..32, got {n}", 2)

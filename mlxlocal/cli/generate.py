@@ -36,6 +36,7 @@ from mlxlocal.cli.options import (
     MaxTools,
     MinP,
     Model,
+    Mtp,
     NoPrefixCache,
     NumDraftTokens,
     PresencePenalty,
@@ -106,6 +107,7 @@ def generate(
     draft_model: DraftModel = None,
     prompt_lookup: PromptLookup = False,
     num_draft_tokens: NumDraftTokens = None,
+    mtp: Mtp = "auto",
 ) -> None:
     """Generate a completion for one prompt, streamed to the terminal."""
     from mlxlocal.engine import KVPrecisionError, open_engine, prompt_encoder
@@ -124,7 +126,7 @@ def generate(
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size,
                              kv_disk, kv_disk_dir)
     kernels_mode(kernels)
-    spec = speculation(draft_model, prompt_lookup, num_draft_tokens, options)
+    spec = speculation(draft_model, prompt_lookup, num_draft_tokens, options, mtp)
     try:
         loaded = load(model)
         prompts = prompt_encoder(loaded)
@@ -140,6 +142,8 @@ def generate(
             params.grammar = after_reasoning(constraint, prompts, ids, max_tokens)
         # One request: a pool just big enough for it (and a verify step's drafted tokens), unless
         # told otherwise.
+        if spec is not None and spec.auto and not loaded.mtp:
+            spec = None  # --mtp auto, and the model has no MTP modules: it decodes as it is
         options.setdefault("kv_tokens", len(ids) + max_tokens + (spec.num_draft_tokens if spec else 0))
         engine = open_engine(loaded, **{"max_num_seqs": 1, **options})
         pieces: list[str] = []
@@ -281,6 +285,7 @@ def chat(
     draft_model: DraftModel = None,
     prompt_lookup: PromptLookup = False,
     num_draft_tokens: NumDraftTokens = None,
+    mtp: Mtp = "auto",
 ) -> None:
     """Chat with a model in the terminal (Markdown streaming, history, /help for commands)."""
     from mlxlocal.repl.chat import DEFAULT_MAX_TOKENS, run_chat
@@ -296,7 +301,7 @@ def chat(
     options = engine_options(kv_cache_memory, kv_blocks, block_size, no_prefix_cache, kv_bits, kv_group_size,
                              kv_disk, kv_disk_dir)
     kernels_mode(kernels)
-    speculation(draft_model, prompt_lookup, num_draft_tokens, options)  # exits 2 when they clash
+    speculation(draft_model, prompt_lookup, num_draft_tokens, options, mtp)  # exits 2 when they clash
     if mcp:
         from mlxlocal.repl.agent import run_agent_chat
 

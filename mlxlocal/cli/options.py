@@ -21,6 +21,7 @@ from mlxlocal.cli.common import (
     KV_GROUP_HELP,
     KV_MEMORY_HELP,
     MODEL_HELP,
+    MTP_HELP,
     NUM_DRAFT_HELP,
     PRES_HELP,
     PROMPT_LOOKUP_HELP,
@@ -76,6 +77,7 @@ KvCompact = Annotated[Optional[str], typer.Option("--kv-compact", help=KV_COMPAC
 # --- speculative decoding and engine ------------------------------------------------------------
 DraftModel = Annotated[Optional[str], typer.Option("--draft-model", help=DRAFT_MODEL_HELP, rich_help_panel=SPEC)]
 PromptLookup = Annotated[bool, typer.Option("--prompt-lookup", help=PROMPT_LOOKUP_HELP, rich_help_panel=SPEC)]
+Mtp = Annotated[str, typer.Option("--mtp", help=MTP_HELP, rich_help_panel=SPEC, metavar="auto|off|N")]
 NumDraftTokens = Annotated[Optional[int], typer.Option("--num-draft-tokens", help=NUM_DRAFT_HELP,
                                                        rich_help_panel=SPEC)]
 Kernels = Annotated[Optional[str], typer.Option("--kernels", help=KERNELS_HELP, rich_help_panel=ENGINE)]

@@ -33,6 +33,7 @@ from mlxlocal.cli.options import (
     KvDisk,
     KvDiskDir,
     KvGroupSize,
+    Mtp,
     NoPrefixCache,
     NumDraftTokens,
 )
@@ -126,6 +127,7 @@ def serve(
                                        "with \"speculative\": false (Ollama: options.speculative)",
                                        rich_help_panel=SPEC),
     num_draft_tokens: NumDraftTokens = None,
+    mtp: Mtp = "auto",
 ) -> None:
     """Serve OpenAI-, Anthropic- and Ollama-compatible APIs (binds 127.0.0.1 by default)."""
     from mlxlocal.agents.pruning import parse_max_tools
@@ -147,8 +149,10 @@ def serve(
                              kv_disk, kv_disk_dir)
     kernels_mode(kernels)
     options.update(max_num_seqs=max_num_seqs, max_waiting=max_queue)
-    if speculation(draft_model, prompt_lookup, num_draft_tokens, options) is not None and not model:
-        fail("--draft-model / --prompt-lookup speed up --model models; embedding models do not generate", 2)
+    choice = speculation(draft_model, prompt_lookup, num_draft_tokens, options, mtp)
+    if choice is not None and not choice.auto and not model:
+        fail("--draft-model / --prompt-lookup / --mtp N speed up --model models; embedding models do not "
+             "generate", 2)
     keep = duration_option(keep_alive, "--keep-alive")
     try:
         assign_names(list(model), list(served_model_name))

@@ -7,6 +7,8 @@ the `Engine` protocol (contract.py), the whole of what front ends may use.
 
 from __future__ import annotations
 
+import logging
+
 from mlxlocal.cache import KVPools
 from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.cache.quantized import KVPrecisionError
@@ -34,6 +36,7 @@ from mlxlocal.engine.runner import (
 from mlxlocal.engine.scoring import PagedScorer
 from mlxlocal.engine.speculative import (
     DEFAULT_DRAFT_TOKENS,
+    DEFAULT_MTP_TOKENS,
     SpeculationChoice,
     SpeculationError,
     speculation_of,
@@ -52,8 +55,8 @@ from mlxlocal.source.chat_format import ChatFormat, chat_format_of
 from mlxlocal.source.loader import LoadedModel
 
 __all__ = [
-    "CacheEdit", "ChatFormat", "Chunk", "DEFAULT_DRAFT_TOKENS", "EVAL_PHASES", "Engine",
-    "EngineConfig", "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats",
+    "CacheEdit", "ChatFormat", "Chunk", "DEFAULT_DRAFT_TOKENS", "DEFAULT_MTP_TOKENS", "EVAL_PHASES",
+    "Engine", "EngineConfig", "EngineDeadError", "EngineOptionError", "EngineSession", "GenerationStats",
     "Grammar", "HOST_PHASES", "KVPrecisionError", "MAX_STOP_STRINGS", "MlxLmRunner",
     "NativeRunner", "NotPageable", "OutOfCapacity", "PHASES", "PagedEngine", "PagedScorer",
     "QueueFull", "REPLY_MARKER", "RequestHandle", "Runner", "STATS_KEYS", "SamplingParams",
@@ -62,6 +65,9 @@ __all__ = [
     "kernel_status", "kv_bytes_per_token", "layer_windows", "open_engine", "prompt_encoder",
     "speculation_of", "step_batch", "step_inputs",
 ]
+
+
+log = logging.getLogger("mlxlocal.engine")
 
 
 def open_engine(loaded: LoadedModel, **config) -> Engine:
@@ -75,9 +81,15 @@ def open_engine(loaded: LoadedModel, **config) -> Engine:
     if not isinstance(choice, SpeculationChoice):
         return _open(loaded, config)
     spec = choice.config_for(loaded)
+    plain = {k: v for k, v in config.items() if k != "speculative"}
+    if spec is None:  # --mtp auto, and the model has no MTP modules
+        return _open(loaded, plain)
     try:
         return _open(loaded, {**config, "speculative": spec})
-    except ValueError as e:
+    except (ValueError, EngineOptionError) as e:
+        if choice.auto:  # not asked for by name: the model runs without it, and the log says why
+            log.info("%s: MTP drafting off (%s)", loaded.info.name, e)
+            return _open(loaded, plain)
         raise SpeculationError(f"{loaded.info.name}: speculative decoding ({choice.describe()}): {e}") from None
 
 

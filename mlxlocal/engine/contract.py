@@ -25,7 +25,7 @@ STATS_KEYS = frozenset({
     "prefix_hit_tokens", "running", "waiting", "tokens_in", "tokens_out",
     "tokens_dropped", "tokens_repositioned",
     # Speculative decoding: verify steps, tokens drafted, drafted tokens accepted.
-    "spec_steps", "spec_drafted", "spec_accepted",
+    "spec_steps", "spec_rows", "spec_drafted", "spec_accepted",
     # The disk tier (--kv-disk): blocks read back, bytes read, blocks and bytes written,
     # writes dropped (queue full, disk failing), bad files removed, bytes the store holds.
     *DISK_STATS_KEYS,

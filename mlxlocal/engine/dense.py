@@ -190,7 +190,7 @@ class SimpleEngine(EngineBase):
             "running": running, "waiting": max(len(self._live) - running, 0),
             "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
             "tokens_dropped": 0, "tokens_repositioned": 0,
-            "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0,
+            "spec_steps": 0, "spec_rows": 0, "spec_drafted": 0, "spec_accepted": 0,
             **dict.fromkeys(DISK_STATS_KEYS, 0),
         }
         if self.dead_reason is not None:

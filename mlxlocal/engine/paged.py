@@ -40,7 +40,7 @@ from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.engine.session import PagedSession, Session
-from mlxlocal.engine.speculative import ModelDrafter, Speculator
+from mlxlocal.engine.speculative import ModelDrafter, MTPDrafter, Speculator
 from mlxlocal.engine.step import Sampled, StepPhases
 from mlxlocal.engine.types import CacheEdit, Chunk, SamplingParams
 from mlxlocal.errors import FatalEngineError
@@ -60,7 +60,8 @@ class PagedEngine(EngineBase, StepPhases):
         runner.on_lost = self._die  # tensor parallel: ranks that stop answering stop the engine
         bs = cfg.block_size
         spec = cfg.speculative
-        drafter = ModelDrafter(spec.draft, loaded) if spec is not None and spec.method == "draft" else None
+        drafter = (None if spec is None or spec.method == "lookup" else
+                   MTPDrafter(loaded) if spec.method == "mtp" else ModelDrafter(spec.draft, loaded))
         size = size_pools(cfg, runner, self.context_length, drafter.bytes_per_block(bs) if drafter else 0)
         window_blocks, window = size.window_blocks, size.window
         windowed = [w is not None for w in runner.windows]
@@ -199,7 +200,8 @@ class PagedEngine(EngineBase, StepPhases):
                 log.warning("--kv-disk: not used for %s in a cluster (%s)", self.info.name, why)
                 return None
         draft = (None if drafter is None else
-                 (drafter.model_dir, drafter.runner.dtype, drafter.pools))
+                 (drafter.model_dir, drafter.dtype, drafter.pools)
+                 + (("mtp",) if isinstance(drafter, MTPDrafter) else ()))
         return DiskTier.open(cfg.kv_disk_dir or str(default_kv_dir()), cfg.kv_disk,
                              str(loaded.info.path), self.pools, self.blocks, self.runner.dtype,
                              cfg.kv_bits, cfg.kv_group_size, self.info.name, self.reuse.snapshots,
@@ -605,6 +607,7 @@ class PagedEngine(EngineBase, StepPhases):
             "tokens_dropped": self.tokens_dropped,
             "tokens_repositioned": self.tokens_repositioned,
             "spec_steps": self.spec.steps if self.spec else 0,
+            "spec_rows": self.spec.rows if self.spec else 0,
             "spec_drafted": self.spec.drafted if self.spec else 0,
             "spec_accepted": self.spec.accepted if self.spec else 0,
             **(self.tier.stats() if self.tier is not None else dict.fromkeys(DISK_STATS_KEYS, 0)),

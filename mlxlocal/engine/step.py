@@ -17,6 +17,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from mlxlocal.engine import constraint, sampling
+from mlxlocal.engine.runner import step_inputs
 from mlxlocal.engine.sequence import Sequence, Status
 from mlxlocal.errors import NonFiniteLogitsError
 
@@ -47,7 +48,13 @@ class StepPhases:
         submit = lambda: self._submit(state())  # noqa: E731
         if self.spec is not None:
             self.spec.mirror(seqs, n, submit=submit)  # the draft sees every token the target does
+        follow = self.spec is not None and self.spec.follows
+        if follow:  # MTP: its module takes this forward's hidden states with the tokens fed
+            starts = [s.num_computed for s in seqs]
+            inputs = step_inputs(seqs, starts, n)
         logits = self.runner.forward(self.pools, seqs, n, submit=submit)
+        if follow:
+            self.spec.follow(seqs, starts, inputs)
         if (prof := self.profile) is not None:
             prof.lap("build")
         self._submit([logits] + state())

@@ -70,7 +70,8 @@ class SpeculativeConfig:
 
     method "lookup": prompt lookup (n-gram matches over the prompt and the output so far, no
     extra model); "draft": a small draft model sharing the target's tokenizer (`draft`: its
-    LoadedModel). Each sequence drafts up to `num_draft_tokens` tokens (fewer while its recent
+    LoadedModel); "mtp": the model's own multi-token-prediction modules (a checkpoint that
+    ships them: DeepSeek-V3, GLM-4.5, Qwen3.5). Each sequence drafts up to `num_draft_tokens` tokens (fewer while its recent
     drafts were rejected); the target verifies them all in one forward.
     """
 
@@ -81,8 +82,8 @@ class SpeculativeConfig:
     ngram_max: int = 4  # and the longest, tried first
 
     def __post_init__(self):
-        if self.method not in ("lookup", "draft"):
-            raise ValueError(f"speculative method must be 'lookup' or 'draft', got {self.method!r}")
+        if self.method not in ("lookup", "draft", "mtp"):
+            raise ValueError(f"speculative method must be 'lookup', 'draft' or 'mtp', got {self.method!r}")
         if self.method == "draft" and self.draft is None:
             raise ValueError("speculative method 'draft' needs a draft model")
         if not (_is_int(self.num_draft_tokens) and 1 <= self.num_draft_tokens <= 32):

@@ -320,7 +320,7 @@ class ChatRepl:
             self.say(f"kv cache dense, one per session (mlx-lm path), "
                      f"{st['prefix_hit_tokens']} prompt tokens served from cache")
         spec = speculation_of(self.engine_options)
-        if spec is not None:
+        if spec is not None and (not spec.auto or st["spec_drafted"]):  # auto: a model with MTP
             drafted, accepted = st["spec_drafted"], st["spec_accepted"]
             rate = f"{accepted / drafted:.0%}" if drafted else "nothing drafted yet"
             self.say(f"speculate {spec.describe()}: {accepted} of {drafted} drafted tokens accepted ({rate}) "

@@ -35,11 +35,15 @@ class Metrics:
         self.kv_total = Gauge("mlxlocal_kv_blocks_total", "KV blocks in the pools now", registry=r)
         self.kv_max = Gauge("mlxlocal_kv_blocks_max", "KV blocks the pools may grow to (the budget)", registry=r)
         self.prefix_hits = Gauge("mlxlocal_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
-        # Speculative decoding (serve --draft-model / --prompt-lookup), summed over the loaded
+        # Speculative decoding (serve --draft-model / --prompt-lookup / --mtp), summed over the loaded
         # engines since each loaded: verify steps, tokens drafted, drafted tokens accepted.
         self.spec_steps = Gauge("mlxlocal_spec_verify_steps", "Speculative verify steps", registry=r)
         self.spec_drafted = Gauge("mlxlocal_spec_draft_tokens", "Tokens drafted for speculative decoding", registry=r)
         self.spec_accepted = Gauge("mlxlocal_spec_accepted_tokens", "Drafted tokens the model accepted", registry=r)
+        self.spec_rate = Gauge("mlxlocal_spec_acceptance_ratio", "Drafted tokens accepted / drafted", registry=r)
+        # A sequence's verify forward yields its accepted drafts and one token of the model's own.
+        self.spec_per_forward = Gauge("mlxlocal_spec_tokens_per_forward",
+                                      "Tokens per verify forward of a sequence (1 without drafts)", registry=r)
         # The disk tier (--kv-disk), per tier as the RAM cache's prefix_hits is: blocks read
         # back, bytes read and written, blocks written, writes dropped, bad files removed.
         self.disk = {k: Gauge(f"mlxlocal_kv_{k}", h, registry=r) for k, h in DISK_GAUGES.items()}
@@ -57,7 +61,7 @@ class Metrics:
         """Gauges from the engines' own counters, at scrape time."""
         totals = {"running": 0, "waiting": 0, "blocks_used": 0, "blocks_total": 0, "blocks_max": 0,
                   "prefix_hit_tokens": 0,
-                  "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, **dict.fromkeys(DISK_GAUGES, 0)}
+                  "spec_steps": 0, "spec_rows": 0, "spec_drafted": 0, "spec_accepted": 0, **dict.fromkeys(DISK_GAUGES, 0)}
         for engine in engines:
             stats = engine.stats()
             for key in totals:
@@ -71,6 +75,9 @@ class Metrics:
         self.spec_steps.set(totals["spec_steps"])
         self.spec_drafted.set(totals["spec_drafted"])
         self.spec_accepted.set(totals["spec_accepted"])
+        drafted, rows = totals["spec_drafted"], totals["spec_rows"]
+        self.spec_rate.set(totals["spec_accepted"] / drafted if drafted else 0)
+        self.spec_per_forward.set((rows + totals["spec_accepted"]) / rows if rows else 1)
         for k, gauge in self.disk.items():
             gauge.set(totals[k])
 

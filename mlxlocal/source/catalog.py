@@ -61,6 +61,7 @@ class SyntheticPreset:
     description: str
     chat_template: str
     config: dict[str, Any] = field(hash=False)
+    train: str | None = None  # trained here instead of random weights (synthetic/trained.py)
 
     @property
     def model_type(self) -> str:
@@ -140,6 +141,9 @@ def _parse_preset(path: Path, name: str, raw: Any) -> SyntheticPreset:
     config = dict(raw)
     description = config.pop("description", "")
     template = config.pop("chat_template", None)
+    train = config.pop("train", None)
+    if train not in (None, "words"):
+        raise ConfigError(f"{path}: preset {name!r} train must be \"words\", got {train!r}")
     if template not in CHAT_TEMPLATES:
         raise ConfigError(
             f"{path}: preset {name!r} chat_template must be one of {CHAT_TEMPLATES}, "
@@ -151,7 +155,7 @@ def _parse_preset(path: Path, name: str, raw: Any) -> SyntheticPreset:
     if ":" in name:
         raise ConfigError(f"{path}: preset name {name!r} must not contain ':'")
     return SyntheticPreset(
-        name=name, description=str(description), chat_template=template, config=config
+        name=name, description=str(description), chat_template=template, config=config, train=train
     )
 
 

@@ -17,6 +17,8 @@ from mlxlocal.metal.layout import relayout
 from mlxlocal.models import build_model, is_native, quantize_for_checkpoint
 from mlxlocal.models.config import ModelConfig, read_config_file
 from mlxlocal.models.kernel_sites import projection_weights
+from mlxlocal.models.mtp import build_mtp, split_mtp
+from mlxlocal.models.mtp import describe as describe_mtp
 from mlxlocal.source.chat_format import ChatFormat, chat_format_of
 from mlxlocal.weights import WeightsReport, load_model_weights
 
@@ -56,6 +58,7 @@ class LoadedModel:
     model_config: ModelConfig | None
     info: ModelInfo
     shard: Shard | None = None  # this rank's part of a tensor-parallel model
+    mtp: list = field(default_factory=list)  # the checkpoint's MTP modules (models/mtp.py)
     # What the tokenizer says about the chat format: read once, here, for every front end.
     chat_format: ChatFormat = field(init=False)
 
@@ -180,6 +183,9 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
 
         shard_model(model, shard.plan, shard.group)
     given = weights
+    # MTP modules come out before the family's sanitize (which drops or refuses them).
+    split = split_mtp(config, weights) if shard is None and not is_native(config.get("model_type")) else None
+    main_names = list(weights)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     quantize_for_checkpoint(model, config, weights)
@@ -197,6 +203,9 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
     # graphs built on this thread's stream.
     mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
+    mtp = build_mtp(model, split, main_names) if split is not None else []
+    if (said := describe_mtp(split, len(mtp))) is not None:
+        notes = notes + [said]
     tokenizer = make_tokenizer()
     _no_length_warning(tokenizer)
 
@@ -226,7 +235,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
         load_seconds=time.perf_counter() - t0,
         notes=notes,
     )
-    return LoadedModel(model, tokenizer, config, model_config, info, shard)
+    return LoadedModel(model, tokenizer, config, model_config, info, shard, mtp=mtp)
 
 
 def _no_length_warning(tokenizer: Any) -> None:

@@ -88,10 +88,10 @@ class DiskTier:
     def open(cls, root: str, budget: int, model_dir: str, pools: KVPools, blocks: BlockManager,
              dtype: mx.Dtype, kv_bits: int | None, kv_group_size: int,
              model_name: str | None = None, snapshots: StateSnapshots | None = None, *,
-             draft: tuple[str, mx.Dtype, KVPools] | None = None,
+             draft: tuple | None = None,
              windows: WindowBlocks | None = None, cluster=None) -> DiskTier:
         """The store for this model's fingerprint under root (made if new); `draft`: a draft
-        model's (directory, dtype, pools), its K/V kept with the blocks and its fingerprint
+        model's (directory, dtype, pools[, kind]), its K/V kept with the blocks and its fingerprint
         in the store's. `cluster`: rank 0 of a cluster (its runner): the store is this rank's,
         and the other ranks open theirs through it (its tier_mirror)."""
         def fingerprint(path: str, dtype: mx.Dtype, bits: int | None, group: int, extra: str = ""):
@@ -100,7 +100,10 @@ class DiskTier:
                 kv_group_size=group, block_size=blocks.block_size, draft=extra,
                 shard=cluster.shard_label if cluster is not None else "")
 
-        drafted = fingerprint(draft[0], draft[1], None, 0).digest if draft is not None else ""
+        # A draft's K/V by its kind too: a model's MTP module and the model as its own draft
+        # share a directory and a dtype.
+        drafted = ("" if draft is None else
+                   fingerprint(draft[0], draft[1], None, 0).digest + ":".join(["", *draft[3:]]))
         fp = fingerprint(model_dir, dtype, kv_bits, kv_group_size, drafted)
         about = {"model": model_name or str(model_dir), "path": str(model_dir),
                  **({"draft": str(draft[0])} if draft is not None else {})}

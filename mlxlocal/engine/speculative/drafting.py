@@ -82,6 +82,7 @@ class SpecState:
     key: mx.array | None = None
     misses: int = 0  # verify steps in a row that accepted nothing
     pause: int = 0  # decode steps to go without drafting
+    mtp: tuple | None = None  # MTP: (first position, model hidden states) not yet fed (mtp.py)
 
     def adapt(self, drafted: int, accepted: int, k_max: int) -> None:
         """One more than was accepted last time; a fully accepted draft doubles. After
@@ -108,6 +109,7 @@ class ModelDrafter:
                              "a draft model must be plain attention")
         self.name = loaded.info.name
         self.model_dir = str(loaded.info.path)  # the disk tier fingerprints it with the target
+        self.dtype = self.runner.dtype
         self.pools: KVPools | None = None
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -130,17 +132,8 @@ class ModelDrafter:
             logits = self.runner.run(self.pools, seqs, [p + j for p in starts], x)
             if j == K:
                 break
-            _, probs, _ = distribution(logits, seqs)
-            token = mx.argmax(probs, axis=-1).astype(mx.uint32)
-            if sampled:
-                keys = []
-                for i in sampled:
-                    state = seqs[i].spec
-                    state.key, sub = mx.random.split(state.key)
-                    keys.append(mx.random.uniform(shape=(1,), key=sub))
-                drawn = _draw(mx.log(probs[mx.array(sampled)]), mx.stack(keys))
-                token = _replace_rows(token, sampled, drawn)
-                qs.append(probs)
+            token, probs = draw_draft(logits, seqs, sampled)
+            qs += [probs] if sampled else []
             drafts.append(token)
             x = token.reshape(-1, 1)
             # Evaluated before the next feed writes the pools: a write while this feed's
@@ -154,6 +147,23 @@ class ModelDrafter:
 
     def copy_block(self, src: int, dst: int) -> None:
         self.pools.copy_block(src, dst)
+
+
+def draw_draft(logits: mx.array, seqs: list[Sequence],
+               sampled: list[int]) -> tuple[mx.array, mx.array]:
+    """One drafted token per row of logits [B, V] (the argmax; rows `sampled`: drawn from the
+    request's own distribution with its speculation key) and the distribution q it came from."""
+    _, probs, _ = distribution(logits, seqs)
+    token = mx.argmax(probs, axis=-1).astype(mx.uint32)
+    if sampled:
+        keys = []
+        for i in sampled:
+            state = seqs[i].spec
+            state.key, sub = mx.random.split(state.key)
+            keys.append(mx.random.uniform(shape=(1,), key=sub))
+        drawn = _draw(mx.log(probs[mx.array(sampled)]), mx.stack(keys))
+        token = _replace_rows(token, sampled, drawn)
+    return token, probs
 
 
 def distribution(logits: mx.array, seqs: list[Sequence]) -> tuple[mx.array, mx.array, mx.array]:
@@ -219,6 +229,7 @@ class Speculator:
         self.context_length = context_length
         self.drafter = drafter
         self.steps = self.drafted = self.accepted = 0
+        self.rows = 0  # sequences verified, summed over the steps: one forward of each
 
     def eligible(self, seq: Sequence) -> bool:
         """Speculation keeps the request's distribution only where p does not depend on the
@@ -246,6 +257,8 @@ class Speculator:
             if seq.spec.pause:
                 seq.spec.pause -= 1
                 continue
+            if self.follows and not self.drafter.ready(seq):
+                continue  # the model's hidden state before its last token is not at hand
             room = min(seq.spec.k, seq.max_tokens - seq.num_generated - 1,
                        self.context_length - len(seq.tokens) - 1)
             if room <= 0:
@@ -265,6 +278,19 @@ class Speculator:
         """The draft model fed the tokens the target is fed (`submit`: Runner.forward's)."""
         if self.drafter is not None:
             self.drafter.mirror(seqs, n, submit=submit)
+
+    @property
+    def follows(self) -> bool:
+        """The drafter takes the model's hidden states after each forward (MTP)."""
+        return hasattr(self.drafter, "follow")
+
+    def follow(self, seqs: list[Sequence], starts: list[int], inputs: mx.array) -> None:
+        """After the target's forward of inputs [B, n] at starts (MTP: feed the module)."""
+        keep = [self.eligible(seq) for seq in seqs]
+        for seq, ok in zip(seqs, keep):
+            if ok and seq.spec is None:
+                seq.spec = SpecState(self.config.num_draft_tokens)
+        self.drafter.follow(seqs, starts, inputs, keep)
 
     def state(self) -> list[mx.array]:
         return self.drafter.state() if self.drafter is not None else []
@@ -287,8 +313,11 @@ class Speculator:
             q = None
         last = mx.array([[s.tokens[p]] for s, p in zip(seqs, starts)], mx.uint32)
         inputs = mx.concatenate([last, draft_tokens.astype(mx.uint32)], axis=1)
+        if self.follows:
+            self.drafter.mirror(seqs, K + 1)  # the verify forward's hidden states recorded
         logits = self.runner.run(self.pools, seqs, starts, inputs, every=True)  # [B, K+1, V]
         B, n, V = logits.shape
+        hidden = self.drafter.tap.take(B, n) if self.follows else None
         row_seqs = [s for s in seqs for _ in range(n)]
         logprobs, p, lse = distribution(logits.reshape(B * n, V), row_seqs)
         if q is not None and q.shape[-1] != V:  # a draft with a padded vocabulary of another width
@@ -302,6 +331,7 @@ class Speculator:
         finite = [[math.isfinite(v) for v in row] for row in lse.reshape(B, n).tolist()]
         logprobs = logprobs.reshape(B, n, V)
         self.steps += 1
+        self.rows += B
         for i, seq in enumerate(seqs):
             k, start = ks[i], starts[i]
             m = next((j for j in range(k) if not accepted[i][j]), k)
@@ -318,6 +348,8 @@ class Speculator:
             rewind = self.runner.recurrent and not (m == k == K)
             if rewind:
                 seq.recurrent, seq.recurrent_prev = seq.recurrent_prev, None
+            if hidden is not None:
+                self.drafter.verified(seq, start, hidden[i : i + 1], m, rewind)
             self.scheduler.trim(seq, start + m + 2)
             asked = seq.params.logprobs
             for e, tok in enumerate(emit):
@@ -343,4 +375,5 @@ class Speculator:
         return u[:, : n - 1], u[:, n:]
 
 
-__all__ = ["LookupIndex", "ModelDrafter", "SpecState", "Speculator", "accept_drafts", "distribution"]
+__all__ = ["LookupIndex", "ModelDrafter", "SpecState", "Speculator", "accept_drafts", "distribution",
+           "draw_draft"]

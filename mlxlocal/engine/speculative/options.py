@@ -19,13 +19,15 @@ from mlxlocal.errors import ModelLoadError
 from mlxlocal.source.loader import LoadedModel, check_draft_tokenizer
 
 DEFAULT_DRAFT_TOKENS = 4
+DEFAULT_MTP_TOKENS = 3  # an MTP module is trained one token ahead: chained further, it misses more
 
 
 @dataclass
 class SpeculationChoice:
-    method: str  # "lookup" (prompt lookup) or "draft" (a draft model)
+    method: str  # "lookup" (prompt lookup), "draft" (a draft model) or "mtp" (the model's own heads)
     draft_spec: str | None = None  # the draft's model spec (method "draft")
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    auto: bool = False  # method "mtp" (--mtp auto): only for models that have MTP modules
     _path: Path | None = field(default=None, repr=False)  # the draft's resolved directory
     _draft: LoadedModel | None = field(default=None, repr=False)  # loaded once, unless a self-draft
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -35,11 +37,14 @@ class SpeculationChoice:
         SpeculativeConfig(method=self.method, draft=self.draft_spec, num_draft_tokens=self.num_draft_tokens)
 
     def describe(self) -> str:
-        how = "prompt lookup" if self.method == "lookup" else f"draft model {self.draft_spec}"
-        return f"{how}, up to {self.num_draft_tokens} draft tokens per step"
+        how = {"lookup": "prompt lookup", "mtp": "MTP (the model's own heads)"}.get(
+            self.method, f"draft model {self.draft_spec}")
+        when = ", for models that ship MTP modules" if self.auto else ""
+        return f"{how}{when}, up to {self.num_draft_tokens} draft tokens per step"
 
     def as_dict(self) -> dict:
-        return {"method": self.method, "draft_model": self.draft_spec, "num_draft_tokens": self.num_draft_tokens}
+        return {"method": self.method, "draft_model": self.draft_spec, "num_draft_tokens": self.num_draft_tokens,
+                **({"auto": True} if self.auto else {})}
 
     def draft_for(self, target: LoadedModel) -> LoadedModel:
         """The draft model for `target`: the target itself when the spec names the same model
@@ -60,7 +65,14 @@ class SpeculationChoice:
         check_draft_tokenizer(target, draft)
         return draft
 
-    def config_for(self, target: LoadedModel) -> SpeculativeConfig:
+    def config_for(self, target: LoadedModel) -> SpeculativeConfig | None:
+        """The engine's config for `target`; None: --mtp auto on a model without MTP modules."""
+        if self.method == "mtp" and not target.mtp:
+            if self.auto:
+                return None
+            raise SpeculationError(f"{target.info.name} has no MTP modules to draft with (`mlxlocal show` "
+                                   "says whether its checkpoint had them); give --draft-model or "
+                                   "--prompt-lookup instead")
         draft = self.draft_for(target) if self.method == "draft" else None
         return SpeculativeConfig(method=self.method, draft=draft, num_draft_tokens=self.num_draft_tokens)
 

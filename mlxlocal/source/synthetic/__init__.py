@@ -24,6 +24,7 @@ import difflib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -123,6 +124,11 @@ def parse_spec(spec: str) -> SyntheticSpec:
                 f"{spec!r}: {what} modifier {raw!r}; valid modifiers: {', '.join(MODIFIERS)} "
                 "(one quantization and one dtype at most)"
             )
+    if preset.train is not None:
+        if bits is not None or dtype not in (None, "float32") or layers is not None:
+            raise ModelNotFoundError(f"{spec!r}: synthetic:{preset.name} is trained here, float32 and "
+                                     "unquantized; it takes seed= and context= only")
+        dtype = "float32"
     return SyntheticSpec(preset.name, dtype or default_dtype(), bits, seed, layers, context)
 
 
@@ -159,9 +165,13 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
                 config["num_hidden_layers"] = parsed.layers
                 for key in ("max_window_layers", "layer_types"):
                     config.pop(key, None)
-            with contextlib.nullcontext() if quiet else BuildProgress(parsed.canonical, target) as progress:
-                write_model_dir(tmp, config, seed=parsed.seed, dtype=parsed.dtype, quantize_bits=parsed.bits,
-                                chat_template=preset.chat_template, progress=progress)
+            if preset.train is not None:
+                _train(tmp, config, parsed, preset.chat_template, quiet)
+            else:
+                with contextlib.nullcontext() if quiet else BuildProgress(parsed.canonical, target) as progress:
+                    write_model_dir(tmp, config, seed=parsed.seed, dtype=parsed.dtype,
+                                    quantize_bits=parsed.bits, chat_template=preset.chat_template,
+                                    progress=progress)
         marker = {"spec": parsed.canonical, "preset": parsed.preset, "seed": parsed.seed,
                   "dtype": parsed.dtype, "bits": parsed.bits, "layers": parsed.layers,
                   "context": parsed.context}
@@ -175,6 +185,19 @@ def materialize(spec: str, root: Path | None = None, quiet: bool = False) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _train(out: Path, config: dict, parsed: SyntheticSpec, chat_template: str, quiet: bool) -> None:
+    """A trained preset: its model learnt here (synthetic/trained.py), float32, unquantized."""
+    from mlxlocal.source.synthetic.trained import write_trained_dir
+
+    if not quiet:
+        print(f"training {parsed.canonical} here (synthetic text, about 2 minutes on a CPU) ...",
+              file=sys.stderr, flush=True)
+    losses = write_trained_dir(out, config, seed=parsed.seed, chat_template=chat_template)
+    if not quiet:
+        print(f"trained: held-out loss {losses['held_out_next']:.3f} (next token), "
+              f"{losses['held_out_ahead']:.3f} (MTP, the token after)", file=sys.stderr, flush=True)
 
 
 def _link_variant(base: Path, out: Path, **config) -> None:
