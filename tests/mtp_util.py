@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxlocal.source.synthetic.trained import checkpoint_layout
 
@@ -134,3 +134,61 @@ def mlx_lm_reference(path: Path):
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     model.eval()
     return model
+
+
+def write_deepseek_quantized(path: Path, bits: int = 4, group_size: int = 32) -> Path:
+    """A DeepSeek-V3-layout conversion that kept its MTP module, quantized like the rest:
+    mlx-lm's layout (experts stacked, MLA split), `quantization` in config.json, the module's
+    projections quantized as `model.layers.{N}.*` with their scales and biases."""
+    import mlx.nn as nn
+    from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+
+    from mlxlocal.models.mtp import MTPModule
+    from mlxlocal.source.synthetic.tokenizer import write_tokenizer
+
+    cfg = dict(DEEPSEEK, quantization={"group_size": group_size, "bits": bits})
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(3)
+    model = _mlx_lm(cfg)
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    mtp = MTPModule(DeepseekV3DecoderLayer(model.args, n), h, 1e-6, False, False, cfg["vocab_size"])
+    def quantizable(_, mod) -> bool:
+        return isinstance(mod, (nn.Linear, nn.Embedding)) and mod.weight.shape[-1] % group_size == 0
+
+    for m in (model, mtp):
+        m.update(tree_unflatten(list(_spread(dict(tree_flatten(m.parameters())), 0.1).items())))
+        nn.quantize(m, group_size=group_size, bits=bits, class_predicate=quantizable)
+    weights = dict(tree_flatten(model.parameters()))
+    pre = f"model.layers.{n}."
+    for k, v in tree_flatten(mtp.parameters()):
+        if k.startswith("layer."):
+            k = k.removeprefix("layer.")
+        elif k.startswith("norm."):
+            k = "shared_head." + k
+        weights[pre + k] = v
+    ids = write_tokenizer(path, cfg["vocab_size"], "chatml", 1024)
+    cfg["eos_token_id"] = ids["eos_token_id"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
+
+
+def write_mimo(path: Path) -> Path:
+    """A MiMo-layout directory: the model, and an MTP module's tensors as model.mtp_layers.0.*."""
+    from mlxlocal.source.synthetic.tokenizer import write_tokenizer
+
+    cfg = dict(model_type="mimo", architectures=["MiMoForCausalLM"], vocab_size=VOCAB, hidden_size=64,
+               num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               rms_norm_eps=1e-6, max_position_embeddings=1024, num_nextn_predict_layers=1,
+               tie_word_embeddings=False)
+    path.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(_mlx_lm(cfg).parameters()))
+    h = cfg["hidden_size"]
+    for name, shape in (("input_proj.weight", (h, 2 * h)), ("token_layernorm.weight", (h,)),
+                        ("hidden_layernorm.weight", (h,)), ("final_layernorm.weight", (h,))):
+        weights[f"model.mtp_layers.0.{name}"] = mx.ones(shape)
+    ids = write_tokenizer(path, VOCAB, "chatml", 1024)
+    cfg["eos_token_id"] = ids["eos_token_id"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    return path

@@ -320,3 +320,35 @@ def test_the_modules_kv_comes_back_from_the_disk_tier(trained, tmp_path):
         second.shutdown()
     assert got == want and stats.disk_tokens >= 48 and stats.accepted_tokens > 0
     assert_like_the_reference(trained, seen)
+
+
+def test_a_quantized_conversion_that_kept_its_module(tmp_path):
+    """Quantized like the rest of the checkpoint: the module's projections load quantized
+    (bits and group size off its tensors) and draft; greedy output is plain decoding's."""
+    import mlx.nn as nn
+    from mtp_util import write_deepseek_quantized
+
+    loaded = load(str(write_deepseek_quantized(tmp_path / "q4")))
+    assert len(loaded.mtp) == 1
+    assert isinstance(loaded.mtp[0].eh_proj, nn.QuantizedLinear) and loaded.mtp[0].eh_proj.bits == 4
+    plain = open_engine(loaded, kv_blocks=64)
+    spec = open_engine(loaded, kv_blocks=64, speculative=MTP)
+    try:
+        want, _ = tokens(plain, PROMPT, 16)
+        got, stats = tokens(spec, PROMPT, 16)
+        assert got == want and stats.draft_tokens > 0
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
+def test_mimo_modules_are_named_not_loaded(tmp_path):
+    """MiMo keeps its modules as model.mtp_layers.*, a layout not read yet: the model loads
+    (its family's sanitize drops them), `show` says so, and --mtp N is refused."""
+    from mtp_util import write_mimo
+
+    loaded = load(str(write_mimo(tmp_path / "mimo")))
+    assert loaded.mtp == []
+    assert any("MiMo modules (model.mtp_layers) are not loaded" in n for n in loaded.info.notes)
+    with pytest.raises(SpeculationError, match="has no MTP modules"):
+        open_engine(loaded, kv_blocks=64, speculative=SpeculationChoice("mtp", None, 2))

@@ -44,7 +44,7 @@ class MTPWeights:
     """The MTP tensors split off a checkpoint: per module, its own parts (enorm, hnorm,
     eh_proj, norm, optional head/embed) and its decoder layer's tensors (checkpoint names)."""
 
-    family: str  # "deepseek" | "qwen"
+    family: str  # "deepseek" | "qwen" | "mimo" (seen, not loaded) | "none" (declared, absent)
     modules: list[dict[str, dict[str, mx.array]]] = field(default_factory=list)
     declared: int = 0  # what the config says the checkpoint was trained with
     raw_conv: bool = False  # the checkpoint's conv weights are unconverted (HF's, not mlx-lm's)
@@ -88,6 +88,8 @@ def split_mtp(config: dict[str, Any], weights: dict[str, mx.array]) -> MTPWeight
             own = rest.startswith(_DEEPSEEK_PARTS)
             _module(out, int(m.group(2)) - n_layers)["own" if own else "layer"][rest] = v
         return out
+    if any(".mtp_layers." in k for k in weights):  # MiMo's: left to its sanitize, which drops them
+        return MTPWeights("mimo", declared=declared)
     return MTPWeights("none", declared=declared) if declared else None
 
 
@@ -229,8 +231,12 @@ def _sanitize_layer(model: nn.Module, main_names: list[str], tensors: dict[str, 
     return layer, shift
 
 
-def build_mtp(model: nn.Module, split: MTPWeights, main_names: list[str]) -> list[MTPModule]:
-    """The MTP modules of `split`, loaded strictly (every tensor used, none missing)."""
+def build_mtp(model: nn.Module, split: MTPWeights, main_names: list[str],
+              quantization: dict | None = None) -> list[MTPModule]:
+    """The MTP modules of `split`, loaded strictly (every tensor used, none missing); a
+    quantized checkpoint's (`quantization`: its config's) quantized where its tensors are."""
+    from mlxlocal.models import quantize_for_checkpoint
+
     if not split.modules:
         return []
     target = TargetParts(model)
@@ -255,6 +261,9 @@ def build_mtp(model: nn.Module, split: MTPWeights, main_names: list[str]) -> lis
         layer = layer_cls(args, idx + (i if split.family == "deepseek" else 0))
         module = MTPModule(layer, hidden, eps, "embed.weight" in own, "head.weight" in own, vocab)
         weights = {**own, **{f"layer.{k}": v for k, v in layer_w.items()}}
+        if quantization:  # its defaults; bits and group size per layer are read off the tensors
+            defaults = {k: quantization[k] for k in ("bits", "group_size", "mode") if k in quantization}
+            quantize_for_checkpoint(module, {"quantization": defaults}, weights)
         expected = dict(tree_flatten(module.parameters()))
         missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
         if missing or extra:
@@ -267,10 +276,14 @@ def build_mtp(model: nn.Module, split: MTPWeights, main_names: list[str]) -> lis
     return modules
 
 
-def describe(split: MTPWeights | None, loaded: int) -> str | None:
+def describe(split: MTPWeights | None, loaded: int, sharded: bool = False) -> str | None:
     """What `show` says about MTP heads (None: the model has none)."""
     if split is None:
         return None
+    if sharded and split.modules:
+        return "MTP: the checkpoint's modules are not loaded on a cluster's ranks (no drafting there)"
+    if split.family == "mimo":
+        return "MTP: the checkpoint's MiMo modules (model.mtp_layers) are not loaded: that layout is not read yet"
     if loaded:
         return f"MTP: {loaded} module(s) loaded ({split.family} layout); --mtp drafts with them"
     return (f"MTP: the config declares {split.declared} module(s) but the checkpoint has none "

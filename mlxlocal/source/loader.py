@@ -184,7 +184,7 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
         shard_model(model, shard.plan, shard.group)
     given = weights
     # MTP modules come out before the family's sanitize (which drops or refuses them).
-    split = split_mtp(config, weights) if shard is None and not is_native(config.get("model_type")) else None
+    split = None if is_native(config.get("model_type")) else split_mtp(config, weights)
     main_names = list(weights)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
@@ -203,8 +203,8 @@ def assemble(path: Path, config: dict[str, Any], weights: dict[str, mx.array], m
     # Derived arrays (rope frequency tables) too: the engine thread must not inherit lazy
     # graphs built on this thread's stream.
     mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
-    mtp = build_mtp(model, split, main_names) if split is not None else []
-    if (said := describe_mtp(split, len(mtp))) is not None:
+    mtp = build_mtp(model, split, main_names, config.get("quantization")) if split and not shard else []
+    if (said := describe_mtp(split, len(mtp), sharded=shard is not None)) is not None:
         notes = notes + [said]
     tokenizer = make_tokenizer()
     _no_length_warning(tokenizer)
