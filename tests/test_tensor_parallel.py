@@ -173,6 +173,22 @@ def test_two_ranks_keep_the_disk_tier_each_its_part(tiny_model, tmp_path):
     assert row["healed_same"] and row["healed_disk_tokens"] == 144, row
 
 
+def test_two_ranks_keep_window_blocks_on_disk(tmp_path):
+    """A model with sliding-window layers beside full ones: every rank writes its part of the
+    window block kept at each block's position with the block, and reads its rows back into
+    the window blocks rank 0 took; the restored tokens are the whole model's, and a damaged
+    rank-1 file is prefilled instead."""
+    windowed = dict(FAMILY_CONFIGS["llama"], sliding_window=32,
+                    layer_types=["sliding_attention", "full_attention"])
+    (row,) = launch(2, str(build_tiny(tmp_path / "window", windowed, template="llama3", seed=1)),
+                    f"--disk={tmp_path / 'kv'}")
+    assert row["batch1"] and row["batch8"] and row["prefix"], row
+    assert row["disk_first"] and row["disk_restored"], row
+    assert (row["disk_tokens"], row["disk_hits"]) == (144, 9), row
+    assert row["damaged_same"] and row["damaged_disk_tokens"] == 0, row
+    assert row["healed_same"] and row["healed_disk_tokens"] == 144, row
+
+
 MOE = dict(BASE, model_type="qwen3_moe", rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)
 

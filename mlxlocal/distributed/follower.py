@@ -100,7 +100,7 @@ class Follower:
         self.tiers[msg.engine] = tier.open_store(msg, pools, self.group.rank(), self.group.size())
 
     def _tier_save(self, msg: TierSave) -> None:
-        if not self.tiers[msg.engine].write_run(msg.keys, msg.blocks):
+        if not self.tiers[msg.engine].write_run(msg.keys, msg.blocks, msg.windows):
             log.debug("disk tier: this rank's writer is behind; a run was dropped")
 
     def _tier_read(self, msg: TierRead) -> None:

@@ -130,18 +130,21 @@ class TierOpen(Message):
 
 @dataclass(frozen=True)
 class TierSave(Message):
-    """Write this rank's part of pool `blocks` as one file of blocks `keys`."""
+    """Write this rank's part of pool `blocks` as one file of blocks `keys`; `windows`: per
+    block, the sliding-window layers' block kept at its position (-1: none)."""
 
     op: ClassVar[str] = "tier_save"
     engine: int
     keys: list[str]
     blocks: list[int]
+    windows: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class TierRead(Message):
     """Read this rank's part of blocks `keys` (from the file `file`'s block `skip` on) into
-    pool `blocks`, and answer whether it verified."""
+    pool `blocks` (and, per block, its window layers' rows into window block `windows[j]`,
+    -1: none), and answer whether it verified."""
 
     op: ClassVar[str] = "tier_read"
     engine: int
@@ -149,6 +152,7 @@ class TierRead(Message):
     skip: int
     keys: list[str]
     blocks: list[int]
+    windows: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,13 @@ class TierMirror:
         fields = {k: v for k, v in asdict(fingerprint).items() if k != "shard"}
         channel.send(TierOpen(engine, str(root), int(budget), fields))
 
-    def saved(self, keys: list[str], blocks: list[int]) -> None:
-        self.channel.send(TierSave(self.engine, keys, blocks))
+    def saved(self, keys: list[str], blocks: list[int], windows: list[int]) -> None:
+        self.channel.send(TierSave(self.engine, keys, blocks, windows))
 
-    def read(self, file: str, skip: int, keys: list[str], blocks: list[int]) -> bool:
+    def read(self, file: str, skip: int, keys: list[str], blocks: list[int],
+             windows: list[int]) -> bool:
         with self.channel.turn():  # the message and its answers, with no forward between
-            self.channel.send(TierRead(self.engine, file, skip, keys, blocks))
+            self.channel.send(TierRead(self.engine, file, skip, keys, blocks, windows))
             answers = gather_rank_numbers(self.channel.group, [1])
         return all(a[0] for a in answers)
 
@@ -51,7 +52,8 @@ def read(tier: DiskTier | None, msg: TierRead, group) -> None:
     """A follower's part of a read-back; it always answers (rank 0 waits in the all_sum)."""
     ok = False
     try:
-        ok = tier is not None and tier.read_run(msg.file, msg.skip, msg.keys, msg.blocks)
+        ok = tier is not None and tier.read_run(msg.file, msg.skip, msg.keys, msg.blocks,
+                                                msg.windows)
     except Exception:  # answered as a miss: the blocks are prefilled instead
         log.exception("disk tier: reading blocks back failed on this rank")
     gather_rank_numbers(group, [int(ok)])

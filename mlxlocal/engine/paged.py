@@ -187,14 +187,13 @@ class PagedEngine(EngineBase, StepPhases):
 
     def _open_tier(self, cfg: EngineConfig, loaded: LoadedModel, drafter) -> DiskTier | None:
         """The disk tier under the prefix cache (--kv-disk), or None. In a cluster every rank
-        keeps its part of the KV (the runner mirrors rank 0's tier): not yet for sliding-window
-        or recurrent layers there, which the log says."""
+        keeps its part of the KV, window layers' blocks included (the runner mirrors rank 0's
+        tier); clusters run no recurrent layers, and a runner without a mirror is said."""
         if not cfg.kv_disk or not cfg.prefix_cache:
             return None
         cluster = self.runner if type(self.pools) is not KVPools else None
         if cluster is not None:
-            why = ("sliding-window layers" if any(self.pools.windowed) else
-                   "recurrent layers" if self.reuse.snapshots is not None else
+            why = ("recurrent layers" if self.reuse.snapshots is not None else
                    None if hasattr(cluster, "tier_mirror") else "pools of this kind")
             if why is not None:
                 log.warning("--kv-disk: not used for %s in a cluster (%s)", self.info.name, why)

@@ -47,12 +47,14 @@ NO_CHAIN, TAIL, TAIL_TOKENS = bytes(16), ("tail",), "t"  # a prompt's partial la
 class Mirror(Protocol):
     """The other ranks of a cluster, each with its part of every block (distributed/leader.py)."""
 
-    def saved(self, keys: list[str], blocks: list[int]) -> None:
-        """Rank 0 queued these blocks as one file: the others write their parts the same way."""
+    def saved(self, keys: list[str], blocks: list[int], windows: list[int]) -> None:
+        """Rank 0 queued these blocks as one file: the others write their parts the same way
+        (`windows`: per block, the window block kept at its position, -1: none)."""
 
-    def read(self, file: str, skip: int, keys: list[str], blocks: list[int]) -> bool:
-        """Rank 0 read `keys` (the file's blocks from `skip`) into `blocks`: the others read
-        theirs; True when every rank's verified."""
+    def read(self, file: str, skip: int, keys: list[str], blocks: list[int],
+             windows: list[int]) -> bool:
+        """Rank 0 read `keys` (the file's blocks from `skip`) into `blocks` (their window
+        rows into `windows`): the others read theirs; True when every rank's verified."""
 
 
 class DiskTier:
@@ -178,7 +180,8 @@ class DiskTier:
                     return queued  # the writer is behind: the rest waits for a later save
                 if self.mirror is not None:  # the other ranks write their parts alike
                     self.mirror.saved([norm_key(k) for k in run],
-                                      [table[todo[x]] for x in range(a, b)])
+                                      [table[todo[x]] for x in range(a, b)],
+                                      [kept.get(table[todo[x]], -1) for x in range(a, b)])
                 self._known(run)
                 self._saved.update(table[todo[x]] for x in range(a, b))
                 queued += len(run)
@@ -364,50 +367,81 @@ class DiskTier:
             except BaseException:
                 self.blocks.release(done.get("ids", []))
                 raise
-            if got is not None and self.mirror is not None and not self._mirrored(keys, c, i, done):
-                # Another rank's part did not verify: unused, and rank 0's copy goes too, so
-                # the next save writes the run again on every rank.
-                self.blocks.release(done["ids"])
-                self.store.remove(keys[c])
-                self._on_disk.difference_update(keys[c:c + done["hi"]])
-                return None
             if got is not None:
                 extras = [(done["ids"][r - (i - c)], arrays, f"b{r}.")
                           for r, arrays in done["extras"].items()]
+                placed = self._window_blocks(extras)  # every rank puts its window rows there
+                if self.mirror is not None and not self._mirrored(keys, c, i, done, placed):
+                    # Another rank's part did not verify: unused, and rank 0's copy goes too,
+                    # so the next save writes the run again on every rank.
+                    self.blocks.release(done["ids"])
+                    if self.windows is not None:
+                        self.windows.release([w for _, _, w in placed])
+                    self.store.remove(keys[c])
+                    self._on_disk.difference_update(keys[c:c + done["hi"]])
+                    return None
                 for b, arrays, prefix in extras:
                     self._put_state(b, arrays, prefix)
-                self._put_windows(extras)
+                self._put_windows(placed)
                 return done["ids"], c + done["hi"]
             if done.get("ids"):  # it did not verify: what was read into them is garbage
                 self.blocks.release(done["ids"])
                 return None
         return None
 
-    def _mirrored(self, keys: list, c: int, i: int, done: dict) -> bool:
-        """The other ranks read their parts of the blocks rank 0 just read (every one verified)."""
+    def _mirrored(self, keys: list, c: int, i: int, done: dict, placed: list) -> bool:
+        """The other ranks read their parts of the blocks rank 0 just read (every one verified),
+        their window rows into the window blocks rank 0 took for them."""
         ids = done["ids"]
+        at = {b: w for b, _, w in placed}
         return self.mirror.read(norm_key(keys[c]), i - c,
-                                [norm_key(keys[i + r]) for r in range(len(ids))], ids)
+                                [norm_key(keys[i + r]) for r in range(len(ids))], ids,
+                                [at.get(b, -1) for b in ids])
 
     # --- a cluster's other ranks: rank 0 says which blocks ------------------------------
-    def write_run(self, keys: list[str], ids: list[int]) -> bool:
-        """This rank's part of the blocks rank 0 queued as one file (keys), from pool `ids`."""
+    def write_run(self, keys: list[str], ids: list[int],
+                  windows: list[int] | None = None) -> bool:
+        """This rank's part of the blocks rank 0 queued as one file (keys), from pool `ids`,
+        with the window blocks kept at their positions (`windows`, -1: none) as rank 0's."""
         index = mx.array(ids)
         rows = [p[:, index] for p in self._parts()]
-        mx.eval(rows)
-        return self.store.put_run(keys, {n: _host(r) for n, r in zip(self.names, rows)})
+        kept = [(r, w) for r, w in enumerate(windows or []) if w >= 0]
+        wrows = [p[:, mx.array([w for _, w in kept])] for p in self._window_parts()] if kept else []
+        mx.eval(rows, wrows)
+        arrays = {n: _host(r) for n, r in zip(self.names, rows)}
+        whost = [_host(r) for r in wrows]
+        for col, (r, _) in enumerate(kept):
+            arrays.update({f"b{r}.{name}": h[:, col] for name, h in zip(self.window_names, whost)})
+        return self.store.put_run(keys, arrays)
 
-    def read_run(self, file: str, skip: int, keys: list[str], ids: list[int]) -> bool:
-        """This rank's part of the blocks `keys` (the file's from `skip` on) into pool `ids`;
-        True when the file verified."""
+    def read_run(self, file: str, skip: int, keys: list[str], ids: list[int],
+                 windows: list[int] | None = None) -> bool:
+        """This rank's part of the blocks `keys` (the file's from `skip` on) into pool `ids`,
+        and their window rows into window blocks `windows` (-1: none); True when the file
+        verified."""
         views = self._pool_views()
+        want = {skip + j: w for j, w in enumerate(windows or []) if w >= 0}
+        fit = [(part[:, 0].shape, part.dtype.size) for part in self._window_parts()]
+        rows: dict[int, list[np.ndarray]] = {}
 
         def place(names: list[str], table: dict) -> dict | None:
             if names[skip:skip + len(keys)] != keys or not self._fits(_layout(table), len(names)):
                 return None
-            return self._sinks(views, skip, ids, len(names))
+            sinks = self._sinks(views, skip, ids, len(names))
+            for r in want:
+                found = [table.get(f"b{r}.{name}") for name in self.window_names]
+                if any(f is None or (tuple(f[1]), np_dtype(f[0]).itemsize) != w
+                       for f, w in zip(found, fit)):
+                    return None  # rank 0 has these rows: this rank's file must too, alike
+                rows[r] = [np.empty(shape, np_dtype(dtype)) for dtype, shape in found]
+                sinks.update({f"b{r}.{name}": [memoryview(a).cast("B")]
+                              for name, a in zip(self.window_names, rows[r])})
+            return sinks
 
-        return views is not None and self.store.read_into(file, place) is not None
+        if views is None or self.store.read_into(file, place) is None:
+            return False
+        self._put_windows([(None, rows[r], w) for r, w in want.items()])
+        return True
 
     def _place(self, keys: list, c: int, i: int, names: list[str], table: dict, *,
                views: list[np.ndarray], done: dict, window_from: int) -> dict | None:
@@ -459,13 +493,13 @@ class DiskTier:
             sinks[name] = [s for s in segments if not isinstance(s, int) or s]
         return sinks
 
-    def _put_windows(self, extras: list[tuple[int, dict, str]]) -> None:
-        """Window layers: the blocks read back ((full block, arrays, prefix) of each) into
-        window blocks, kept for their full block as the RAM cache keeps them; one whose
-        arrays are missing or do not fit is left out (a resume stops short of it)."""
+    def _window_blocks(self, extras: list[tuple[int, dict, str]]) -> list[tuple]:
+        """Window layers: for the blocks read back ((full block, arrays, prefix) of each) whose
+        window rows came with them and fit, fresh window blocks: [(full block, rows, window
+        block)]; one whose rows are missing or do not fit is left out (a resume stops short)."""
         parts = self._window_parts()
         if self.windows is None or not parts:
-            return
+            return []
         want = [(part[:, 0].shape, part.dtype.size) for part in parts]
         found = [(b, [arrays.get(prefix + name) for name in self.window_names])
                  for b, arrays, prefix in extras]
@@ -474,18 +508,25 @@ class DiskTier:
         while found:
             try:
                 ids = self.windows.allocate(len(found))
-                break
+                return [(b, got, w) for (b, got), w in zip(found, ids)]
             except OutOfBlocks:
                 found = found[1:]  # the last blocks are the ones a resume needs
-        if not found:
+        return []
+
+    def _put_windows(self, placed: list[tuple]) -> None:
+        """The window rows of _window_blocks' choice into their window blocks, kept for their
+        full block as the RAM cache keeps them (rank 0; the other ranks: rows only)."""
+        parts = self._window_parts()
+        if not placed or not parts:
             return
-        index = mx.array(ids)
+        index = mx.array([w for _, _, w in placed])
         for j, part in enumerate(parts):
-            rows = mx.array(np.stack([got[j] for _, got in found], axis=1))
+            rows = mx.array(np.stack([got[j] for _, got, _ in placed], axis=1))
             part[:, index] = rows.view(part.dtype) if rows.dtype != part.dtype else rows
         mx.eval(parts)
-        for (b, _), w in zip(found, ids):
-            self.windows.kept[b] = w  # the allocation's reference is the cache's
+        if self.windows is not None:
+            for b, _, w in placed:
+                self.windows.kept[b] = w  # the allocation's reference is the cache's
 
     def _pool_views(self) -> list[np.ndarray] | None:
         """The pools' memory as writable numpy arrays (evaluated first: a step in flight
