@@ -25,7 +25,9 @@ from mlxlocal.distributed.messages import (
     Stop,
     TierOpen,
     TierRead,
+    TierReadTail,
     TierSave,
+    TierSaveTail,
     decode,
     encode,
 )
@@ -41,6 +43,8 @@ ONE_OF_EACH = [
     Report(), Probe([2, 1, 64], "float16", 8, ring=True), Noop("x" * 10), Exit(),
     TierOpen(3, "/kv", 1 << 30, {"weights": "ab", "dtype": "float16", "kv_bits": None}),
     TierSave(3, ["a1", "b2"], [7, 8]), TierRead(3, "a1", 1, ["b2"], [9]),
+    TierSave(3, ["a1"], [7], [2]), TierRead(3, "a1", 0, ["a1"], [9], [-1]),
+    TierSaveTail(3, "t1", 7, 5), TierReadTail(3, "t1", 9, 4),
 ]
 
 

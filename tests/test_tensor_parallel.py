@@ -165,12 +165,16 @@ def test_two_ranks_keep_the_disk_tier_each_its_part(tiny_model, tmp_path):
     prefilled, and written again on both ranks, so the next engine restores it."""
     (row,) = launch(2, str(tiny_model), f"--disk={tmp_path}")
     assert row["disk_first"] and row["disk_restored"], row
-    # 9 full blocks on every rank (no partial last block in a cluster: it is prefilled).
-    assert (row["disk_tokens"], row["disk_hits"]) == (144, 9), row
+    # 9 full blocks on every rank, and the 5 tokens of the partial last block but the last
+    # token (a prompt's last token is always computed).
+    assert (row["disk_tokens"], row["disk_hits"]) == (149, 10), row  # the tail is a block too
     assert row["disk_stores"] == ["0/2", "1/2"]
     assert row["damaged_same"] and row["damaged_disk_tokens"] == 0, row
     assert row["damaged_removed"] == 1  # rank 0's copy of the run, not used without rank 1's
-    assert row["healed_same"] and row["healed_disk_tokens"] == 144, row
+    assert row["healed_same"] and row["healed_disk_tokens"] == 149, row
+    # Rank 1's tail file damaged: the full blocks come back, the tail is prefilled.
+    assert row["tail_damaged_same"] and row["tail_damaged_disk_tokens"] == 144, row
+    assert row["logprob_error"] < 1e-4, row  # every serve: the whole model's logprobs
 
 
 def test_two_ranks_keep_window_blocks_on_disk(tmp_path):
@@ -187,6 +191,7 @@ def test_two_ranks_keep_window_blocks_on_disk(tmp_path):
     assert (row["disk_tokens"], row["disk_hits"]) == (144, 9), row
     assert row["damaged_same"] and row["damaged_disk_tokens"] == 0, row
     assert row["healed_same"] and row["healed_disk_tokens"] == 144, row
+    assert row["logprob_error"] < 1e-4, row
 
 
 MOE = dict(BASE, model_type="qwen3_moe", rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -102,17 +102,22 @@ def disk(sharded, whole, root: str) -> dict:
     from mlxlocal.engine import SamplingParams
 
     prompt = prompt_of(150, 5)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
     ref = open_engine(whole, block_size=16)
-    want = greedy(ref, prompt, 8)
+    chunks = [c for c in ref.generate(prompt, params) if c.token is not None]
+    want, want_lps = [c.token for c in chunks], [c.logprob for c in chunks]
     ref.shutdown()
+    worst = []  # per serve: the largest logprob difference from the whole model's
 
     def serve() -> tuple[list[int], int, dict]:
         eng = open_engine(sharded, block_size=16, kv_disk=64 << 20, kv_disk_dir=root)
-        chunks = list(eng.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+        chunks = list(eng.generate(prompt, params))
         eng.tier.store.flush()
         stats = eng.stats()
         eng.shutdown()  # the other ranks' writers finish with their pools
-        return [c.token for c in chunks if c.token is not None], chunks[-1].stats.disk_tokens, stats
+        toks = [c for c in chunks if c.token is not None]
+        worst.append(max(abs(c.logprob - w) for c, w in zip(toks, want_lps)))
+        return [c.token for c in toks], chunks[-1].stats.disk_tokens, stats
 
     first, _, _ = serve()
     restored, disk_tokens, stats = serve()
@@ -122,7 +127,11 @@ def disk(sharded, whole, root: str) -> dict:
     damaged.write_bytes(damaged.read_bytes()[:-100])
     after, after_disk, after_stats = serve()
     healed, healed_disk, _ = serve()  # written again on both ranks by the prefill above
-    return {"disk_first": first == want, "disk_restored": restored == want, "disk_tokens": disk_tokens,
+    tail = min(stores["1/2"].glob("*.kv"), key=lambda f: f.stat().st_size)  # the prompt's tail
+    tail.write_bytes(tail.read_bytes()[:-10])
+    tail_after, tail_disk, _ = serve()
+    return {"tail_damaged_same": tail_after == want, "tail_damaged_disk_tokens": tail_disk,
+            "logprob_error": max(worst),"disk_first": first == want, "disk_restored": restored == want, "disk_tokens": disk_tokens,
             "disk_hits": stats["disk_hit_blocks"], "disk_stores": sorted(stores),
             "damaged_same": after == want, "damaged_disk_tokens": after_disk,
             "damaged_removed": after_stats["disk_corrupt_removed"],

@@ -29,7 +29,9 @@ from mlxlocal.distributed.messages import (
     Stop,
     TierOpen,
     TierRead,
+    TierReadTail,
     TierSave,
+    TierSaveTail,
 )
 from mlxlocal.distributed.report import all_sum_probe, gather_rank_numbers
 from mlxlocal.distributed.tensor import weight_bytes
@@ -55,7 +57,8 @@ class Follower:
             Load: self._load, Pools: self._pools, Copy: self._copy, Stop: self._stop,
             ProbeCache: self._probe_cache, Noop: self._noop, Probe: self._probe, Report: self._report,
             Run: self._run, TierOpen: self._tier_open, TierSave: self._tier_save,
-            TierRead: self._tier_read}
+            TierRead: self._tier_read, TierSaveTail: self._tier_save_tail,
+            TierReadTail: self._tier_read}
 
     def serve(self) -> int:
         """Repeat rank 0's messages until it exits; returns the number of forwards run."""
@@ -103,7 +106,11 @@ class Follower:
         if not self.tiers[msg.engine].write_run(msg.keys, msg.blocks, msg.windows):
             log.debug("disk tier: this rank's writer is behind; a run was dropped")
 
-    def _tier_read(self, msg: TierRead) -> None:
+    def _tier_save_tail(self, msg: TierSaveTail) -> None:
+        if not self.tiers[msg.engine].write_tail(msg.key, msg.block, msg.rows):
+            log.debug("disk tier: this rank's writer is behind; a prompt's tail was dropped")
+
+    def _tier_read(self, msg: TierRead | TierReadTail) -> None:
         tier.read(self.tiers.get(msg.engine), msg, self.group)
 
     def _probe_cache(self, msg: ProbeCache) -> None:

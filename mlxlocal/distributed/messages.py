@@ -141,6 +141,30 @@ class TierSave(Message):
 
 
 @dataclass(frozen=True)
+class TierSaveTail(Message):
+    """Write the first `rows` rows of this rank's pool `block` as the tail file `key` (a
+    prompt's partial last block)."""
+
+    op: ClassVar[str] = "tier_save_tail"
+    engine: int
+    key: str
+    block: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class TierReadTail(Message):
+    """Read the first `rows` rows of this rank's tail file `key` into pool `block`, and
+    answer whether it verified."""
+
+    op: ClassVar[str] = "tier_read_tail"
+    engine: int
+    key: str
+    block: int
+    rows: int
+
+
+@dataclass(frozen=True)
 class TierRead(Message):
     """Read this rank's part of blocks `keys` (from the file `file`'s block `skip` on) into
     pool `blocks` (and, per block, its window layers' rows into window block `windows[j]`,
@@ -164,7 +188,7 @@ class Exit(Message):
 
 KINDS: dict[str, type[Message]] = {kind.op: kind for kind in
                                    (Load, Pools, Copy, Stop, ProbeCache, Run, Report, Probe, Noop,
-                                    TierOpen, TierSave, TierRead, Exit)}
+                                    TierOpen, TierSave, TierRead, TierSaveTail, TierReadTail, Exit)}
 
 
 def encode(msg: Message) -> dict[str, Any]:
@@ -186,4 +210,5 @@ def decode(wire: dict[str, Any]) -> Message:
 
 
 __all__ = ["KINDS", "Copy", "Exit", "Load", "Message", "Noop", "Pools", "Probe", "ProbeCache", "Report",
-           "Run", "Stop", "TierOpen", "TierRead", "TierSave", "decode", "encode"]
+           "Run", "Stop", "TierOpen", "TierRead", "TierReadTail", "TierSave", "TierSaveTail", "decode",
+           "encode"]

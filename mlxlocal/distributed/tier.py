@@ -17,7 +17,7 @@ from mlxlocal.cache.disk.format import Fingerprint
 from mlxlocal.cache.disk.store import DiskStore
 from mlxlocal.cache.disk.tier import DiskTier
 from mlxlocal.distributed.channel import Channel
-from mlxlocal.distributed.messages import TierOpen, TierRead, TierSave
+from mlxlocal.distributed.messages import TierOpen, TierRead, TierReadTail, TierSave, TierSaveTail
 from mlxlocal.distributed.report import gather_rank_numbers
 
 log = logging.getLogger("mlxlocal.engine")
@@ -41,6 +41,15 @@ class TierMirror:
             answers = gather_rank_numbers(self.channel.group, [1])
         return all(a[0] for a in answers)
 
+    def saved_tail(self, key: str, block: int, rows: int) -> None:
+        self.channel.send(TierSaveTail(self.engine, key, block, rows))
+
+    def read_tail(self, key: str, block: int, rows: int) -> bool:
+        with self.channel.turn():
+            self.channel.send(TierReadTail(self.engine, key, block, rows))
+            answers = gather_rank_numbers(self.channel.group, [1])
+        return all(a[0] for a in answers)
+
 
 def open_store(msg: TierOpen, pools, rank: int, ranks: int) -> DiskTier:
     """A follower's tier on its pools: its own store, the fingerprint rank 0's but for the rank."""
@@ -48,12 +57,16 @@ def open_store(msg: TierOpen, pools, rank: int, ranks: int) -> DiskTier:
     return DiskTier(DiskStore(msg.root, msg.budget, fp, about={"rank": rank}), pools, None)
 
 
-def read(tier: DiskTier | None, msg: TierRead, group) -> None:
-    """A follower's part of a read-back; it always answers (rank 0 waits in the all_sum)."""
+def read(tier: DiskTier | None, msg: TierRead | TierReadTail, group) -> None:
+    """A follower's part of a read-back (a run of blocks, or a prompt's tail); it always
+    answers (rank 0 waits in the all_sum)."""
     ok = False
     try:
-        ok = tier is not None and tier.read_run(msg.file, msg.skip, msg.keys, msg.blocks,
-                                                msg.windows)
+        if isinstance(msg, TierReadTail):
+            ok = tier is not None and tier.read_tail(msg.key, msg.block, msg.rows)
+        else:
+            ok = tier is not None and tier.read_run(msg.file, msg.skip, msg.keys, msg.blocks,
+                                                    msg.windows)
     except Exception:  # answered as a miss: the blocks are prefilled instead
         log.exception("disk tier: reading blocks back failed on this rank")
     gather_rank_numbers(group, [int(ok)])

@@ -56,6 +56,13 @@ class Mirror(Protocol):
         """Rank 0 read `keys` (the file's blocks from `skip`) into `blocks` (their window
         rows into `windows`): the others read theirs; True when every rank's verified."""
 
+    def saved_tail(self, key: str, block: int, rows: int) -> None:
+        """Rank 0 queued the first `rows` rows of pool `block` as the tail file `key`."""
+
+    def read_tail(self, key: str, block: int, rows: int) -> bool:
+        """Rank 0 read the first `rows` rows of tail file `key` into `block`: the others read
+        theirs; True when every rank's verified."""
+
 
 class DiskTier:
     def __init__(self, store: DiskStore, pools: KVPools, blocks: BlockManager | None,
@@ -66,8 +73,8 @@ class DiskTier:
         self.snapshots = snapshots  # hybrids: a block's recurrent-state snapshot goes with it
         self.windows = windows  # sliding-window layers: the window block kept at a block's position
         self.mirror = mirror
-        # No partial last blocks for these (nor mirrored, in a cluster).
-        self.whole_blocks = snapshots is not None or windows is not None or mirror is not None
+        # No partial last blocks for these (no recurrent state mid-block, window blocks whole).
+        self.whole_blocks = snapshots is not None or windows is not None
         self._block_pools = [("", pools)]
         if draft_pools is not None:
             self._block_pools.append(("d", draft_pools))
@@ -217,6 +224,8 @@ class DiskTier:
         arrays[TAIL_TOKENS] = np.array(tail, np.int64)
         if self.store.put((prev, TAIL), arrays):
             self._tails[block] = (prev, tail)
+            if self.mirror is not None:  # the other ranks write their rows of it alike
+                self.mirror.saved_tail(norm_key((prev, TAIL)), block, r)
 
     def _restore_tail(self, tokens: list[int], prev: bytes) -> tuple[int, int] | None:
         """(a pool block, k): the first k tokens past the last full block, read back into a
@@ -237,10 +246,39 @@ class DiskTier:
         new = self._allocate(1)
         if not new:
             return None
+        self._put_rows(new[0], arrays, k)
+        if self.mirror is not None and not self.mirror.read_tail(norm_key((prev, TAIL)), new[0], k):
+            self.blocks.release(new)  # another rank's rows did not verify: prefilled instead
+            return None
+        return new[0], k
+
+    def _put_rows(self, block: int, arrays: dict, k: int) -> None:
+        """The first k rows of a tail file's arrays into pool `block`."""
         for part, name in zip(self._parts(), self.names):
             rows = mx.array(arrays[name][:, :k])
-            part[:, new[0], :k] = rows.view(part.dtype) if rows.dtype != part.dtype else rows
-        return new[0], k
+            part[:, block, :k] = rows.view(part.dtype) if rows.dtype != part.dtype else rows
+
+    # --- a cluster's other ranks: the tail of a prompt, as rank 0 says ----------------
+    def write_tail(self, key: str, block: int, rows: int) -> bool:
+        """This rank's first `rows` rows of pool `block` as the tail file `key`."""
+        parts = [p[:, block, :rows] for p in self._parts()]
+        mx.eval(parts)
+        return self.store.put(key, {name: _host(x) for name, x in zip(self.names, parts)})
+
+    def read_tail(self, key: str, block: int, k: int) -> bool:
+        """This rank's rows of tail file `key`, the first k into pool `block`; True when the
+        file verified and fits."""
+        got = self.store.get_run(key)
+        if got is None:
+            return False
+        arrays = got[0]
+        layout = {n: (a[:, None].shape, a.dtype.itemsize) for n, a in arrays.items()}
+        rows = next(iter(arrays.values())).shape[1] if arrays else 0
+        if not k <= rows or not self._fits(layout, 1, rows):
+            return False
+        self._put_rows(block, arrays, k)
+        mx.eval(self._parts())
+        return True
 
     def _state(self, block: int, prefix: str) -> dict:
         """Hybrids: the block's recurrent-state snapshot as named host arrays ({} if none):
