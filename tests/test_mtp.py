@@ -64,8 +64,9 @@ def test_checkpoint_layouts_load_their_mtp_module(family_dirs, family):
     path = family_dirs[family]
     loaded = load(str(path))
     assert len(loaded.mtp) == 1
-    layout = "deepseek" if family == "deepseek" else "qwen"
-    assert f"MTP: 1 module(s) loaded ({layout} layout); --mtp drafts with them" in loaded.info.notes
+    layout = ("model.layers.N, as DeepSeek-V3 and GLM-4.5" if family == "deepseek"
+              else "mtp.*, as Qwen3.5")
+    assert f"MTP: 1 module(s) loaded ({layout}); --mtp drafts with them" in loaded.info.notes
     file = mx.load(str(path / "model.safetensors"))
     module = dict(tree_flatten(loaded.mtp[0].parameters()))
     if family == "deepseek":  # the module's own parts, as the checkpoint names them
@@ -352,3 +353,14 @@ def test_mimo_modules_are_named_not_loaded(tmp_path):
     assert any("MiMo modules (model.mtp_layers) are not loaded" in n for n in loaded.info.notes)
     with pytest.raises(SpeculationError, match="has no MTP modules"):
         open_engine(loaded, kv_blocks=64, speculative=SpeculationChoice("mtp", None, 2))
+
+
+def test_a_trained_preset_says_what_its_text_is(tmp_path):
+    """What generate and chat say of a synthetic model's text: a trained preset's directory is
+    told from a random one's (and from none) by its marker."""
+    from mlxlocal.source.synthetic import MARKER, is_trained
+
+    (tmp_path / MARKER).write_text(json.dumps({"preset": "mtp-tiny"}))
+    assert is_trained(tmp_path)
+    (tmp_path / MARKER).write_text(json.dumps({"preset": "tiny"}))
+    assert not is_trained(tmp_path) and not is_trained(tmp_path / "absent")

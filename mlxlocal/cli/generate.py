@@ -180,8 +180,12 @@ def generate(
     line = stats_line(stats, engine.context_length) + (spec_line(stats) if spec else "")
     err.print(line, style="dim", highlight=False, markup=False)
     if synthetic:
-        err.print("(random weights: the text is gibberish on purpose; the numbers above are the "
-                  "real speed of this model shape)", style="dim", highlight=False, markup=False)
+        from mlxlocal.source.synthetic import is_trained
+
+        what = ("trained here on synthetic text: it writes that kind of text"
+                if is_trained(engine.info.path) else "random weights: the text is gibberish on purpose")
+        err.print(f"({what}; the numbers above are the real speed of this model shape)",
+                  style="dim", highlight=False, markup=False)
 
 
 def output_constraint(json_schema: Optional[Path], regex: Optional[str], grammar_file: Optional[Path]):

@@ -285,7 +285,9 @@ def describe(split: MTPWeights | None, loaded: int, sharded: bool = False) -> st
     if split.family == "mimo":
         return "MTP: the checkpoint's MiMo modules (model.mtp_layers) are not loaded: that layout is not read yet"
     if loaded:
-        return f"MTP: {loaded} module(s) loaded ({split.family} layout); --mtp drafts with them"
+        layout = {"deepseek": "model.layers.N, as DeepSeek-V3 and GLM-4.5",
+                  "qwen": "mtp.*, as Qwen3.5"}
+        return f"MTP: {loaded} module(s) loaded ({layout[split.family]}); --mtp drafts with them"
     return (f"MTP: the config declares {split.declared} module(s) but the checkpoint has none "
             "(its conversion dropped them); --mtp cannot draft")
 

@@ -157,8 +157,12 @@ class ChatRepl:
         self.say(f"mlxlocal chat · {info.name} · {human_count(info.n_params)} params · "
                  f"quantization {info.quantization} · context {info.context_length} tokens", "bold")
         if info.source == "synthetic":
-            self.say(f"random weights: replies are gibberish on purpose (the speed is real); they stop at "
-                     f"{self.params.max_tokens} tokens (--max-tokens)", "yellow")
+            from mlxlocal.source.synthetic import is_trained
+
+            what = ("trained here on synthetic text: replies are that kind of text"
+                    if is_trained(info.path) else "random weights: replies are gibberish on purpose")
+            self.say(f"{what} (the speed is real); they stop at {self.params.max_tokens} tokens "
+                     "(--max-tokens)", "yellow")
         self.say(f'Type /help for commands. Esc+Enter or a {BLOCK} line for multi-line input; '
                  "Ctrl-C stops a reply, Ctrl-D exits.", "dim")
 

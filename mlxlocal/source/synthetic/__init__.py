@@ -200,6 +200,17 @@ def _train(out: Path, config: dict, parsed: SyntheticSpec, chat_template: str, q
               f"{losses['held_out_ahead']:.3f} (MTP, the token after)", file=sys.stderr, flush=True)
 
 
+def is_trained(path: Path) -> bool:
+    """A materialised synthetic model whose preset is trained here (its text is of the kind it
+    learnt, not random)."""
+    try:
+        preset = json.loads((Path(path) / MARKER).read_text())["preset"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    found = load_catalog().synthetic.get(preset)
+    return found is not None and found.train is not None
+
+
 def _link_variant(base: Path, out: Path, **config) -> None:
     """`out` as `base` with other config.json values: its other files are links to base's."""
     for f in base.iterdir():
