@@ -142,7 +142,7 @@ def generate(
             params.grammar = after_reasoning(constraint, prompts, ids, max_tokens)
         # One request: a pool just big enough for it (and a verify step's drafted tokens), unless
         # told otherwise.
-        if spec is not None and spec.auto and not loaded.mtp:
+        if spec is not None and not spec.applies_to(loaded):
             spec = None  # --mtp auto, and the model has no MTP modules: it decodes as it is
         options.setdefault("kv_tokens", len(ids) + max_tokens + (spec.num_draft_tokens if spec else 0))
         engine = open_engine(loaded, **{"max_num_seqs": 1, **options})

@@ -10,7 +10,6 @@ from typing import Any
 import mlx.core as mx
 
 from mlxlocal.cache import KVPools
-from mlxlocal.cache.disk.tier import DiskTier
 from mlxlocal.cache.mlx_lm_views import CacheLayout
 from mlxlocal.distributed import tier
 from mlxlocal.distributed.channel import Channel, world
@@ -50,7 +49,7 @@ class Follower:
         self.runners: dict[int, NativeRunner] = {}  # by model id
         self.loaded: dict = {}  # mlx-lm models loaded, waiting for their cache probe
         self.pools: dict[int, tuple[NativeRunner, KVPools]] = {}  # by engine id
-        self.tiers: dict[int, DiskTier] = {}  # by engine id: its disk tier's store on this rank
+        self.tiers: dict[int, tier.RankTier] = {}  # by engine id: its disk tier's store on this rank
         self.forwards = 0
         # What each kind of message does here (bound now: a subclass's handlers count).
         self.handlers: dict[type[Message], Callable[[Any], None]] = {

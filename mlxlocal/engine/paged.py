@@ -198,9 +198,7 @@ class PagedEngine(EngineBase, StepPhases):
             if why is not None:
                 log.warning("--kv-disk: not used for %s in a cluster (%s)", self.info.name, why)
                 return None
-        draft = (None if drafter is None else
-                 (drafter.model_dir, drafter.dtype, drafter.pools)
-                 + (("mtp",) if isinstance(drafter, MTPDrafter) else ()))
+        draft = drafter.disk_draft if drafter is not None else None
         return DiskTier.open(cfg.kv_disk_dir or str(default_kv_dir()), cfg.kv_disk,
                              str(loaded.info.path), self.pools, self.blocks, self.runner.dtype,
                              cfg.kv_bits, cfg.kv_group_size, self.info.name, self.reuse.snapshots,

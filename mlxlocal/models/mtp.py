@@ -131,7 +131,7 @@ class MTPModule(nn.Module):
 
 
 class TargetParts:
-    """The model's embedding, output head and final norm, found once."""
+    """The model's inner model (layers, embedding), output head and args, found once."""
 
     def __init__(self, model: nn.Module):
         inner = model.model
@@ -187,7 +187,9 @@ class HiddenTap:
             return mx.concatenate(parts[-batch:], axis=0)
         got = 0
         for i in range(len(parts) - 1, -1, -1):  # a chunk in pieces: positions, in order
-            got += parts[i].shape[1] if parts[i].shape[0] == batch else n + 1
+            if parts[i].shape[0] != batch:
+                break
+            got += parts[i].shape[1]
             if got == n:
                 return mx.concatenate(parts[i:], axis=1)
         raise RuntimeError(f"the model's forward recorded no hidden state of {batch} x {n} tokens")

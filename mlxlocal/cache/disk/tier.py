@@ -15,7 +15,8 @@ that position, where the RAM cache kept them (per-block arrays "b<r>.<name>").
 
 In a cluster each rank keeps its part of the KV in a store of its own (its fingerprint names
 the rank): rank 0's tier decides, and its `mirror` has the other ranks write the same runs and
-read the same files (write_run, read_run); a file is used only where every rank verified its own.
+read the same files (distributed/tier.py's RankTier); a file is used only where every rank
+verified its own.
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ class DiskTier:
         at = {x: kept[table[i]] for x, i in enumerate(todo) if table[i] in kept}
         wrows = [p[:, mx.array(list(at.values()))] for p in self._window_parts()] if at else []
         mx.eval(rows, wrows)
-        host = [_host(r) for r in rows]  # views of the evaluated arrays: no MLX op off this thread
-        whost = [_host(r) for r in wrows]
+        host = [host_array(r) for r in rows]  # views of the evaluated arrays: no MLX op off this thread
+        whost = [host_array(r) for r in wrows]
         column = {x: c for c, x in enumerate(at)}  # todo index -> its window block's column
         per_file = max(1, RUN_BYTES // max(1, sum(h[:, 0].nbytes for h in host)))
         queued = 0
@@ -220,7 +221,7 @@ class DiskTier:
             return
         rows = [p[:, block, :r] for p in self._parts()]  # [heads, r, ...]
         mx.eval(rows)
-        arrays = {name: _host(x) for name, x in zip(self.names, rows)}
+        arrays = {name: host_array(x) for name, x in zip(self.names, rows)}
         arrays[TAIL_TOKENS] = np.array(tail, np.int64)
         if self.store.put((prev, TAIL), arrays):
             self._tails[block] = (prev, tail)
@@ -258,28 +259,6 @@ class DiskTier:
             rows = mx.array(arrays[name][:, :k])
             part[:, block, :k] = rows.view(part.dtype) if rows.dtype != part.dtype else rows
 
-    # --- a cluster's other ranks: the tail of a prompt, as rank 0 says ----------------
-    def write_tail(self, key: str, block: int, rows: int) -> bool:
-        """This rank's first `rows` rows of pool `block` as the tail file `key`."""
-        parts = [p[:, block, :rows] for p in self._parts()]
-        mx.eval(parts)
-        return self.store.put(key, {name: _host(x) for name, x in zip(self.names, parts)})
-
-    def read_tail(self, key: str, block: int, k: int) -> bool:
-        """This rank's rows of tail file `key`, the first k into pool `block`; True when the
-        file verified and fits."""
-        got = self.store.get_run(key)
-        if got is None:
-            return False
-        arrays = got[0]
-        layout = {n: (a[:, None].shape, a.dtype.itemsize) for n, a in arrays.items()}
-        rows = next(iter(arrays.values())).shape[1] if arrays else 0
-        if not k <= rows or not self._fits(layout, 1, rows):
-            return False
-        self._put_rows(block, arrays, k)
-        mx.eval(self._parts())
-        return True
-
     def _state(self, block: int, prefix: str) -> dict:
         """Hybrids: the block's recurrent-state snapshot as named host arrays ({} if none):
         "<prefix>s.n" the entries per layer, "<prefix>s.<layer>.<entry>[~bfloat16]" each."""
@@ -291,7 +270,7 @@ class DiskTier:
             for j, a in enumerate(layer):
                 if a is not None:
                     mx.eval(a)
-                    out[f"{prefix}s.{i}.{j}" + ("~bfloat16" if a.dtype == mx.bfloat16 else "")] = _host(a)
+                    out[f"{prefix}s.{i}.{j}" + ("~bfloat16" if a.dtype == mx.bfloat16 else "")] = host_array(a)
         return out
 
     def _put_state(self, block: int, arrays: dict, prefix: str) -> None:
@@ -436,51 +415,6 @@ class DiskTier:
                                 [norm_key(keys[i + r]) for r in range(len(ids))], ids,
                                 [at.get(b, -1) for b in ids])
 
-    # --- a cluster's other ranks: rank 0 says which blocks ------------------------------
-    def write_run(self, keys: list[str], ids: list[int],
-                  windows: list[int] | None = None) -> bool:
-        """This rank's part of the blocks rank 0 queued as one file (keys), from pool `ids`,
-        with the window blocks kept at their positions (`windows`, -1: none) as rank 0's."""
-        index = mx.array(ids)
-        rows = [p[:, index] for p in self._parts()]
-        kept = [(r, w) for r, w in enumerate(windows or []) if w >= 0]
-        wrows = [p[:, mx.array([w for _, w in kept])] for p in self._window_parts()] if kept else []
-        mx.eval(rows, wrows)
-        arrays = {n: _host(r) for n, r in zip(self.names, rows)}
-        whost = [_host(r) for r in wrows]
-        for col, (r, _) in enumerate(kept):
-            arrays.update({f"b{r}.{name}": h[:, col] for name, h in zip(self.window_names, whost)})
-        return self.store.put_run(keys, arrays)
-
-    def read_run(self, file: str, skip: int, keys: list[str], ids: list[int],
-                 windows: list[int] | None = None) -> bool:
-        """This rank's part of the blocks `keys` (the file's from `skip` on) into pool `ids`,
-        and their window rows into window blocks `windows` (-1: none); True when the file
-        verified."""
-        views = self._pool_views()
-        want = {skip + j: w for j, w in enumerate(windows or []) if w >= 0}
-        fit = [(part[:, 0].shape, part.dtype.size) for part in self._window_parts()]
-        rows: dict[int, list[np.ndarray]] = {}
-
-        def place(names: list[str], table: dict) -> dict | None:
-            if names[skip:skip + len(keys)] != keys or not self._fits(_layout(table), len(names)):
-                return None
-            sinks = self._sinks(views, skip, ids, len(names))
-            for r in want:
-                found = [table.get(f"b{r}.{name}") for name in self.window_names]
-                if any(f is None or (tuple(f[1]), np_dtype(f[0]).itemsize) != w
-                       for f, w in zip(found, fit)):
-                    return None  # rank 0 has these rows: this rank's file must too, alike
-                rows[r] = [np.empty(shape, np_dtype(dtype)) for dtype, shape in found]
-                sinks.update({f"b{r}.{name}": [memoryview(a).cast("B")]
-                              for name, a in zip(self.window_names, rows[r])})
-            return sinks
-
-        if views is None or self.store.read_into(file, place) is None:
-            return False
-        self._put_windows([(None, rows[r], w) for r, w in want.items()])
-        return True
-
     def _place(self, keys: list, c: int, i: int, names: list[str], table: dict, *,
                views: list[np.ndarray], done: dict, window_from: int) -> dict | None:
         """read_into's place(): where the bytes of the file named keys[c] go. Its blocks from
@@ -491,7 +425,7 @@ class DiskTier:
         while hi < len(names) and c + hi < len(keys) and names[hi] == norm_key(keys[c + hi]):
             hi += 1  # past it, the file goes on with another prompt's chain
         n = len(names)
-        if hi == lo or not self._fits(_layout(table), n):
+        if hi == lo or not self._fits(array_layout(table), n):
             return None
         ids = self._allocate(hi - lo)
         if not ids:
@@ -607,7 +541,7 @@ class DiskTier:
         self.store.close(timeout)
 
 
-def _host(a: mx.array) -> np.ndarray:
+def host_array(a: mx.array) -> np.ndarray:
     """An evaluated array as numpy (bfloat16 as its bits: numpy has no such dtype)."""
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
@@ -615,7 +549,7 @@ def _host(a: mx.array) -> np.ndarray:
     return np.array(a, copy=False)
 
 
-def _layout(table: dict) -> dict:
+def array_layout(table: dict) -> dict:
     """A file's array table ({name: (dtype name, shape)}) as _fits reads it."""
     return {k: (shape, np_dtype(dtype).itemsize) for k, (dtype, shape) in table.items()}
 

@@ -98,6 +98,8 @@ class ModelDrafter:
     """A draft model on pools of its own with the target's block ids: `mirror` feeds it
     whatever the target is fed, `propose` drafts k tokens per sequence (batched)."""
 
+    follows = False  # it takes no hidden states of the target's (MTPDrafter does)
+
     def __init__(self, loaded, target):
         try:
             check_draft_tokenizer(target, loaded)
@@ -111,6 +113,11 @@ class ModelDrafter:
         self.model_dir = str(loaded.info.path)  # the disk tier fingerprints it with the target
         self.dtype = self.runner.dtype
         self.pools: KVPools | None = None
+
+    @property
+    def disk_draft(self) -> tuple:
+        """What the disk tier keys this draft's K/V by: (directory, dtype, pools)."""
+        return self.model_dir, self.dtype, self.pools
 
     def bytes_per_block(self, block_size: int) -> int:
         return KVPools.bytes_per_block(self.runner.shapes, block_size, self.runner.dtype)
@@ -228,6 +235,8 @@ class Speculator:
         self.config, self.runner, self.pools, self.scheduler = config, runner, pools, scheduler
         self.context_length = context_length
         self.drafter = drafter
+        # The drafter takes the model's hidden states after each forward (MTP).
+        self.follows = drafter is not None and drafter.follows
         self.steps = self.drafted = self.accepted = 0
         self.rows = 0  # sequences verified, summed over the steps: one forward of each
 
@@ -279,11 +288,6 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.mirror(seqs, n, submit=submit)
 
-    @property
-    def follows(self) -> bool:
-        """The drafter takes the model's hidden states after each forward (MTP)."""
-        return hasattr(self.drafter, "follow")
-
     def follow(self, seqs: list[Sequence], starts: list[int], inputs: mx.array) -> None:
         """After the target's forward of inputs [B, n] at starts (MTP: feed the module)."""
         keep = [self.eligible(seq) for seq in seqs]
@@ -317,7 +321,7 @@ class Speculator:
             self.drafter.mirror(seqs, K + 1)  # the verify forward's hidden states recorded
         logits = self.runner.run(self.pools, seqs, starts, inputs, every=True)  # [B, K+1, V]
         B, n, V = logits.shape
-        hidden = self.drafter.tap.take(B, n) if self.follows else None
+        hidden = self.drafter.hidden(B, n) if self.follows else None
         row_seqs = [s for s in seqs for _ in range(n)]
         logprobs, p, lse = distribution(logits.reshape(B * n, V), row_seqs)
         if q is not None and q.shape[-1] != V:  # a draft with a padded vocabulary of another width

@@ -28,6 +28,7 @@ from mlxlocal.cache.mlx_lm_views import PagedCache
 from mlxlocal.engine.runner import step_batch
 from mlxlocal.engine.sampling import MIN_TEMPERATURE
 from mlxlocal.engine.sequence import Sequence
+from mlxlocal.engine.speculative.drafting import draw_draft
 from mlxlocal.models.mtp import HiddenTap, TargetParts
 
 
@@ -35,6 +36,7 @@ class MTPDrafter:
     """Drafts with a loaded model's MTP modules (`loaded.mtp`), following its every forward."""
 
     runner = None  # no model of its own for warm_up to measure
+    follows = True  # fed the model's hidden states after each of its forwards (follow)
 
     def __init__(self, loaded):
         if not loaded.mtp:
@@ -42,25 +44,26 @@ class MTPDrafter:
                              "(see `mlxlocal show`: a conversion may have dropped them)")
         if loaded.info.native:
             raise ValueError("MTP drafting runs on mlx-lm-path models (DeepSeek, GLM, Qwen3.5)")
-        self.modules = loaded.mtp
+        self.module = loaded.mtp[0]  # a checkpoint's further modules are not used (see above)
         self.target = TargetParts(loaded.model)
         self.tap = HiddenTap.of(loaded.model)
-        self.name = f"{loaded.info.name} (MTP)"
         self.model_dir = str(loaded.info.path)  # the disk tier keys its K/V with the model's
         self.shapes, self.dtype = self._probe()
         self.pools: KVPools | None = None
 
     def _probe(self) -> tuple[list[KVShape], mx.Dtype]:
-        """Each module's K/V row shape, from two tokens through it on mlx-lm's own cache."""
-        shapes, dtype = [], mx.float32
-        for module in self.modules[:1]:
-            cache = KVCache()
-            hidden = mx.zeros((1, 2, self.target.args.hidden_size))
-            mx.eval(module(mx.array([[0, 1]]), hidden, cache, self.target))
-            k, v = cache.keys, cache.values
-            shapes.append(KVShape(k.shape[1], k.shape[3], v.shape[1], v.shape[3]))
-            dtype = k.dtype
-        return shapes, dtype
+        """The module's K/V row shape, from two tokens through it on mlx-lm's own cache."""
+        cache = KVCache()
+        hidden = mx.zeros((1, 2, self.target.args.hidden_size))
+        mx.eval(self.module(mx.array([[0, 1]]), hidden, cache, self.target))
+        k, v = cache.keys, cache.values
+        return [KVShape(k.shape[1], k.shape[3], v.shape[1], v.shape[3])], k.dtype
+
+    @property
+    def disk_draft(self) -> tuple:
+        """What the disk tier keys this K/V by: the model's directory and dtype and its kind
+        (the model as its own draft model shares the first two)."""
+        return self.model_dir, self.dtype, self.pools, "mtp"
 
     def bytes_per_block(self, block_size: int) -> int:
         return KVPools.bytes_per_block(self.shapes, block_size, self.dtype)
@@ -79,12 +82,16 @@ class MTPDrafter:
                submit: Callable[[], None] | None = None) -> None:
         self.tap.clear()  # before the model's forward: what it records is that forward's
 
+    def hidden(self, batch: int, n: int) -> mx.array:
+        """The model's hidden states [batch, n, D] of its forward since mirror()."""
+        return self.tap.take(batch, n)
+
     def follow(self, seqs: list[Sequence], starts: list[int], inputs: mx.array,
                keep: list[bool]) -> None:
         """After the model's forward of inputs [B, n] at starts: feed the module what became
         feedable, keep the last hidden state pending (`keep`: the sequences that may draft)."""
         B, n = inputs.shape
-        hidden = self.tap.take(B, n)
+        hidden = self.hidden(B, n)
         groups: dict[int, list[int]] = {}
         rows_of, tokens_of, first_of = {}, {}, {}
         for i, seq in enumerate(seqs):
@@ -118,8 +125,7 @@ class MTPDrafter:
 
     def ready(self, seq: Sequence) -> bool:
         """Drafting needs the model's hidden state at the position before the last token."""
-        state = seq.spec.mtp if seq.spec is not None else None
-        return state is not None and state[0] + state[1].shape[1] == seq.num_computed
+        return self._pending(seq, seq.num_computed)[1] is not None
 
     @staticmethod
     def _pending(seq: Sequence, start: int) -> tuple[int, mx.array | None]:
@@ -136,7 +142,7 @@ class MTPDrafter:
         K/V; -> (logits [B, V], outputs [B, 1, D]) at each row's index last[i] (default m-1)."""
         batch = step_batch(seqs, firsts, tokens.shape[1], self.pools.block_size)
         cache = PagedCache(self.pools, 0, batch, None)
-        logits, out = self.modules[0](tokens, hidden, cache, self.target)
+        logits, out = self.module(tokens, hidden, cache, self.target)
         if last is None or all(x == tokens.shape[1] - 1 for x in last):
             return logits[:, -1, :], out[:, -1:, :]
         rows, at = mx.arange(len(seqs)), mx.array(last)
@@ -145,8 +151,6 @@ class MTPDrafter:
     # --- drafting ---------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], K: int) -> tuple[mx.array, mx.array | None]:
         """(drafts [B, K], q [B, K, V] for the rows whose draft was sampled, else None)."""
-        from mlxlocal.engine.speculative.drafting import draw_draft
-
         starts = [s.num_computed for s in seqs]
         logits_rows: dict[int, mx.array] = {}
         out_rows: dict[int, mx.array] = {}

@@ -65,11 +65,15 @@ class SpeculationChoice:
         check_draft_tokenizer(target, draft)
         return draft
 
+    def applies_to(self, target: LoadedModel) -> bool:
+        """False only for --mtp auto on a model without MTP modules: it decodes as it is."""
+        return not (self.method == "mtp" and self.auto and not target.mtp)
+
     def config_for(self, target: LoadedModel) -> SpeculativeConfig | None:
-        """The engine's config for `target`; None: --mtp auto on a model without MTP modules."""
+        """The engine's config for `target`; None where the choice does not apply to it."""
+        if not self.applies_to(target):
+            return None
         if self.method == "mtp" and not target.mtp:
-            if self.auto:
-                return None
             raise SpeculationError(f"{target.info.name} has no MTP modules to draft with (`mlxlocal show` "
                                    "says whether its checkpoint had them); give --draft-model or "
                                    "--prompt-lookup instead")
