@@ -383,3 +383,17 @@ def test_speed_plot_gives_prefill_and_decode_their_own_linear_axes(tmp_path, mon
     assert all(ax.get_yscale() == "linear" for ax in fig.axes)
     decode = fig.axes[1]
     assert [round(p.get_height()) for p in decode.patches] == [450, 500]  # bars to scale, from 0
+
+
+def test_restart_scenario_restores_from_disk_and_reports_both_bandwidths(tiny_model):
+    """`bench restart`: a new engine on the store serves the prefix from disk (all of
+    it but the last token), and the report splits the read (and check) from the whole restore."""
+    res = bench("restart", "-m", str(tiny_model), "-p", "200", "-n", "1", "--compare", "mlx-lm",
+                "--json")["restart"]
+    ours, run = res["ours"], res["runs"][0]["ours"]
+    # All but the last token: 12 full blocks of 16 and 7 of the partial last block.
+    assert res["prompt_tokens"] == 200 and ours["disk_tokens"] == 199
+    assert ours["read_bytes"] > 0 and 0 < ours["read_s"] <= ours["restore_s"]
+    assert run["read_gbps"] == pytest.approx(run["read_bytes"] / run["read_s"] / 1e9)
+    assert res["read_over_plain_read"] == pytest.approx(ours["read_gbps"] / ours["plain_gbps"])
+    assert res["mlx_lm"]["file_bytes"] > 0 and res["mlx_lm_restore_over_ours"] > 0

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from mlxlocal.cache.disk.format import Fingerprint, chain_hashes, to_mx
+from mlxlocal.cache.disk.format import CorruptBlock, Fingerprint, chain_hashes, to_mx
 from mlxlocal.cache.disk.store import DiskStore, norm_key
 
 
@@ -110,6 +110,55 @@ def test_read_into_streams_into_the_given_buffers_and_verifies(tmp_path):
     assert s.read_into(key(0), place) is None
     assert s.stats()["corrupt_removed"] == 1
     assert not [n for n in os.listdir(s.dir) if n.endswith(".kv")]
+    s.close()
+
+
+def test_read_into_reads_a_large_payload_on_two_threads_and_verifies(tmp_path, monkeypatch):
+    """From PARALLEL_BYTES on, a helper thread reads the payload's second half (dropped bytes
+    into scratch of its own) while the caller's thread reads the first: the buffers get the
+    same bytes, and a flipped byte, a cut or a file replaced meanwhile in that half is caught."""
+    from mlxlocal.cache.disk import format as fmt
+
+    monkeypatch.setattr(fmt, "PARALLEL_BYTES", 64)
+    monkeypatch.setattr(fmt, "READ_PIECE", 32)
+    helped = []
+    read_later = fmt._read_later
+    monkeypatch.setattr(fmt, "_read_later", lambda *a: helped.append(len(a[3])) or read_later(*a))
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    arrays = {"k0": np.arange(64, dtype=np.float32),
+              "v0": np.arange(256, dtype=np.uint32).reshape(4, -1)}
+    s.put_run([key(0), key(1)], arrays)
+    assert s.flush()
+    k0, v0 = np.zeros(64, np.float32), np.zeros((4, 64), np.uint32)
+
+    def place(keys, table):  # v0's rows 1 and 2 dropped: in the helper's half
+        return {"k0": [memoryview(k0).cast("B")],
+                "v0": [memoryview(v0[0]).cast("B"), 2 * 256, memoryview(v0[3]).cast("B")]}
+    assert s.read_into(key(0), place) == [norm_key(key(0)), norm_key(key(1))]
+    assert helped and helped[-1] > 0  # the second half was the helper's
+    assert np.array_equal(k0, arrays["k0"]) and np.array_equal(v0[[0, 3]], arrays["v0"][[0, 3]])
+    path = only_file(s)
+    good = open(path, "rb").read()
+
+    def damaged(data: bytes) -> bool:  # the file as given: not loaded, and removed
+        open(path, "wb").write(data)
+        return s.read_into(key(0), place) is None and not os.path.exists(path)
+    flipped = bytearray(good)
+    flipped[-300] ^= 1  # in v0's dropped rows: read by the helper, checked all the same
+    assert damaged(bytes(flipped))
+
+    def cutting(keys, table):  # cut after the checks of its length: the helper comes short
+        os.truncate(path, len(good) - 8)
+        return place(keys, table)
+
+    def replacing(keys, table):  # another process wrote the key anew: the halves not mixed
+        os.replace(path + "-copy", path)
+        return place(keys, table)
+    for meanwhile in (cutting, replacing):
+        open(path, "wb").write(good)
+        open(path + "-copy", "wb").write(good)
+        with pytest.raises(CorruptBlock, match="truncated, or replaced"), open(path, "rb") as f:
+            fmt.read_into(f, len(good), s.fp, norm_key(key(0)), meanwhile, path)
     s.close()
 
 

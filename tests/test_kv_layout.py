@@ -14,7 +14,8 @@ from test_paged import greedy_params, mlx_lm_tokens, paused, prompt_of, tokens_o
 from mlxlocal.cache import KVPools, StepBatch, paged
 from mlxlocal.cache.blocks import BlockManager, FreeBlocks
 from mlxlocal.engine import open_engine, runner
-from mlxlocal.engine.runner import run_start, step_batch, table_run
+from mlxlocal.engine.runner import MAX_SEGMENTS, run_start, step_batch, table_segments
+from mlxlocal.metal import attention
 from mlxlocal.metal.attention import sdpa, sequence_rows
 from mlxlocal.source.loader import load_from_dir
 
@@ -56,29 +57,55 @@ def test_run_start_and_device_built_tables_equal_host_tables(monkeypatch):
     monkeypatch.setattr(runner, "DEVICE_TABLE_IDS", 1)  # tables this short come from the host
     on_runs = step_batch(seqs, [60, 20], 1, 16)
     assert on_runs.block_tables.tolist() == [[9, 10, 11, 12], [2, 3, 0, 0]]
-    assert on_runs.slot_blocks.tolist() == [12, 3] and on_runs.host_runs == [9, 2]
+    assert on_runs.slot_blocks.tolist() == [12, 3] and on_runs.host_segments == [[(9, 4)], [(2, 2)]]
     seqs[1].block_table = [3, 2]  # not a run: the tables come from the host lists
     mixed = step_batch(seqs, [60, 20], 1, 16)
-    assert mixed.block_tables.tolist() == [[9, 10, 11, 12], [3, 2, 0, 0]] and mixed.host_runs == [9, None]
+    assert mixed.block_tables.tolist() == [[9, 10, 11, 12], [3, 2, 0, 0]]
+    assert mixed.host_segments == [[(9, 4)], [(3, 1), (2, 1)]]
     assert mixed.slot_blocks.tolist() == [12, 2]
 
 
-def test_table_run_checks_only_what_was_added_and_stays_exact():
+def runs_of(table: list[int]) -> list[tuple[int, int]] | None:
+    """The oracle: a table's runs of consecutive ids, worked out whole."""
+    out: list[tuple[int, int]] = []
+    for b in table:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out if len(out) <= MAX_SEGMENTS else None
+
+
+def test_table_segments_check_only_what_was_added_and_stay_exact():
     """Random growth, rollback and replacement of a table: the cached answer always equals
     the full check (in place a table only grows; trim makes a new list)."""
     rng = random.Random(0)
     seq = SimpleNamespace(block_table=[], run_cache=None)
-    for _ in range(400):
+    seen = set()
+    for _ in range(600):
         op, t = rng.random(), seq.block_table
-        if op < 0.5:  # grow: after the last block (a run) or elsewhere
-            nxt = t[-1] + 1 if t and rng.random() < 0.8 else rng.randrange(100)
+        if op < 0.75:  # grow: after the last block (a run) or elsewhere
+            nxt = t[-1] + 1 if t and rng.random() < 0.5 else rng.randrange(100)
             seq.block_table += [nxt + i for i in range(rng.randrange(1, 4))]
-        elif op < 0.75:  # rollback, as Scheduler.trim does
+        elif op < 0.9:  # rollback, as Scheduler.trim does
             seq.block_table = t[: rng.randrange(len(t) + 1)]
         else:  # a new table (prefix reuse, cache edits)
             start = rng.randrange(50)
             seq.block_table = list(range(start, start + rng.randrange(6))) + ([99] if rng.random() < 0.3 else [])
-        assert table_run(seq) == run_start(seq.block_table), seq.block_table
+        got = table_segments(seq)
+        assert got == runs_of(seq.block_table), seq.block_table
+        seen.add(len(got) if got is not None else None)
+    assert {0, 1, 2, MAX_SEGMENTS, None} <= seen  # no runs, one, several, the most, too many
+
+
+def test_pieces_cut_a_long_context_in_half_at_a_block():
+    runs = [(10, 6), (40, 1), (3, 5)]  # 12 blocks of 4: the last one holds 2 of its 4 keys
+    assert attention._pieces(runs, 46, 4, False) == ([(10, 24), (40, 4), (3, 18)], 3)
+    # Half of 46 keys, in whole blocks: 20, inside the first run.
+    assert attention._pieces(runs, 46, 4, True) == ([(10, 20), (15, 4), (40, 4), (3, 18)], 1)
+    # Half at a run's end: the second half starts with the next run.
+    assert attention._pieces(runs, 48, 4, True) == ([(10, 24), (40, 4), (3, 20)], 1)
+    assert attention._pieces(runs, 10, 4, False) == ([(10, 10)], 1)  # the context ends in the first
 
 
 # --- reads in place equal the gather ---------------------------------------------------
@@ -89,14 +116,19 @@ def _batch(tables: list[list[int]], lens: list[int], bs: int) -> StepBatch:
                      slot_offsets=mx.array([o for _, o in slots]),
                      block_tables=mx.array([t + [0] * (width - len(t)) for t in tables]),
                      context_lens=mx.array(lens), host_context_lens=list(lens),
-                     host_runs=[run_start(t) for t in tables])
+                     host_segments=[runs_of(t) for t in tables])
 
 
 @pytest.mark.parametrize("bits", [None, 8])
-def test_decode_batch_on_runs_reads_in_place_like_the_gather(monkeypatch, bits):
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_reads_runs_in_place_like_the_gather(monkeypatch, bits, split):
+    """Decode attention over each sequence's runs of blocks read by slices (one run; a shared
+    prefix's run and then blocks elsewhere), merged, and split over two CPU streams: equal
+    to the gather and to dense attention over the rows as stored, batched and alone."""
     H, Hq, D, bs = 2, 4, 64, 8
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 1 if split else 10**9)
     pools = KVPools(KVPools.uniform(1, H, D), 40, bs, mx.float32, bits=bits)
-    tables, lens = [list(range(3, 10)), list(range(20, 24))], [53, 30]  # two runs, uneven
+    tables, lens = [list(range(3, 10)), [20, 21, 22, 30, 31, 12]], [53, 45]
     keys = [mx.random.normal((1, H, n, D), key=mx.random.key(i)) for i, n in enumerate(lens)]
     values = [mx.random.normal((1, H, n, D), key=mx.random.key(9 + i)) for i, n in enumerate(lens)]
     for t, n, k, v in zip(tables, lens, keys, values):  # each sequence's prompt, as one chunk
@@ -106,24 +138,31 @@ def test_decode_batch_on_runs_reads_in_place_like_the_gather(monkeypatch, bits):
                           context_lens=mx.array([n - 1]), host_context_lens=[n - 1])
         pools.write(0, chunk, k[:, :, :-1], v[:, :, :-1])
     q = mx.random.normal((2, Hq, 1, D), key=mx.random.key(5))
-    k_new = mx.concatenate([k[:, :, -1:] for k in keys])
-    v_new = mx.concatenate([v[:, :, -1:] for v in values])
-
-    def attend(in_place_from: int) -> mx.array:
-        monkeypatch.setattr(paged, "IN_PLACE_KEYS", in_place_from)
-        batch = _batch(tables, lens, bs)
-        assert batch.reads_in_place(1) == (in_place_from <= max(lens))
-        return paged.PagedLayerView(pools, 0, batch, None).attend(q, k_new, v_new, 0.125)
-
-    in_place, gathered = attend(1), attend(10**9)
-    assert mx.allclose(in_place, gathered, atol=1e-5)
     # The oracle: dense attention over each sequence's rows as stored (quantized: dequantized).
     dq = (lambda x: x) if bits is None else (
         lambda x: mx.dequantize(*mx.quantize(x, group_size=64, bits=bits), group_size=64, bits=bits))
-    want = mx.concatenate([sdpa(q[i : i + 1], dq(keys[i]), dq(values[i]), 0.125) for i in range(2)])
-    assert mx.allclose(in_place, want, atol=1e-4)
-    # A sequence that is not on a run: the batch goes through the gather.
-    assert not _batch([[3, 5, 4, 6, 7, 8, 9], tables[1]], lens, bs).reads_in_place(1)
+    want = [sdpa(q[i : i + 1], dq(keys[i]), dq(values[i]), 0.125) for i in range(2)]
+
+    def attend(rows: list[int], in_place_from: int) -> mx.array:
+        monkeypatch.setattr(paged, "IN_PLACE_KEYS", in_place_from)
+        batch = _batch([tables[i] for i in rows], [lens[i] for i in rows], bs)
+        assert (batch.in_place(1) is not None) == (in_place_from <= max(lens[i] for i in rows))
+        # Each time from the pools as the prompts left them: attend writes the new rows.
+        saved = [tuple(p) if isinstance(p, tuple) else p for p in pools.k + pools.v]
+        out = paged.PagedLayerView(pools, 0, batch, None).attend(
+            q[mx.array(rows)], mx.concatenate([keys[i][:, :, -1:] for i in rows]),
+            mx.concatenate([values[i][:, :, -1:] for i in rows]), 0.125)
+        mx.eval(out)
+        pools.k[:], pools.v[:] = saved[:1], saved[1:]
+        return out
+
+    for rows in ([0, 1], [1], [0]):
+        in_place, gathered = attend(rows, 1), attend(rows, 10**9)
+        assert mx.allclose(in_place, gathered, atol=1e-5), rows
+        assert mx.allclose(in_place, mx.concatenate([want[i] for i in rows]), atol=1e-4), rows
+    # More runs than MAX_SEGMENTS: the batch goes through the gather.
+    monkeypatch.setattr(paged, "IN_PLACE_KEYS", 1)
+    assert _batch([list(range(0, 18, 2)), tables[1]], lens, bs).in_place(1) is None
 
 
 def test_gather_reads_runs_and_tables_alike():
@@ -159,6 +198,37 @@ def test_engine_decodes_runs_in_place_with_mlx_lm_parity(monkeypatch, qwen3):
             handles = [eng.submit(p, greedy_params(12)) for p in prompts]
         assert [tokens_of(h) for h in handles] == want
         assert seen  # the in-place path ran
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_engine_decodes_after_a_prefix_hit_in_place_with_mlx_lm_parity(monkeypatch, qwen3, split):
+    """Prompts sharing a cached prefix: each table is the prefix's run and then blocks of its
+    own, read by slices and merged (split over two CPU streams, or not), alone and batched:
+    mlx-lm's greedy tokens."""
+    monkeypatch.setattr(paged, "IN_PLACE_KEYS", 1)
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 1 if split else 10**9)
+    ref = mlx_lm.load(str(qwen3))[0]
+    shared = prompt_of(50, shift=7)
+    prompts = [shared + prompt_of(5 + 7 * i, shift=i) for i in range(3)]
+    want = [mlx_lm_tokens(ref, p, 10) for p in prompts]
+    eng = open_engine(load_from_dir(qwen3), block_size=16, kv_blocks=128)
+    runs_seen = []
+    real = paged.PagedLayerView._one
+
+    def one(self, i, q, scale, runs):
+        runs_seen.append(len(runs))
+        return real(self, i, q, scale, runs)
+    monkeypatch.setattr(paged.PagedLayerView, "_one", one)
+    try:
+        tokens_of(eng.submit(shared + [1, 2, 3], greedy_params(2)))  # caches the prefix
+        assert tokens_of(eng.submit(prompts[0], greedy_params(10))) == want[0]  # alone
+        with paused(eng):
+            handles = [eng.submit(p, greedy_params(10)) for p in prompts]
+        assert [tokens_of(h) for h in handles] == want
+        assert max(runs_seen) > 1  # tables of several runs were read in place
         assert_no_leak(eng)
     finally:
         eng.shutdown()

@@ -71,6 +71,56 @@ def test_radix_partial_leaf_match_upgrade_and_evict():
     assert r.clear(lambda b: True) == [11, 10] and len(r) == 0
 
 
+def _tree(r: RadixCache) -> dict:
+    """A tree as plain data: each node's block, chunk, key and parent's block."""
+    return {b: (n.chunk, n.key, n.parent.block) for b, n in r.by_block.items()}
+
+
+def test_radix_insert_below_held_chain_equals_the_walk_from_the_root(monkeypatch):
+    """insert() goes on below the blocks a sequence holds as the tree's chain (checked up the
+    parents): over random prompts, growth, tags, partial leaves, evictions and tables that
+    hold some other chain's blocks, it builds the tree the walk from the root builds."""
+    import random
+
+    rng = random.Random(3)
+    fast, walk = RadixCache(4), RadixCache(4)
+    monkeypatch.setattr(walk, "_held_chain", lambda *a: 0)
+    held = []
+
+    def held_chain(*a):
+        held.append(RadixCache._held_chain(fast, *a))
+        return held[-1]
+    monkeypatch.setattr(fast, "_held_chain", held_chain)
+    tables: list[tuple[list[int], list[int]]] = []  # (tokens, blocks) inserted so far
+    next_block = 0
+    for step in range(400):
+        if tables and rng.random() < 0.6:  # a sequence grows: its table goes on
+            tokens, blocks = rng.choice(tables)
+            tokens = tokens + [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
+            blocks = blocks + list(range(next_block, next_block + 3))
+        else:  # a new prompt, sharing a cached prefix's blocks or not
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+            blocks = list(range(next_block, next_block + 6))
+            if tables and rng.random() < 0.3:  # another chain's blocks up front: not a chain here
+                blocks = rng.choice(tables)[1][:2] + blocks
+        next_block += 9
+        need = len(tokens) // 4 + 1
+        blocks = blocks[:need]
+        tags = [("t", 1)] * (need // 2) if rng.random() < 0.2 else None
+        if tags:  # tagged from the start: keys of their own
+            tags = [None] * (need - len(tags)) + tags
+        partial = rng.random() < 0.5
+        got = fast.insert(tokens, blocks, partial, tags)
+        want = walk.insert(tokens, blocks, partial, tags)
+        assert got == want and _tree(fast) == _tree(walk), step
+        tables.append((tokens, got + blocks[len(got):]))
+        if rng.random() < 0.1:
+            assert fast.evict(3, lambda b: True) == walk.evict(3, lambda b: True)
+            tables = [(t, b) for t, b in tables
+                      if all(x in fast.by_block for x in b[: len(t) // 4])]
+    assert sum(k > 0 for k in held) > 50  # the fast path was taken, often
+
+
 def test_block_manager_match_tokens_copies_and_pins_source():
     bm = BlockManager(3, 4)
     a = bm.allocate(2)

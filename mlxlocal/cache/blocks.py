@@ -157,11 +157,15 @@ class BlockManager:
             self.refs[b] += 1
 
     def release(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.refs[b] -= 1
-            assert self.refs[b] >= 0, f"block {b} released twice"
-            if self.refs[b] == 0 and not (self.radix and self.radix.contains(b)):
-                self._to_free([b])
+        refs, cached = self.refs, self.radix.by_block if self.radix is not None else {}
+        freed = []
+        for b in blocks:  # a loop of plain operations: a 16k-token prompt releases 1,024
+            refs[b] -= 1
+            assert refs[b] >= 0, f"block {b} released twice"
+            if refs[b] == 0 and b not in cached:
+                freed.append(b)
+        if freed:
+            self._to_free(freed)
 
     def shrink(self, total: int) -> int:
         """Give back the free blocks from `total` on, up to the last one a sequence holds or
@@ -193,17 +197,20 @@ class BlockManager:
         return self.match_tokens(tokens)[0]
 
     def match_tokens(self, tokens: list[int], copy: Callable[[int, int], None] | None = None,
-                     tags: list | None = None) -> tuple[list[int], int]:
+                     tags: list | None = None, held: list[int] | None = None
+                     ) -> tuple[list[int], int]:
         """Block table and token count of the longest cached prefix, to the token.
 
         Full blocks are shared. With `copy`, a further k tokens matching the start of a
         cached block (full or partial) are reused copy-on-write: a new block, filled by
         copy(src, dst), ends the table (or the block itself, see _take_over). `tags`: the edit history of each full chunk (radix.py).
+        `held`: blocks that may already be the match's first ones (radix.match_partial).
         The caller now references every block returned.
         """
         if self.radix is None:
             return [], 0
-        blocks, partial = self.radix.match_partial(tokens, partial=copy is not None, tags=tags)
+        blocks, partial = self.radix.match_partial(tokens, partial=copy is not None, tags=tags,
+                                                   held=held)
         self.share(blocks)
         n = len(blocks) * self.block_size
         if partial is not None and self._take_over(*partial):

@@ -8,12 +8,13 @@ import mlx.core as mx
 
 from mlxlocal.cache import quantized
 from mlxlocal.metal import paged_attention
-from mlxlocal.metal.attention import quantized_sdpa, rows_index, sdpa, sequence_rows
+from mlxlocal.metal.attention import rows_index, segment_attention, sequence_rows
 from mlxlocal.metal.paged_attention import kernel_taken, step_mask
 from mlxlocal.metal.paged_attention_quant import paged_attention_quantized, quantized_kernel_taken
 
-# Longest context from which a decode batch on runs is read per sequence by slices: below,
-# one gather of the batch (and one attention call) costs less than B calls (measured here).
+# Longest context from which decode reads each sequence's runs of blocks by slices: below,
+# one gather of the batch (and one attention call) costs less than B calls, or than a
+# sequence's few partial attentions merged (measured here).
 IN_PLACE_KEYS = 4096
 
 
@@ -215,9 +216,10 @@ class StepBatch:
     # of a gather (a lone sequence usually gets consecutive blocks from the free list).
     host_slot: tuple[int, int] | None = None
     host_run: int | None = None
-    # Each sequence's first block when its table is a run (None where it is not): a decode
-    # batch at long context reads each sequence by a slice (reads_in_place).
-    host_runs: list[int | None] | None = None
+    # Each sequence's table as runs of consecutive blocks [(first, blocks), ...] (None: too
+    # many): decode at long context reads each run by a slice (in_place), e.g. a shared
+    # prefix and then the sequence's own blocks, never gathering the context.
+    host_segments: list[list[tuple[int, int]] | None] | None = None
     _masks: dict = field(default_factory=dict)  # per-step values every layer shares: masks, window starts
 
     def write_index(self, B: int, heads: int, L: int, windowed: bool) -> tuple[mx.array, ...]:
@@ -243,12 +245,13 @@ class StepBatch:
             self._masks[key] = rows_index(tables, pool.shape[0], pool.shape[1])
         return self._masks[key]
 
-    def reads_in_place(self, L: int) -> bool:
-        """A decode batch of several sequences, each on a run of blocks, long enough that
-        attention per sequence over slices beats one gather of every context (full layers)."""
-        runs, lens = self.host_runs, self.host_context_lens
-        return (L == 1 and len(lens) > 1 and runs is not None and None not in runs
-                and max(lens) >= IN_PLACE_KEYS)
+    def in_place(self, L: int) -> list[list[tuple[int, int]]] | None:
+        """Each sequence's runs, where a decode step at long context reads them by slices
+        rather than one gather of every context (full layers)."""
+        segments, lens = self.host_segments, self.host_context_lens
+        if L != 1 or segments is None or None in segments or max(lens) < IN_PLACE_KEYS:
+            return None
+        return segments
 
     def window_start(self, window: int, block_size: int) -> int:
         """First block any query of this step sees in a `window` layer: keys before it are
@@ -297,8 +300,10 @@ class PagedLayerView:
         pools.write(self.layer, b, k, v)
         L, bs, w = q.shape[2], pools.block_size, self.window
         k_pool, v_pool, tables = pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1]
-        if w is None and b.reads_in_place(L) and not self._kernel(q, k_pool, v_pool, tables):
-            return mx.concatenate([self._one(i, q[i : i + 1], scale) for i in range(q.shape[0])])
+        segments = b.in_place(L) if w is None else None
+        if segments is not None and not self._kernel(q, k_pool, v_pool, tables):
+            return mx.concatenate([self._one(i, q[i : i + 1], scale, runs)
+                                   for i, runs in enumerate(segments)])
         # A window layer reads from the first block any query of this step still sees.
         run = b.host_run if w is None else None
         kw = dict(n_keys=max(b.host_context_lens), mask=b.mask(L, None) if w is None else b.window_mask(L, w, bs),
@@ -316,13 +321,9 @@ class PagedLayerView:
                                           self.pools.bits, None)
         return kernel_taken(q, k_pool, v_pool, tables, None)
 
-    def _one(self, i: int, q: mx.array, scale: float) -> mx.array:
-        """Sequence i's decode attention over its run of blocks: slices, cut to its context
+    def _one(self, i: int, q: mx.array, scale: float, runs: list[tuple[int, int]]) -> mx.array:
+        """Sequence i's decode attention over its runs of blocks: slices, cut to its context
         (quantized: straight on the packed rows, nothing dequantized)."""
-        b, pools = self.batch, self.pools
-        n, run, table = b.host_context_lens[i], b.host_runs[i], b.block_tables[i : i + 1]
-        k, v = (tuple(sequence_rows(p, table, n, first_block=run) for p in quantized.parts(pool))
-                for pool in (pools.k[self.layer], pools.v[self.layer]))
-        if pools.bits is not None:
-            return quantized_sdpa(q, k, v, scale, None, pools.group_size, pools.bits)
-        return sdpa(q, k[0], v[0], scale, None)
+        pools, n = self.pools, self.batch.host_context_lens[i]
+        k_pool, v_pool = pools.k[self.layer], pools.v[self.layer]
+        return segment_attention(q, k_pool, v_pool, runs, n, scale, pools.group_size, pools.bits)

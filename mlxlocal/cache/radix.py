@@ -14,23 +14,23 @@ ever reused by a request with the same history.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 Chunk = tuple[int, ...]
 
 
-@dataclass(eq=False, slots=True)
 class Node:
-    chunk: Chunk
-    block: int
-    parent: Node | None
-    children: dict = field(default_factory=dict)  # by key: the chunk, or (tag, chunk)
-    last_used: int = 0
-    key: object = None  # its key in parent.children
+    """One chunk of a cached prefix, held in KV block `block`; `key`: its key in
+    parent.children (the chunk, or (tag, chunk)). A plain class: a restore of 16k tokens
+    makes 1,024 of them."""
 
-    def __post_init__(self):
-        if self.key is None:
-            self.key = self.chunk
+    __slots__ = ("chunk", "block", "parent", "children", "last_used", "key")
+
+    def __init__(self, chunk: Chunk, block: int, parent: Node | None, children: dict | None = None,
+                 last_used: int = 0, key: object = None):
+        self.chunk, self.block, self.parent = chunk, block, parent
+        self.children = {} if children is None else children
+        self.last_used = last_used
+        self.key = chunk if key is None else key
 
 
 class RadixCache:
@@ -56,13 +56,17 @@ class RadixCache:
         """Block ids of the longest cached prefix of `tokens`, in full blocks."""
         return self.match_partial(tokens, partial=False, tags=tags)[0]
 
-    def match_partial(self, tokens: list[int], partial: bool = True, tags: list | None = None
-                      ) -> tuple[list[int], tuple[int, int] | None]:
+    def match_partial(self, tokens: list[int], partial: bool = True, tags: list | None = None,
+                      held: list[int] | None = None) -> tuple[list[int], tuple[int, int] | None]:
         """Full-block match (chunk i under tags[i], if given), then (block, k): the untagged
         child (full or partial) sharing the longest common prefix k > 0 with the next chunk
-        of `tokens`, to be copied."""
+        of `tokens`, to be copied. `held`: blocks the caller holds that may be the tree's chain
+        for the first chunks (checked, not walked)."""
         node, blocks, now, bs = self.root, [], next(self._clock), self.block_size
-        for i in range(len(tokens) // bs):  # chunk by chunk: a miss stops before the rest is cut
+        known = self._held_chain(tokens, held, tags, now) if held else 0
+        if known:
+            node, blocks = self.by_block[held[known - 1]], held[:known]
+        for i in range(known, len(tokens) // bs):  # by chunk: a miss stops before the rest is cut
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(chunk if tags is None else self._key(chunk, tags, i))
             if child is None:
@@ -102,7 +106,10 @@ class RadixCache:
                 del self.by_block[block]
         chunks = self._chunks(tokens)
         node, held, now = self.root, [], next(self._clock)
-        for i, chunk in enumerate(chunks[: len(blocks)]):
+        known = self._held_chain(tokens, blocks, tags, now)
+        if known:  # the walk goes on below the blocks the tree already holds as this chain
+            node, held = self.by_block[blocks[known - 1]], blocks[:known]
+        for i, chunk in enumerate(chunks[known: len(blocks)], known):
             key = self._key(chunk, tags, i)
             child = node.children.get(key)
             if child is None:  # the rest of the chain is new: no more lookups
@@ -118,6 +125,26 @@ class RadixCache:
             node.children[tail] = leaf
             self.by_block[leaf.block] = leaf
         return held
+
+    def _held_chain(self, tokens: list[int], blocks: list[int], tags: list | None,
+                    now: int) -> int:
+        """How many of the first blocks are already the tree's chain from the root for these
+        tokens (touched as used): a sequence that matched or cached its prefix holds them.
+        Their nodes are checked up the parents, no token compared but the last chunk's."""
+        bs = self.block_size
+        k = min(len(tokens) // bs, len(blocks))
+        while k and blocks[k - 1] not in self.by_block:  # its newest blocks are not in yet
+            k -= 1
+        last = tuple(tokens[(k - 1) * bs:k * bs])
+        if not k or self.by_block[blocks[k - 1]].key != self._key(last, tags, k - 1):
+            return 0
+        node = self.by_block[blocks[k - 1]]
+        for j in range(k - 1, -1, -1):
+            if node is None or node.block != blocks[j]:
+                return 0
+            node.last_used = now
+            node = node.parent
+        return k if node is self.root else 0
 
     def _grow(self, node: Node, chunks: list[Chunk], blocks: list[int], tags: list | None,
               start: int, now: int) -> Node:

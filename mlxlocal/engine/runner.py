@@ -27,6 +27,9 @@ log = logging.getLogger("mlxlocal.engine")
 # Block ids in a step's tables from which tables on runs are built on the device (a few ops,
 # ~7 us here) rather than from the host lists (~0.17 us an id: 173 us for 8 x 1024).
 DEVICE_TABLE_IDS = 512
+# Runs of consecutive blocks a table may have and still be read by slices (a shared prefix,
+# then the sequence's own blocks, then another: a few), not gathered.
+MAX_SEGMENTS = 8
 
 
 def run_start(table: list[int]) -> int | None:
@@ -42,18 +45,33 @@ def run_tables(runs: list[int], lengths: list[int]) -> mx.array:
     return mx.where(width < mx.array(lengths)[:, None], mx.array(runs)[:, None] + width, 0)
 
 
-def table_run(seq) -> int | None:
-    """run_start of seq's block table, checking only the ids added since the last call: in
-    place a table only grows (every other change makes a new list, which is checked whole)."""
+def table_segments(seq) -> list[tuple[int, int]] | None:
+    """seq's block table as runs of consecutive ids, [(first id, blocks), ...] (attention reads
+    each by a slice), or None past MAX_SEGMENTS; only the ids added since the last call are
+    checked: in place a table only grows (every other change makes a new list, checked whole)."""
     table, cached = seq.block_table, seq.run_cache
     if cached is not None and cached[0] is table and 0 < cached[1] <= len(table):
-        start, n = cached[2], cached[1]
-        if start is not None and table[n:] != list(range(start + n, start + len(table))):
-            start = None
+        segments = cached[2]
+        if segments is not None and cached[1] < len(table):
+            segments = _segments(table[cached[1]:], list(segments))
     else:
-        start = run_start(table)
-    seq.run_cache = (table, len(table), start)
-    return start
+        start = run_start(table)  # most tables: one run, checked in one comparison
+        segments = [(start, len(table))] if start is not None else _segments(table, [])
+    seq.run_cache = (table, len(table), segments)
+    return segments
+
+
+def _segments(ids: list[int], segments: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """`segments` (runs of the ids before these) extended by `ids`; None past MAX_SEGMENTS."""
+    for b in ids:
+        first, n = segments[-1] if segments else (-2, 0)
+        if first + n == b:
+            segments[-1] = (first, n + 1)
+        elif len(segments) == MAX_SEGMENTS:
+            return None
+        else:
+            segments.append((b, 1))
+    return segments
 
 
 def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
@@ -72,7 +90,8 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
                 mx.array([t + [0] * (width - len(t)) for t in rows]))
 
     full = [s.block_table for s in seqs]
-    runs = [table_run(s) for s in seqs]
+    segments = [table_segments(s) for s in seqs]
+    runs = [x[0][0] if x is not None and len(x) == 1 else None for x in segments]
     if None in runs or sum(map(len, full)) < DEVICE_TABLE_IDS:
         slot_blocks, block_tables = tables(full)
     else:  # every table a run: built on the device from B numbers, not from every block id
@@ -96,7 +115,7 @@ def step_batch(seqs: list[Sequence], starts: list[int], n: int, block_size: int,
         window_block_tables=window_tables,
         host_slot=host_slot,
         host_run=runs[0] if len(seqs) == 1 else None,
-        host_runs=runs,
+        host_segments=segments,
     )
 
 

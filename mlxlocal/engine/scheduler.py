@@ -130,12 +130,14 @@ class Scheduler:
                 # The disk tier goes on where RAM's full blocks end before the prompt's do (all
                 # of them: the last token's block too, which the match above copies from).
                 probe = shared if edited else seq.tokens
-                if self.restore is not None and seq.num_computed // self.block_size < len(probe) // self.block_size:
+                in_ram = seq.block_table[: seq.num_computed // self.block_size]  # full blocks
+                if self.restore is not None and len(in_ram) < len(probe) // self.block_size:
                     chains = seq.prefetch.chains if seq.prefetch is not None else None
-                    restored = self.restore(probe, None, chains)
-                    if restored:
+                    restored = self.restore(probe, None, chains, in_ram)
+                    if restored:  # matched again, on from the blocks just held (not walked)
                         self.blocks.release(seq.block_table)
-                        seq.block_table, seq.num_computed = self.blocks.match_tokens(shared, self.copy_block)
+                        seq.block_table, seq.num_computed = self.blocks.match_tokens(
+                            shared, self.copy_block, held=in_ram)
                 seq.prefetch = None
                 if self.resume is not None:
                     self.resume(seq)

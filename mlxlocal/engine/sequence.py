@@ -30,7 +30,7 @@ class Sequence:
     session: Any = None  # engine Session this turn belongs to, if any
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     block_table: list[int] = field(default_factory=list)
-    run_cache: tuple | None = None  # (block_table, ids checked, run start or None): runner.table_run
+    run_cache: tuple | None = None  # (block_table, ids checked, its runs): runner.table_segments
     # Models with sliding-window layers: those layers' blocks, parallel to block_table
     # (holes where a block left the window; cache/window.py).
     window_table: list[int] = field(default_factory=list)

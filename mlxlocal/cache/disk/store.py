@@ -38,6 +38,8 @@ _STALE_TMP_S = 3600
 
 def norm_key(key: Key | str) -> str:
     """A key as the files record it (a str is one already)."""
+    if type(key) is bytes:  # most keys: a restore of 16k tokens names 1,024 of them
+        return key.hex()
     if isinstance(key, str):
         return key
     chain, tag = (key, None) if isinstance(key, bytes | bytearray) else key
@@ -116,7 +118,8 @@ class DiskStore:
             _write_json(os.path.join(self.dir, MANIFEST), manifest)
         self.budget = int(budget_bytes)
         self.fsync = fsync
-        self._stats = dict(hits=0, misses=0, reads=0, read_bytes=0, writes=0, write_bytes=0,
+        self._stats = dict(hits=0, misses=0, reads=0, read_bytes=0, read_seconds=0.0,
+                           writes=0, write_bytes=0,
                            dropped_writes=0, corrupt_removed=0, evictions=0, write_errors=0)
         self._mu = threading.Lock()
         self._clock = time.time_ns()
@@ -225,10 +228,11 @@ class DiskStore:
         buffers and verified. The file's keys, or None: missing, declined, or it did not
         verify (then removed, and what place's buffers hold is garbage)."""
         path = self._path(norm_key(key))
+        t = time.perf_counter()
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                keys = read_into(f, st.st_size, self.fp, norm_key(key), place)
+                keys = read_into(f, st.st_size, self.fp, norm_key(key), place, path)
         except OSError:  # missing, or removed by another process meanwhile
             self._count(misses=1)
             return None
@@ -238,7 +242,8 @@ class DiskStore:
             return None
         if keys is not None:
             self._touch(path)
-            self._count(hits=1, reads=1, read_bytes=st.st_size)
+            self._count(hits=1, reads=1, read_bytes=st.st_size,
+                        read_seconds=time.perf_counter() - t)  # open, read and check
         return keys
 
     def _remove_corrupt(self, path: str, ino: int) -> None:

@@ -292,16 +292,18 @@ class DiskTier:
 
     # --- read-back ----------------------------------------------------------------------
     def restore(self, tokens: list[int], tags: list | None = None,
-                chains: list[bytes] | None = None) -> int:
+                chains: list[bytes] | None = None, in_ram: list[int] | None = None) -> int:
         """Read the full blocks of `tokens` past what the prefix cache holds back from disk,
         into the radix tree (cached, unreferenced); returns the tokens restored. `chains`:
-        their full blocks' chain hashes, where a prefetch already worked them out."""
+        their full blocks' chain hashes, where a prefetch already worked them out; `in_ram`:
+        the caller's match of them in RAM, if it has one."""
         radix, bs = self.blocks.radix, self.block_size
         n_full = len(tokens) // bs
         if radix is None or n_full == 0:
             return 0
         t0 = time.perf_counter()
-        held, _ = self.blocks.match_tokens(tokens[: n_full * bs], None, tags)  # shared meanwhile
+        # Shared meanwhile, so that nothing this reads evicts them.
+        held, _ = self.blocks.match_tokens(tokens[: n_full * bs], None, tags, held=in_ram)
         try:
             m = len(held)
             if m == n_full:
@@ -557,9 +559,9 @@ def array_layout(table: dict) -> dict:
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     """(index in ids, first id, length) of each run of consecutive ids."""
     out: list[tuple[int, int, int]] = []
-    for j, b in enumerate(ids):
-        if out and out[-1][1] + out[-1][2] == b:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((j, b, 1))
+    start = 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or ids[j] != ids[j - 1] + 1:
+            out.append((start, ids[start], j - start))
+            start = j
     return out
