@@ -165,6 +165,19 @@ def test_decode_reads_runs_in_place_like_the_gather(monkeypatch, bits, split):
     assert _batch([list(range(0, 18, 2)), tables[1]], lens, bs).in_place(1) is None
 
 
+def test_with_metal_only_a_batch_on_one_run_each_reads_in_place(monkeypatch):
+    """What was measured on a Mac stays: there, a lone sequence and tables of several runs go
+    to the dispatch's choice (the paged kernel or MLX's attention over a gather)."""
+    monkeypatch.setattr(paged, "IN_PLACE_KEYS", 1)
+    runs, split = [list(range(3, 10)), list(range(20, 24))], [[20, 21, 22, 30], [3, 4, 5]]
+    for metal in (False, True):
+        monkeypatch.setattr(paged, "metal_available", lambda: metal)
+        assert _batch(runs, [53, 30], 8).in_place(1) == [[(3, 7)], [(20, 4)]]
+        assert (_batch(split, [29, 20], 8).in_place(1) is None) == metal
+        assert (_batch(runs[:1], [53], 8).in_place(1) is None) == metal
+        assert _batch(runs, [53, 30], 8).in_place(2) is None  # a prefill chunk: never
+
+
 def test_gather_reads_runs_and_tables_alike():
     H, D, bs = 2, 16, 4
     pools = KVPools(KVPools.uniform(1, H, D), 16, bs, mx.float32)

@@ -9,6 +9,7 @@ import mlx.core as mx
 from mlxlocal.cache import quantized
 from mlxlocal.metal import paged_attention
 from mlxlocal.metal.attention import rows_index, segment_attention, sequence_rows
+from mlxlocal.metal.kernel import metal_available
 from mlxlocal.metal.paged_attention import kernel_taken, step_mask
 from mlxlocal.metal.paged_attention_quant import paged_attention_quantized, quantized_kernel_taken
 
@@ -247,9 +248,13 @@ class StepBatch:
 
     def in_place(self, L: int) -> list[list[tuple[int, int]]] | None:
         """Each sequence's runs, where a decode step at long context reads them by slices
-        rather than one gather of every context (full layers)."""
+        rather than one gather of every context (full layers). With Metal, only a batch on
+        one run each, as measured there (the kernel dispatch chose MLX's attention); several
+        runs merged and a lone sequence's split were measured on the CPU backend only."""
         segments, lens = self.host_segments, self.host_context_lens
         if L != 1 or segments is None or None in segments or max(lens) < IN_PLACE_KEYS:
+            return None
+        if metal_available() and (len(lens) == 1 or any(len(x) > 1 for x in segments)):
             return None
         return segments
 
