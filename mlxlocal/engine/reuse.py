@@ -107,8 +107,9 @@ class PrefixReuse:
         n_full = (len(kept) - 1) // bs
         tags = block_tags(final, n_full, bs)
         # Blocks under this history past RAM's, read back from disk.
-        restored = self.tier.restore(kept[: n_full * bs], tags) if self.tier is not None else 0
-        blocks, _ = self.blocks.match_tokens(kept[: n_full * bs], None, tags)
+        restored, held = (self.tier.restore(kept[: n_full * bs], tags) if self.tier is not None
+                          else (0, None))
+        blocks, _ = self.blocks.match_tokens(kept[: n_full * bs], None, tags, held=held)
         m = len(blocks)
 
         def settled(m: int) -> bool:  # every edit that touched these blocks happened before their end

@@ -40,7 +40,7 @@ class Scheduler:
                  resume: Callable[[Sequence], None] | None = None, windows: WindowBlocks | None = None,
                  snapshot_chunks: bool = False, apply_edit: Callable[[Sequence], None] | None = None,
                  match_edited: Callable[[Sequence], bool] | None = None,
-                 restore: Callable[..., int] | None = None):
+                 restore: Callable[..., tuple[int, list[int]]] | None = None):
         self.blocks = blocks
         self.windows = windows  # sliding-window layers' blocks, if the model has such layers
         self.copy_block = copy_block  # KVPools.copy_block: reuse a partly matching block by copying it
@@ -133,8 +133,8 @@ class Scheduler:
                 in_ram = seq.block_table[: seq.num_computed // self.block_size]  # full blocks
                 if self.restore is not None and len(in_ram) < len(probe) // self.block_size:
                     chains = seq.prefetch.chains if seq.prefetch is not None else None
-                    restored = self.restore(probe, None, chains, in_ram)
-                    if restored:  # matched again, on from the blocks just held (not walked)
+                    restored, in_ram = self.restore(probe, None, chains, in_ram)
+                    if restored:  # matched again, on from the blocks the cache now holds
                         self.blocks.release(seq.block_table)
                         seq.block_table, seq.num_computed = self.blocks.match_tokens(
                             shared, self.copy_block, held=in_ram)

@@ -292,31 +292,33 @@ class DiskTier:
 
     # --- read-back ----------------------------------------------------------------------
     def restore(self, tokens: list[int], tags: list | None = None,
-                chains: list[bytes] | None = None, in_ram: list[int] | None = None) -> int:
+                chains: list[bytes] | None = None, in_ram: list[int] | None = None
+                ) -> tuple[int, list[int]]:
         """Read the full blocks of `tokens` past what the prefix cache holds back from disk,
-        into the radix tree (cached, unreferenced); returns the tokens restored. `chains`:
-        their full blocks' chain hashes, where a prefetch already worked them out; `in_ram`:
-        the caller's match of them in RAM, if it has one."""
+        into the radix tree (cached, unreferenced); returns the tokens restored, and the full
+        blocks the cache now holds for them (a hint: the caller's match goes on below them).
+        `chains`: their chain hashes, where a prefetch already worked them out; `in_ram`: the
+        caller's match of them in RAM, if it has one."""
         radix, bs = self.blocks.radix, self.block_size
         n_full = len(tokens) // bs
         if radix is None or n_full == 0:
-            return 0
+            return 0, []
         t0 = time.perf_counter()
         # Shared meanwhile, so that nothing this reads evicts them.
         held, _ = self.blocks.match_tokens(tokens[: n_full * bs], None, tags, held=in_ram)
         try:
             m = len(held)
             if m == n_full:
-                return 0
+                return 0, held
             if chains is None or len(chains) != n_full or tags is not None:
                 chains = chain_hashes(tokens[: n_full * bs], bs, tags)
             try:
                 new = self._read_back([self._key(chains[i], tags, i) for i in range(n_full)], m)
             except Exception:  # the tier only saves time: the request is served by prefill
                 log.exception("disk tier: reading blocks back failed")
-                return 0
+                return 0, held
             if not new:
-                return 0
+                return 0, held
             n = m + len(new)
             self._known(self._key(chains[i], tags, i) for i in range(m, n))
             self._saved.update(new)
@@ -333,7 +335,7 @@ class DiskTier:
             restored = (n - m) * bs + (tail[1] if tail is not None else 0)
             self.restored_blocks += len(new)
             self.restore_seconds += time.perf_counter() - t0
-            return restored
+            return restored, table[:n]
         finally:
             self.blocks.release(held)
 
