@@ -171,7 +171,7 @@ def test_with_metal_only_a_batch_on_one_run_each_reads_in_place(monkeypatch):
     monkeypatch.setattr(paged, "IN_PLACE_KEYS", 1)
     runs, split = [list(range(3, 10)), list(range(20, 24))], [[20, 21, 22, 30], [3, 4, 5]]
     for metal in (False, True):
-        monkeypatch.setattr(paged, "metal_available", lambda: metal)
+        monkeypatch.setattr(paged, "metal_available", lambda metal=metal: metal)
         assert _batch(runs, [53, 30], 8).in_place(1) == [[(3, 7)], [(20, 4)]]
         assert (_batch(split, [29, 20], 8).in_place(1) is None) == metal
         assert (_batch(runs[:1], [53], 8).in_place(1) is None) == metal

@@ -245,13 +245,47 @@ def read_into(f, size: int, fp_digest: str, key: str, place, path: str | None = 
 
     place(keys, table) -> {name: [writable byte views, in file order]} or None (decline:
     nothing read further); an int among the views: that many bytes read, checked, dropped,
-    as is a name left out. Returns
-    the file's keys; CorruptBlock when it does not verify (what place's views hold is then
-    garbage: the caller drops it). With the file's `path`, a large payload's second half is
-    read on a helper thread through a handle of its own while this one reads and checks the
-    first (a copy from the page cache is bound by one core's memory bandwidth)."""
+    as is a name left out. Returns the file's keys; CorruptBlock when it does not verify
+    (what place's views hold is then garbage: the caller drops it). With the file's `path`,
+    a large payload's second half is read on a helper thread through a handle of its own
+    while this one reads and checks the first (a copy from the page cache is bound by one
+    core's memory bandwidth)."""
     hlen, plen, digest = _prefix(f.read(PREFIX.size), size)
     raw = f.read(hlen)
+    keys, table = _header(raw, plen, fp_digest, key)
+    sinks = place(keys, {name: (dtype, tuple(shape)) for name, dtype, shape, _ in table})
+    if sinks is None:
+        return None
+    pieces: list = []  # the payload in file order: destinations, or byte counts to drop
+    for name, _, _, n in table:
+        views = sinks.get(name, [n])
+        if sum(v if isinstance(v, int) else len(v) for v in views) != n:
+            raise ValueError(f"place() gave {name!r} the wrong number of bytes")
+        pieces += [p for v in views for p in _pieces(v)]
+    first, second = _halves(pieces, plen) if path is not None else (pieces, [])
+    helper = _read_later(path, os.fstat(f.fileno()).st_ino, f.tell() + _nbytes(first), second)
+    h = xxhash.xxh3_128(raw)
+    try:
+        scratch = memoryview(bytearray(min(READ_PIECE, plen) or 1))
+        for piece in first:
+            piece = scratch[:piece] if isinstance(piece, int) else piece
+            if f.readinto(piece) != len(piece):
+                raise CorruptBlock("truncated")
+            h.update(piece)
+    finally:
+        read = helper.result() if helper is not None else True  # joined: it writes our buffers
+    if not read:
+        raise CorruptBlock("truncated, or replaced while read")
+    for piece in second:
+        h.update(piece)
+    if h.digest() != digest:
+        raise CorruptBlock("checksum mismatch")
+    return keys
+
+
+def _header(raw: bytes, plen: int, fp_digest: str, key: str) -> tuple[list[str], list[tuple]]:
+    """(the file's keys, its array table [(name, dtype, shape, bytes)] in payload order) from
+    its JSON header, or CorruptBlock naming what does not fit."""
     try:
         header = json.loads(raw)
         table = [(str(name), str(dtype), [int(x) for x in shape], int(off), int(n))
@@ -270,34 +304,7 @@ def read_into(f, size: int, fp_digest: str, key: str, place, path: str | None = 
         at += n
     if at != plen:
         raise CorruptBlock("array table does not cover the payload")
-    sinks = place(keys, {name: (dtype, tuple(shape)) for name, dtype, shape, _, _ in table})
-    if sinks is None:
-        return None
-    h = xxhash.xxh3_128(raw)
-    pieces: list = []  # the payload in file order: destinations, or byte counts to drop
-    for name, _, _, _, n in table:
-        views = sinks.get(name, [n])
-        if sum(v if isinstance(v, int) else len(v) for v in views) != n:
-            raise ValueError(f"place() gave {name!r} the wrong number of bytes")
-        pieces += [p for v in views for p in _pieces(v)]
-    first, second = _halves(pieces, plen) if path is not None else (pieces, [])
-    helper = _read_later(path, os.fstat(f.fileno()).st_ino, f.tell() + _nbytes(first), second)
-    try:
-        scratch = memoryview(bytearray(min(READ_PIECE, plen) or 1))
-        for piece in first:
-            piece = scratch[:piece] if isinstance(piece, int) else piece
-            if f.readinto(piece) != len(piece):
-                raise CorruptBlock("truncated")
-            h.update(piece)
-    finally:
-        read = helper.result() if helper is not None else True  # joined: it writes our buffers
-    if not read:
-        raise CorruptBlock("truncated, or replaced while read")
-    for piece in second:
-        h.update(piece)
-    if h.digest() != digest:
-        raise CorruptBlock("checksum mismatch")
-    return keys
+    return keys, [(name, dtype, shape, n) for name, dtype, shape, _, n in table]
 
 
 def _pieces(view) -> list:
@@ -327,18 +334,15 @@ def _halves(pieces: list, total: int) -> tuple[list, list]:
     return pieces[:i], [memoryview(bytearray(p)) if isinstance(p, int) else p for p in rest]
 
 
-_helper: ThreadPoolExecutor | None = None
+_HELPER = ThreadPoolExecutor(1, thread_name_prefix="mlxlocal-kv-read")  # its thread: at first use
 
 
 def _read_later(path: str | None, ino: int, offset: int, pieces: list) -> Future | None:
     """Read `pieces` from `offset` of the file at `path` on the helper thread (a handle of its
     own: no shared position); its result is False where it came short or the path now names
     another file."""
-    global _helper
     if not pieces or path is None:
         return None
-    if _helper is None:
-        _helper = ThreadPoolExecutor(1, thread_name_prefix="mlxlocal-kv-read")
 
     def read() -> bool:
         with open(path, "rb", buffering=0) as g:
@@ -346,7 +350,7 @@ def _read_later(path: str | None, ino: int, offset: int, pieces: list) -> Future
                 return False
             g.seek(offset)
             return all(g.readinto(p) == len(p) for p in pieces)
-    return _helper.submit(read)
+    return _HELPER.submit(read)
 
 
 def file_keys(path: str) -> list[str]:
