@@ -231,9 +231,9 @@ def test_engine_decodes_after_a_prefix_hit_in_place_with_mlx_lm_parity(monkeypat
     runs_seen = []
     real = paged.PagedLayerView._one
 
-    def one(self, i, q, scale, runs):
-        runs_seen.append(len(runs))
-        return real(self, i, q, scale, runs)
+    def one(self, i, q, scale):
+        runs_seen.append(len(self.batch.host_segments[i]))
+        return real(self, i, q, scale)
     monkeypatch.setattr(paged.PagedLayerView, "_one", one)
     try:
         tokens_of(eng.submit(shared + [1, 2, 3], greedy_params(2)))  # caches the prefix

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from mlxlocal.cache import quantized
 from mlxlocal.metal import paged_attention
-from mlxlocal.metal.attention import rows_index, segment_attention, sequence_rows
+from mlxlocal.metal.attention import key_slices, rows_index, segment_attention, sequence_rows
 from mlxlocal.metal.kernel import metal_available
 from mlxlocal.metal.paged_attention import kernel_taken, step_mask
 from mlxlocal.metal.paged_attention_quant import paged_attention_quantized, quantized_kernel_taken
@@ -251,12 +251,24 @@ class StepBatch:
         rather than one gather of every context (full layers). With Metal, only a batch on
         one run each, as measured there (the kernel dispatch chose MLX's attention); several
         runs merged and a lone sequence's split were measured on the CPU backend only."""
-        segments, lens = self.host_segments, self.host_context_lens
-        if L != 1 or segments is None or None in segments or max(lens) < IN_PLACE_KEYS:
-            return None
-        if metal_available() and (len(lens) == 1 or any(len(x) > 1 for x in segments)):
-            return None
-        return segments
+        key = ("in place", L)
+        if key not in self._masks:  # asked by every full layer: once per step
+            segments, lens = self.host_segments, self.host_context_lens
+            if L != 1 or segments is None or None in segments or max(lens) < IN_PLACE_KEYS:
+                segments = None
+            elif metal_available() and (len(lens) == 1 or any(len(x) > 1 for x in segments)):
+                segments = None
+            self._masks[key] = segments
+        return self._masks[key]
+
+    def slices(self, i: int, block_size: int) -> tuple[list, int]:
+        """Sequence i's key_slices (in_place's runs, cut to its context), once per step."""
+        key = ("slices", i, block_size)
+        if key not in self._masks:
+            assert self.host_segments is not None and self.host_segments[i] is not None
+            self._masks[key] = key_slices(self.host_segments[i], self.host_context_lens[i],
+                                          block_size)
+        return self._masks[key]
 
     def window_start(self, window: int, block_size: int) -> int:
         """First block any query of this step sees in a `window` layer: keys before it are
@@ -307,8 +319,7 @@ class PagedLayerView:
         k_pool, v_pool, tables = pools.k[self.layer], pools.v[self.layer], pools.tables(self.layer, b)[1]
         segments = b.in_place(L) if w is None else None
         if segments is not None and not self._kernel(q, k_pool, v_pool, tables):
-            return mx.concatenate([self._one(i, q[i : i + 1], scale, runs)
-                                   for i, runs in enumerate(segments)])
+            return mx.concatenate([self._one(i, q[i : i + 1], scale) for i in range(q.shape[0])])
         # A window layer reads from the first block any query of this step still sees.
         run = b.host_run if w is None else None
         kw = dict(n_keys=max(b.host_context_lens), mask=b.mask(L, None) if w is None else b.window_mask(L, w, bs),
@@ -326,9 +337,10 @@ class PagedLayerView:
                                           self.pools.bits, None)
         return kernel_taken(q, k_pool, v_pool, tables, None)
 
-    def _one(self, i: int, q: mx.array, scale: float, runs: list[tuple[int, int]]) -> mx.array:
+    def _one(self, i: int, q: mx.array, scale: float) -> mx.array:
         """Sequence i's decode attention over its runs of blocks: slices, cut to its context
         (quantized: straight on the packed rows, nothing dequantized)."""
-        pools, n = self.pools, self.batch.host_context_lens[i]
-        k_pool, v_pool = pools.k[self.layer], pools.v[self.layer]
-        return segment_attention(q, k_pool, v_pool, runs, n, scale, pools.group_size, pools.bits)
+        pools = self.pools
+        return segment_attention(q, pools.k[self.layer], pools.v[self.layer],
+                                 self.batch.slices(i, pools.block_size), scale, pools.group_size,
+                                 pools.bits)

@@ -135,12 +135,13 @@ class RadixCache:
         k = min(len(tokens) // bs, len(blocks))
         while k and blocks[k - 1] not in self.by_block:  # its newest blocks are not in yet
             k -= 1
-        last = tuple(tokens[(k - 1) * bs:k * bs])
-        if not k or self.by_block[blocks[k - 1]].key != self._key(last, tags, k - 1):
+        if not k:
             return 0
         node = self.by_block[blocks[k - 1]]
-        for j in range(k - 1, -1, -1):
-            if node is None or node.block != blocks[j]:
+        if node.key != self._key(tuple(tokens[(k - 1) * bs:k * bs]), tags, k - 1):
+            return 0
+        for j in range(k - 1, -1, -1):  # a shorter chain meets the root (block -1) first
+            if node.block != blocks[j]:
                 return 0
             node.last_used = now
             node = node.parent

@@ -141,11 +141,10 @@ class TierSave(Message):
 
 
 @dataclass(frozen=True)
-class TierSaveTail(Message):
-    """Write the first `rows` rows of this rank's pool `block` as the tail file `key` (a
-    prompt's partial last block)."""
+class TierTail(Message):
+    """A prompt's partial last block: the first `rows` rows of this rank's pool `block`, as
+    the tail file `key`."""
 
-    op: ClassVar[str] = "tier_save_tail"
     engine: int
     key: str
     block: int
@@ -153,15 +152,17 @@ class TierSaveTail(Message):
 
 
 @dataclass(frozen=True)
-class TierReadTail(Message):
-    """Read the first `rows` rows of this rank's tail file `key` into pool `block`, and
-    answer whether it verified."""
+class TierSaveTail(TierTail):
+    """Write them."""
+
+    op: ClassVar[str] = "tier_save_tail"
+
+
+@dataclass(frozen=True)
+class TierReadTail(TierTail):
+    """Read them from this rank's file, and answer whether it verified."""
 
     op: ClassVar[str] = "tier_read_tail"
-    engine: int
-    key: str
-    block: int
-    rows: int
 
 
 @dataclass(frozen=True)

@@ -41,17 +41,18 @@ class TierMirror:
 
     def read(self, file: str, skip: int, keys: list[str], blocks: list[int],
              windows: list[int]) -> bool:
-        with self.channel.turn():  # the message and its answers, with no forward between
-            self.channel.send(TierRead(self.engine, file, skip, keys, blocks, windows))
-            answers = gather_rank_numbers(self.channel.group, [1])
-        return all(a[0] for a in answers)
+        return self._ask(TierRead(self.engine, file, skip, keys, blocks, windows))
 
     def saved_tail(self, key: str, block: int, rows: int) -> None:
         self.channel.send(TierSaveTail(self.engine, key, block, rows))
 
     def read_tail(self, key: str, block: int, rows: int) -> bool:
-        with self.channel.turn():
-            self.channel.send(TierReadTail(self.engine, key, block, rows))
+        return self._ask(TierReadTail(self.engine, key, block, rows))
+
+    def _ask(self, msg: TierRead | TierReadTail) -> bool:
+        """Send a read; True when every other rank answers that its file verified."""
+        with self.channel.turn():  # the message and its answers, with no forward between
+            self.channel.send(msg)
             answers = gather_rank_numbers(self.channel.group, [1])
         return all(a[0] for a in answers)
 
@@ -103,7 +104,6 @@ class RankTier(DiskTier):
             return False
         self._put_windows([(None, rows[r], w) for r, w in want.items()])
         return True
-
 
     def write_tail(self, key: str, block: int, rows: int) -> bool:
         """This rank's first `rows` rows of pool `block` as the tail file `key`."""

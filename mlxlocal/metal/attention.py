@@ -69,16 +69,24 @@ def sequence_rows(
     return rows if n_keys is None or n_keys == W * bs else rows[:, :, :n_keys]
 
 
-def segment_attention(q: mx.array, k_pool, v_pool, runs: list[tuple[int, int]], n_keys: int,
-                      scale: float, group_size: int = 0, bits: int | None = None) -> mx.array:
-    """One sequence's decode attention, q [1, Hq, 1, D], over its first n_keys positions, held
-    in the pools' blocks as `runs` [(first block, blocks), ...] in order (pools [Hkv, NB, BS,
-    last], or with `bits` the (packed, scales, biases) triples of them): each run is read by a
-    slice, never gathered, and the runs' partial softmaxes are merged by their maxima and sums.
-    Without Metal a long context's keys are split in two halves on two CPU streams."""
+def key_slices(runs: list[tuple[int, int]], n_keys: int, bs: int) -> tuple[list, int]:
+    """segment_attention's slices of a sequence's first n_keys positions held in `runs`
+    [(first block, blocks), ...]: (first block, keys) each, and the index of the first one
+    on the second CPU stream (without Metal, from SPLIT_KEYS keys: the keys split in halves).
+    The same for every layer of a step: worked out once (StepBatch.slices)."""
+    return _pieces(runs, n_keys, bs, not metal_available() and n_keys >= SPLIT_KEYS)
+
+
+def segment_attention(q: mx.array, k_pool, v_pool, slices: tuple[list, int], scale: float,
+                      group_size: int = 0, bits: int | None = None) -> mx.array:
+    """One sequence's decode attention, q [1, Hq, 1, D], over its keys held in the pools'
+    blocks as key_slices' `slices` (pools [Hkv, NB, BS, last], or with `bits` the (packed,
+    scales, biases) triples of them): each slice is a view, never gathered, and the slices'
+    partial softmaxes are merged by their maxima and sums; those from key_slices' index on
+    run on a second CPU stream."""
     k_parts, v_parts = (pool if bits is not None else (pool,) for pool in (k_pool, v_pool))
     bs = k_parts[0].shape[2]
-    pieces, second = _pieces(runs, n_keys, bs, not metal_available() and n_keys >= SPLIT_KEYS)
+    pieces, second = slices
     if len(pieces) == 1:  # one slice: attention as over contiguous K/V
         k, v = ([_rows(p, *pieces[0], bs)[None] for p in parts] for parts in (k_parts, v_parts))
         if bits is None:

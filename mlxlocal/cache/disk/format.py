@@ -326,7 +326,7 @@ def _halves(pieces: list, total: int) -> tuple[list, list]:
         return pieces, []
     i, passed = 0, 0
     while passed < total // 2:
-        passed += _nbytes(pieces[i:i + 1])
+        passed += pieces[i] if isinstance(pieces[i], int) else len(pieces[i])
         i += 1
     rest = pieces[i:]
     if not rest or sum(p for p in rest if isinstance(p, int)) > HELPER_SCRATCH:
