@@ -89,9 +89,12 @@ def test_table_segments_check_only_what_was_added_and_stay_exact():
             seq.block_table += [nxt + i for i in range(rng.randrange(1, 4))]
         elif op < 0.9:  # rollback, as Scheduler.trim does
             seq.block_table = t[: rng.randrange(len(t) + 1)]
-        else:  # a new table (prefix reuse, cache edits)
+        elif op < 0.95:  # a new table (prefix reuse, cache edits)
             start = rng.randrange(50)
             seq.block_table = list(range(start, start + rng.randrange(6))) + ([99] if rng.random() < 0.3 else [])
+        else:  # a new long one (a long prompt's prefix hit): its runs found apart
+            seq.block_table = [b for _ in range(rng.randrange(1, 11))
+                               for s in [rng.randrange(1000)] for b in range(s, s + rng.randrange(1, 80))]
         got = table_segments(seq)
         assert got == runs_of(seq.block_table), seq.block_table
         seen.add(len(got) if got is not None else None)

@@ -285,7 +285,8 @@ def test_partial_block_never_shared(make_engine):
     p = prompt_of(20, shift=2)
     first = tokens_of(eng.submit(p, greedy_params(4)))
     # 23 computed tokens -> one full block and a partial leaf of 7 tokens.
-    nodes = eng.call(lambda: {n.block: len(n.chunk) for n in eng.blocks.radix.by_block.values()})
+    radix = eng.blocks.radix
+    nodes = eng.call(lambda: {b: len(radix.chunk(b)) for b in radix.by_block})
     assert sorted(nodes.values()) == [7, BS]
     partial_block = next(b for b, n in nodes.items() if n == 7)
     again = eng.submit(p, greedy_params(4))

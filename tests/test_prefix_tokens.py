@@ -28,7 +28,8 @@ def tokens_of(handle) -> list[int]:
 
 def partial_nodes(eng: PagedEngine) -> dict[int, int]:
     """block -> tokens held, for the partial leaves in the tree."""
-    return eng.call(lambda: {b: len(n.chunk) for b, n in eng.blocks.radix.by_block.items() if len(n.chunk) < BS})
+    radix = eng.blocks.radix
+    return eng.call(lambda: {b: len(radix.chunk(b)) for b in radix.by_block if len(radix.chunk(b)) < BS})
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_radix_partial_leaf_match_upgrade_and_evict():
     assert r.match_partial([1, 1, 5]) == ([], (10, 2))  # a full child matches partially too
     # The same block grown full: its partial leaf is replaced by a full node.
     r.insert([1, 1, 1, 1, 2, 2, 2, 2, 3], [10, 11, 12], partial=True)
-    assert len(r.by_block[11].chunk) == 4 and len(r.by_block[12].chunk) == 1 and len(r) == 3
+    assert len(r.chunk(11)) == 4 and len(r.chunk(12)) == 1 and len(r) == 3
     assert r.match_partial([1, 1, 1, 1, 2, 2, 2, 2, 3, 3]) == ([10, 11], (12, 1))
     # Partial leaves are evictable leaves like any other.
     assert r.evict(1, lambda b: True) == [12]
@@ -72,8 +73,9 @@ def test_radix_partial_leaf_match_upgrade_and_evict():
 
 
 def _tree(r: RadixCache) -> dict:
-    """A tree as plain data: each node's block, chunk, key and parent's block."""
-    return {b: (n.chunk, n.key, n.parent.block) for b, n in r.by_block.items()}
+    """A tree as plain data: each node's blocks, tokens, tags, key and parent's blocks."""
+    return {b: (tuple(n.blocks), tuple(n.tokens), tuple(n.tags), n.key, tuple(n.parent.blocks))
+            for b, n in r.by_block.items()}
 
 
 def test_radix_insert_below_held_chain_equals_the_walk_from_the_root(monkeypatch):
@@ -84,18 +86,19 @@ def test_radix_insert_below_held_chain_equals_the_walk_from_the_root(monkeypatch
 
     rng = random.Random(3)
     fast, walk = RadixCache(4), RadixCache(4)
-    monkeypatch.setattr(walk, "_held_chain", lambda *a: 0)
+    monkeypatch.setattr(walk, "_held_chain", lambda *a: (0, walk.root, 0))
     held = []
 
     def held_chain(*a):
         held.append(RadixCache._held_chain(fast, *a))
         return held[-1]
     monkeypatch.setattr(fast, "_held_chain", held_chain)
-    tables: list[tuple[list[int], list[int]]] = []  # (tokens, blocks) inserted so far
+    # (tokens, blocks, the chunk its tags start at or None) inserted so far
+    tables: list[tuple[list[int], list[int], int | None]] = []
     next_block = 0
     for step in range(400):
-        if tables and rng.random() < 0.6:  # a sequence grows: its table goes on
-            tokens, blocks = rng.choice(tables)
+        if tables and rng.random() < 0.6:  # a sequence grows: its table (and tags) go on
+            tokens, blocks, tagged = rng.choice(tables)
             tokens = tokens + [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
             blocks = blocks + list(range(next_block, next_block + 3))
         else:  # a new prompt, sharing a cached prefix's blocks or not
@@ -103,22 +106,81 @@ def test_radix_insert_below_held_chain_equals_the_walk_from_the_root(monkeypatch
             blocks = list(range(next_block, next_block + 6))
             if tables and rng.random() < 0.3:  # another chain's blocks up front: not a chain here
                 blocks = rng.choice(tables)[1][:2] + blocks
+            tagged = rng.randrange(4) if rng.random() < 0.2 else None
         next_block += 9
         need = len(tokens) // 4 + 1
         blocks = blocks[:need]
-        tags = [("t", 1)] * (need // 2) if rng.random() < 0.2 else None
-        if tags:  # tagged from the start: keys of their own
-            tags = [None] * (need - len(tags)) + tags
+        # An edit history tags the chunks from the edit on (the same ones as the table grows).
+        tags = None if tagged is None else [None] * tagged + [("t", 1)] * max(0, need - tagged)
         partial = rng.random() < 0.5
         got = fast.insert(tokens, blocks, partial, tags)
         want = walk.insert(tokens, blocks, partial, tags)
         assert got == want and _tree(fast) == _tree(walk), step
-        tables.append((tokens, got + blocks[len(got):]))
+        tables.append((tokens, got + blocks[len(got):], tagged))
         if rng.random() < 0.1:
             assert fast.evict(3, lambda b: True) == walk.evict(3, lambda b: True)
-            tables = [(t, b) for t, b in tables
+            tables = [(t, b, g) for t, b, g in tables
                       if all(x in fast.by_block for x in b[: len(t) // 4])]
-    assert sum(k > 0 for k in held) > 50  # the fast path was taken, often
+    assert sum(k[0] > 0 for k in held) > 50  # the fast path was taken, often
+
+
+def test_radix_runs_match_what_a_tree_of_single_blocks_holds():
+    """The tree keeps runs of blocks as one node, split where prefixes branch: over random
+    prompts sharing prefixes, growth, partial leaves, detaches and evictions, every match is
+    the longest prefix a plain map of cached block paths holds, each block holds its
+    chunk, and every node's blocks point back at it."""
+    import random
+
+    rng = random.Random(5)
+    r, bs = RadixCache(4), 4
+    path_of: dict[int, tuple] = {}  # cached full block -> the chunks up to and with it
+    seqs: list[list[int]] = []
+    next_block = 0
+
+    def key(tokens: list[int], i: int) -> tuple:
+        return tuple(tuple(tokens[x * bs:(x + 1) * bs]) for x in range(i + 1))
+
+    def longest(tokens: list[int]) -> int:
+        cached, n = set(path_of.values()), 0
+        while n < len(tokens) // bs and key(tokens, n) in cached:
+            n += 1
+        return n
+
+    for step in range(600):
+        roll = rng.random()
+        if roll < 0.5 or not seqs:  # a prompt: a cached one's start, then its own tokens
+            base = rng.choice(seqs)[: rng.randrange(0, 40)] if seqs and rng.random() < 0.7 else []
+            tokens = base + [rng.randrange(2) for _ in range(rng.randrange(1, 30))]
+            shared = r.match(tokens)
+            blocks = shared + list(range(next_block, next_block + len(tokens) // bs + 1))
+            next_block += len(blocks)
+            held = r.insert(tokens, blocks[: len(tokens) // bs + 1], partial=rng.random() < 0.5)
+            for i, b in enumerate(held):
+                assert path_of.setdefault(b, key(tokens, i)) == key(tokens, i), step
+            seqs.append(tokens)
+        elif roll < 0.8:  # a lookup
+            tokens = rng.choice(seqs)[: rng.randrange(1, 60)] + [rng.randrange(2)] * rng.randrange(3)
+            got, part = r.match_partial(tokens)
+            assert len(got) == longest(tokens), step
+            assert all(path_of[b] == key(tokens, i) for i, b in enumerate(got)), step
+            if part is not None:
+                block, k = part
+                rest = tokens[len(got) * bs:]
+                assert 0 < k and tuple(rest[:k]) == r.chunk(block)[:k], step
+        elif roll < 0.9:  # a block rewritten: out, with what hangs below it
+            if path_of:
+                b = rng.choice(sorted(path_of))
+                gone = {b, *r.detach([b])}
+                for x in gone:
+                    path_of.pop(x, None)
+        else:
+            for b in r.evict(rng.randrange(1, 6), lambda b: True):
+                path_of.pop(b, None)
+        assert set(path_of) == {b for b, n in r.by_block.items() if not n.partial}, step
+        for b, n in r.by_block.items():
+            assert b in n.blocks and n.parent.children[n.key] is n, step
+            if not n.partial:
+                assert r.chunk(b) == path_of[b][-1], step
 
 
 def test_block_manager_match_tokens_copies_and_pins_source():
@@ -191,7 +253,8 @@ def test_small_pool_evicts_partial_leaves_without_leaks(make_engine):
     warm, cold = make_engine(kv_blocks=8), make_engine(prefix_cache=False)
     first = prompt_of(37, shift=30)
     assert tokens_of(warm.submit(first, greedy(3))) == tokens_of(cold.submit(first, greedy(3)))
-    chunks = lambda: warm.call(lambda: {n.chunk for n in warm.blocks.radix.by_block.values()})  # noqa: E731
+    radix = warm.blocks.radix
+    chunks = lambda: warm.call(lambda: {radix.chunk(b) for b in radix.by_block})  # noqa: E731
     leaf = tuple(first[32:])
     assert any(len(c) < BS and c[:5] == leaf[:5] for c in chunks())  # first's partial leaf
     for i in range(6):

@@ -234,8 +234,7 @@ class BlockManager:
         """A partial leaf no one holds, whose every token the request shares (the next turn
         of the conversation that left it), is taken as it is, without a copy: the
         sequence's table stays one run, and it writes on after those k tokens."""
-        node = self.radix.by_block[block]
-        if self.refs[block] or k != len(node.chunk) or k >= self.block_size:
+        if self.refs[block] or k != self.radix.partial_length(block):
             return False
         self.radix.detach([block])
         self.refs[block] = 1
@@ -258,6 +257,8 @@ class BlockManager:
         else:
             held = self.radix.insert(tokens[: n_full * self.block_size], blocks[:n_full], tags=tags)
         table = list(blocks)
+        if held == blocks[:len(held)]:  # most often: the tree holds the sequence's own blocks
+            return table
         for i, (mine, kept) in enumerate(zip(blocks, held)):
             if mine != kept:
                 if self.on_move is not None:

@@ -116,6 +116,9 @@ class PagedEngine(EngineBase, StepPhases):
         self._fence: list[mx.array] = []  # an output of the last forward sent to evaluation
         self._wrote = False  # _write ran: this step's sampled tokens may be stale (step())
         self.profile: StepProfile | None = None  # set: step() times its phases (bench profile)
+        # Started now, not at the first request: the thread and its MLX stream (0.7 ms) are
+        # not that request's wait.
+        self._ensure_thread()
 
     # --- front-end API (any thread) ----------------------------------------------
     def new_session(self) -> PagedSession:

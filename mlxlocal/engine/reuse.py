@@ -189,6 +189,9 @@ class PrefixReuse:
         """Share seq's computed full blocks with later requests through the prefix cache
         (with the window layers' blocks at those positions), and (no session pins it) its
         partial last block as a leaf they may copy from."""
+        if seq.cached is not None and seq.cached[0] is seq.block_table \
+                and seq.cached[1] == seq.num_computed:
+            return  # in already (a request done with its first token: at the token, then at its end)
         computed = seq.tokens[: seq.num_computed]
         tags = None
         if seq.edit is not None and seq.edit.applied:
@@ -202,6 +205,7 @@ class PrefixReuse:
             self.windows.keep(seq.block_table[:n_full], seq.window_table[:n_full])
         if self.tier is not None:  # its full blocks (and the partial last one) written through,
             self.tier.save(computed, seq.block_table, tags)  # with the window blocks kept above
+        seq.cached = (seq.block_table, seq.num_computed)
 
     def prefetch(self, seq: Sequence) -> None:
         """A new request's disk blocks read ahead off the engine thread (the scheduler admits

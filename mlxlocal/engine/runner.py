@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from mlxlocal.cache import KVPools, KVShape, PagedLayerView, StepBatch
 from mlxlocal.cache.mlx_lm_views import CacheLayout, NotPageable
@@ -56,9 +57,22 @@ def table_segments(seq) -> list[tuple[int, int]] | None:
             segments = _segments(table[cached[1]:], list(segments))
     else:
         start = run_start(table)  # most tables: one run, checked in one comparison
-        segments = [(start, len(table))] if start is not None else _segments(table, [])
+        segments = [(start, len(table))] if start is not None else _table_runs(table)
     seq.run_cache = (table, len(table), segments)
     return segments
+
+
+def _table_runs(table: list[int]) -> list[tuple[int, int]] | None:
+    """A whole table's runs (None past MAX_SEGMENTS): where a long one breaks found by numpy,
+    not by a Python loop over its ids (a 16k-token prompt after a prefix hit: 1,025)."""
+    if len(table) < 64:
+        return _segments(table, [])
+    ids = np.asarray(table, np.int64)
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+    if len(cuts) >= MAX_SEGMENTS:
+        return None
+    bounds = [0, *cuts.tolist(), len(table)]
+    return [(table[a], b - a) for a, b in zip(bounds, bounds[1:])]
 
 
 def _segments(ids: list[int], segments: list[tuple[int, int]]) -> list[tuple[int, int]] | None:

@@ -31,6 +31,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     block_table: list[int] = field(default_factory=list)
     run_cache: tuple | None = None  # (block_table, ids checked, its runs): runner.table_segments
+    cached: tuple | None = None  # (block_table, num_computed) it last put in the prefix cache
     # Models with sliding-window layers: those layers' blocks, parallel to block_table
     # (holes where a block left the window; cache/window.py).
     window_table: list[int] = field(default_factory=list)
