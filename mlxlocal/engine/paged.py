@@ -35,7 +35,7 @@ from mlxlocal.engine.kernels import warm_up
 from mlxlocal.engine.output import Output
 from mlxlocal.engine.profile import StepProfile
 from mlxlocal.engine.reuse import PrefixReuse
-from mlxlocal.engine.runner import Runner, make_runner
+from mlxlocal.engine.runner import Runner, make_runner, warm_thread
 from mlxlocal.engine.sampling import Sampler
 from mlxlocal.engine.scheduler import Scheduler
 from mlxlocal.engine.sequence import Sequence, Status
@@ -116,9 +116,10 @@ class PagedEngine(EngineBase, StepPhases):
         self._fence: list[mx.array] = []  # an output of the last forward sent to evaluation
         self._wrote = False  # _write ran: this step's sampled tokens may be stale (step())
         self.profile: StepProfile | None = None  # set: step() times its phases (bench profile)
-        # Started now, not at the first request: the thread and its MLX stream (0.7 ms) are
-        # not that request's wait.
+        # Started and warmed now, not at the first request: the thread, its MLX streams and
+        # compiled functions (1.1 ms here) are not that request's wait.
         self._ensure_thread()
+        self.call(lambda: warm_thread(self.runner, self.pools, self.blocks))
 
     # --- front-end API (any thread) ----------------------------------------------
     def new_session(self) -> PagedSession:

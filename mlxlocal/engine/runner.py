@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -149,6 +149,26 @@ def step_inputs(seqs: list[Sequence], starts: list[int], n: int) -> mx.array:
             for s, p in zip(seqs, starts)
         ])
     return mx.array([s.tokens[p : p + n] for s, p in zip(seqs, starts)])
+
+
+def warm_thread(runner, pools: KVPools, blocks) -> None:
+    """One decode forward of a scratch sequence on the calling thread (the engine's, before
+    any request): MLX traces each compiled function (RMSNorm, RoPE) anew on a thread's own
+    stream (0.1 ms each: 0.4 ms of a new engine's first request here), and long-context
+    attention's second CPU stream starts. Our models on plain pools only."""
+    from mlxlocal.engine.types import SamplingParams
+    from mlxlocal.metal.fused import _second_stream
+
+    mx.eval(mx.zeros((1,), stream=_second_stream()))
+    if type(runner) is not NativeRunner or type(pools) is not KVPools or any(pools.windowed):
+        return
+    table = blocks.allocate(1)  # written at position 0, then free again: never read
+    try:
+        seq = Sequence(id=-1, prompt=[0], params=SamplingParams(), sampler=cast(Any, None),
+                       out=cast(Any, None), handle=cast(Any, None), block_table=table)
+        mx.eval(runner.run(pools, [seq], [0], mx.zeros((1, 1), mx.uint32)))
+    finally:
+        blocks.release(table)
 
 
 class Runner(Protocol):
