@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from mlxlocal.cache.disk.format import CorruptBlock, Fingerprint, chain_hashes, to_mx
+from mlxlocal.cache.disk.format import CorruptBlock, Fingerprint, to_mx
+from mlxlocal.cache.disk.keys import chain_hashes
 from mlxlocal.cache.disk.store import DiskStore, norm_key
 
 
@@ -32,6 +33,37 @@ def key(i: int, tag=None):
 def only_file(store: DiskStore) -> str:
     (name,) = [n for n in os.listdir(store.dir) if n.endswith(".kv")]
     return os.path.join(store.dir, name)
+
+
+def test_block_keys_cover_the_prefix_and_come_lazily_in_any_order():
+    """A block's key is blake2b over its prefix's token bytes (worked out here by hashlib on
+    the whole prefix, apart from PrefixKeys' running hash); asked for in any order they are
+    the same; a tag (an edit history) makes keys of its own from its block on, before it the
+    plain ones stay; other tokens anywhere before a block change its key."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    from mlxlocal.cache.disk.keys import PrefixKeys
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(50_000) for _ in range(16 * 40 + 5)]
+    want = [hashlib.blake2b(np.asarray(tokens[:16 * (i + 1)], np.int64).tobytes(), digest_size=16,
+                            person=b"mlxlocal-kv").digest() for i in range(40)]
+    assert chain_hashes(tokens, 16) == want
+    for _ in range(20):
+        keys, order = PrefixKeys(tokens, 16), rng.sample(range(40), rng.randrange(1, 41))
+        assert [keys[i] for i in order] == [want[i] for i in order] and keys.all() == want
+    changed = list(tokens)
+    changed[16 * 7 + 3] += 1  # block 7
+    assert chain_hashes(changed, 16)[:7] == want[:7]
+    assert not set(chain_hashes(changed, 16)[7:]) & set(want)
+    tags = [None] * 10 + [("drop", 3, 5)] * 30
+    tagged = chain_hashes(tokens, 16, tags)
+    assert tagged[:10] == want[:10] and not set(tagged[10:]) & set(want)
+    assert PrefixKeys(tokens, 16, tags)[25] == tagged[25]
+    assert chain_hashes(tokens, 16, [None] * 10 + [("drop", 3, 6)] * 30)[10:] != tagged[10:]
 
 
 def test_round_trip_dtypes(tmp_path):

@@ -148,6 +148,21 @@ def test_a_longer_prompt_continues_on_disk_after_ram(models, tmp_path):
         e.shutdown()
 
 
+def test_a_prompt_that_parts_from_a_stored_one_reads_back_only_what_they_share(models, tmp_path):
+    """The file holding PROMPT's blocks goes on past where another prompt parts from it: only
+    the shared blocks come back (a key covers everything before it: the file's last block is
+    not this prompt's, so the blocks are compared until they part)."""
+    stored(models["native"], tmp_path)
+    second = engine(models["native"], tmp_path)
+    other = PROMPT[:80] + [(i * 7 + 3) % 300 for i in range(60)]  # 5 blocks shared, then its own
+    toks, _, cached, disk = run(second, other)
+    assert cached == disk == 80
+    cold = engine(models["native"], None)
+    assert toks == run(cold, other)[0]
+    for e in (second, cold):
+        e.shutdown()
+
+
 def test_a_request_arriving_while_others_decode_is_read_ahead_then_restored(models, tmp_path):
     want = stored(models["native"], tmp_path)
     files = sum(e.stat().st_size for e in os.scandir(tmp_path) if e.is_dir()

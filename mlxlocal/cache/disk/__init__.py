@@ -1,6 +1,7 @@
-"""The disk tier of the KV cache: block files keyed by chain hash and model fingerprint.
+"""The disk tier of the KV cache: block files keyed by prefix hash and model fingerprint.
 
-format.py: what keys a block (Fingerprint, chain_hashes) and its checksummed file format;
+keys.py: a block's key (its prefix's hash); format.py: the model Fingerprint and the
+checksummed file format;
 store.py: DiskStore, the budgeted store with its background writer; tier.py: DiskTier, the
 seam the engine's prefix reuse calls to write blocks down and read them back into the pools.
 """

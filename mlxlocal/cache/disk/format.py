@@ -1,4 +1,4 @@
-"""What keys the disk KV tier: the model fingerprint, block chain hashes, the block file format.
+"""What keys the disk KV tier: the model fingerprint (block keys: keys.py), the block file format.
 
 A block file is: a fixed prefix (magic, format version, header length, payload length,
 xxh3-128 checksum over header + payload), a JSON header (fingerprint digest, key, array
@@ -111,24 +111,6 @@ def tokenizer_digest(root: Path) -> str:
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
-
-
-def chain_hashes(tokens: list[int], block_size: int, tags: list | None = None) -> list[bytes]:
-    """One hash per full block: it covers the block's tokens, its tag and all before it.
-    Cryptographic (blake2b), unlike the files' checksums: a prompt made to collide with
-    another's chain would be served that prompt's KV."""
-    out, prev = [], b""
-    n = len(tokens) // block_size
-    data = np.asarray(tokens[:n * block_size], np.int64).tobytes()  # one conversion
-    step, blake2b = block_size * 8, hashlib.blake2b
-    for i in range(n):
-        block = prev + data[i * step:(i + 1) * step]  # one call a block: half the time of update()
-        tag = tags[i] if tags is not None and i < len(tags) else None
-        if tag is not None:
-            block += b"\0tag\0" + repr(tag).encode()
-        prev = blake2b(block, digest_size=16).digest()
-        out.append(prev)
-    return out
 
 
 def _raw(value) -> tuple[memoryview, str, tuple[int, ...]]:

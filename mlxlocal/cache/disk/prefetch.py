@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxlocal.cache.disk.format import chain_hashes
+from mlxlocal.cache.disk.keys import chain_hashes
 from mlxlocal.cache.disk.store import DiskStore
 
 log = logging.getLogger("mlxlocal.engine")

@@ -31,7 +31,8 @@ import numpy as np
 
 from mlxlocal.cache import quantized
 from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
-from mlxlocal.cache.disk.format import Fingerprint, chain_hashes, np_dtype
+from mlxlocal.cache.disk.format import Fingerprint, np_dtype
+from mlxlocal.cache.disk.keys import PrefixKeys, chain_hashes
 from mlxlocal.cache.disk.prefetch import Prefetch, Prefetcher
 from mlxlocal.cache.disk.store import DiskStore, norm_key
 from mlxlocal.cache.paged import KVPools
@@ -311,18 +312,17 @@ class DiskTier:
         self.blocks.share(held)  # meanwhile, so that nothing this reads evicts them
         try:
             if chains is None or len(chains) != n_full or tags is not None:
-                chains = chain_hashes(tokens[: n_full * bs], bs, tags)
+                chains = PrefixKeys(tokens[: n_full * bs], bs, tags)  # the keys it looks at
             try:
-                new = self._read_back([self._key(chains[i], tags, i) for i in range(n_full)], m)
+                new = self._read_back(_Keys(chains, tags, self._key), m)
             except Exception:  # the tier only saves time: the request is served by prefill
                 log.exception("disk tier: reading blocks back failed")
                 return 0, held
             if not new:
                 return 0, held
             n = m + len(new)
-            self._known(self._key(chains[i], tags, i) for i in range(m, n))
-            self._saved.update(new)
-            self._chain_of.update(zip(new, chains[m:n]))
+            self._saved.update(new)  # on disk: a save of them writes nothing
+            self._chain_of[new[-1]] = chains[n - 1]  # a tail after them is keyed by it
             tail = self._restore_tail(tokens, chains[n - 1]) if n == n_full and tags is None else None
             if tail is not None:  # the partial block joins as a partial leaf (copied on reuse)
                 mx.eval(self._parts())
@@ -351,7 +351,7 @@ class DiskTier:
             return None
         return self.prefetcher.submit(tokens[: n_full * bs], bs, in_ram)
 
-    def _read_back(self, keys: list, start: int) -> list[int]:
+    def _read_back(self, keys: _Keys, start: int) -> list[int]:
         """Fresh pool blocks holding keys[start:]'s blocks read from disk, file after file,
         up to the first missing, unfit or corrupt one. Each file streams straight into the
         pools' memory (one copy of each byte) and verifies; a file that does not verify
@@ -372,7 +372,7 @@ class DiskTier:
                 break
         return new
 
-    def _read_file(self, keys: list, i: int, views: list[np.ndarray],
+    def _read_file(self, keys: _Keys, i: int, views: list[np.ndarray],
                    window_from: int) -> tuple[list[int], int] | None:
         """(fresh blocks holding keys[i:]'s next run from one file, the index past what the
         file could give): a file is named by its first block's key, so the search walks back
@@ -399,7 +399,7 @@ class DiskTier:
                     if self.windows is not None:
                         self.windows.release([w for _, _, w in placed])
                     self.store.remove(keys[c])
-                    self._on_disk.difference_update(keys[c:c + done["hi"]])
+                    self._on_disk.difference_update(keys[x] for x in range(c, c + done["hi"]))
                     return None
                 for b, arrays, prefix in extras:
                     self._put_state(b, arrays, prefix)
@@ -410,7 +410,7 @@ class DiskTier:
                 return None
         return None
 
-    def _mirrored(self, keys: list, c: int, i: int, done: dict, placed: list) -> bool:
+    def _mirrored(self, keys: _Keys, c: int, i: int, done: dict, placed: list) -> bool:
         """The other ranks read their parts of the blocks rank 0 just read (every one verified),
         their window rows into the window blocks rank 0 took for them."""
         ids = done["ids"]
@@ -419,19 +419,19 @@ class DiskTier:
                                 [norm_key(keys[i + r]) for r in range(len(ids))], ids,
                                 [at.get(b, -1) for b in ids])
 
-    def _place(self, keys: list, c: int, i: int, names: list[str], table: dict, *,
+    def _place(self, keys: _Keys, c: int, i: int, names: list[str], table: dict, *,
                views: list[np.ndarray], done: dict, window_from: int) -> dict | None:
         """read_into's place(): where the bytes of the file named keys[c] go. Its blocks from
         i on, as far as they are this chain's, go into fresh pool blocks; the others are
         read for the checksum and dropped; a block's own arrays (hybrids' snapshots, window
         layers' blocks from the file's block `window_from` on) into host arrays."""
         lo, end = i - c, min(len(names), len(keys) - c)
-        ours = _names(keys[c + lo:c + end])
-        hi = end if names[lo:end] == ours else \
-            lo + next(x for x, (a, b) in enumerate(zip(names[lo:end], ours)) if a != b)
-        # past hi, the file goes on with another prompt's chain
+        # A key covers all before it: the file's last block ours, every one is. Else the file
+        # goes on with another prompt's blocks from where they part.
+        hi = end if lo < end and names[end - 1] == norm_key(keys[c + end - 1]) else next(
+            (x for x in range(lo, end) if names[x] != norm_key(keys[c + x])), end)
         n = len(names)
-        if hi == lo or not self._fits(array_layout(table), n):
+        if hi <= lo or not self._fits(array_layout(table), n):
             return None
         ids = self._allocate(hi - lo)
         if not ids:
@@ -560,11 +560,18 @@ def array_layout(table: dict) -> dict:
     return {k: (shape, np_dtype(dtype).itemsize) for k, (dtype, shape) in table.items()}
 
 
-def _names(keys: list) -> list[str]:
-    """Keys as a file records them: chain hashes in one pass (a restore of 16k tokens: 1,024)."""
-    if all(type(k) is bytes for k in keys):
-        return list(map(bytes.hex, keys))
-    return [norm_key(k) for k in keys]
+class _Keys:
+    """keys[i]: block i's store key (its prefix key, with its tag where it has one), worked
+    out when asked: a restore looks at a file's first and last blocks, not all of them."""
+
+    def __init__(self, chains, tags: list | None, key):
+        self.chains, self.tags, self.key = chains, tags, key
+
+    def __len__(self) -> int:
+        return len(self.chains)
+
+    def __getitem__(self, i: int):
+        return self.key(self.chains[i], self.tags, i)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
