@@ -302,3 +302,26 @@ def test_fingerprint_from_model_dir(tmp_path):
     b = Fingerprint.from_model_dir(tmp_path, dtype="bfloat16", kv_bits=None, kv_group_size=64,
                                    block_size=16)
     assert a.digest != b.digest  # other weights, same header
+
+
+def test_runs_of_block_ids_are_found_whole_and_in_order():
+    """tier._runs (numpy finds the breaks) against a walk of the ids one by one."""
+    import random
+
+    from mlxlocal.cache.disk.tier import _runs
+
+    def walk(ids):
+        out, start = [], 0
+        for j in range(1, len(ids) + 1):
+            if j == len(ids) or ids[j] != ids[j - 1] + 1:
+                out.append((start, ids[start], j - start))
+                start = j
+        return out
+
+    rng = random.Random(2)
+    for _ in range(500):
+        ids = [b for _ in range(rng.randrange(0, 6)) for s in [rng.randrange(100)]
+               for b in range(s, s + rng.randrange(1, 30))]
+        if rng.random() < 0.2:
+            rng.shuffle(ids)
+        assert _runs(ids) == walk(ids)

@@ -575,11 +575,10 @@ class _Keys:
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(index in ids, first id, length) of each run of consecutive ids."""
-    out: list[tuple[int, int, int]] = []
-    start = 0
-    for j in range(1, len(ids) + 1):
-        if j == len(ids) or ids[j] != ids[j - 1] + 1:
-            out.append((start, ids[start], j - start))
-            start = j
-    return out
+    """(index in ids, first id, length) of each run of consecutive ids (where they break found
+    by numpy: a restore of 16k tokens allocates 1,024, most often one run)."""
+    if not ids:
+        return []
+    cuts = (np.flatnonzero(np.diff(np.asarray(ids, np.int64)) != 1) + 1).tolist()
+    bounds = [0, *cuts, len(ids)]
+    return [(a, ids[a], b - a) for a, b in zip(bounds, bounds[1:])]
