@@ -131,3 +131,20 @@ def test_an_idle_engine_tries_the_shrink_once_not_in_a_loop(loaded):
     time.sleep(0.3)
     assert len(calls) == 2
     eng.shutdown()
+
+
+def test_mlx_buffer_cache_goes_back_a_while_after_the_last_request_not_at_once(loaded):
+    """Right after a request MLX's buffer cache stays (the next request of a burst reuses it;
+    clearing it at once held up the request's last chunk), then an idle spell hands it back."""
+    import mlx.core as mx
+
+    eng = PagedEngine(loaded, EngineConfig(kv_memory=4 << 20))
+    eng._idle.clear_after_s = 3600
+    run(eng, prompt_of(400), 4)
+    time.sleep(0.3)
+    kept = mx.get_cache_memory()
+    assert kept > 0
+    eng._idle.clear_after_s = 0.05  # from the next idle spell on
+    run(eng, prompt_of(400, shift=1), 4)
+    assert wait_for(lambda: mx.get_cache_memory() == 0, timeout=10)
+    eng.shutdown()

@@ -12,7 +12,6 @@ import asyncio
 import gc
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -31,6 +30,7 @@ from mlxlocal.engine.config import EngineConfig, size_pools
 from mlxlocal.engine.contract import DISK_STATS_KEYS
 from mlxlocal.engine.errors import EngineDeadError, OutOfCapacity, QueueFull
 from mlxlocal.engine.handle import Outbox, RequestHandle
+from mlxlocal.engine.idle import IdleChores
 from mlxlocal.engine.kernels import warm_up
 from mlxlocal.engine.output import Output
 from mlxlocal.engine.profile import StepProfile
@@ -76,7 +76,7 @@ class PagedEngine(EngineBase, StepPhases):
         self.blocks = BlockManager(start, bs, cfg.prefix_cache, max_blocks=size.num_blocks,
                                    on_resize=self.pools.resize if resizable else None)
         self._start_blocks = start
-        self._shrink_at: float | None = None  # when idle: when to give back the pools' free tail
+        self._idle = IdleChores(cfg.kv_shrink_idle_s, lambda: self._shrink())
         self.windows = WindowBlocks(window_blocks, bs, window) if window else None
         snapshots = None
         if runner.recurrent:
@@ -350,20 +350,8 @@ class PagedEngine(EngineBase, StepPhases):
     def _loop(self) -> None:
         while self.dead_reason is None:
             block = not self.scheduler.has_work
-            if block and not self._inflight:
-                # Idle: hand MLX's buffer cache back to the system, so one large request
-                # does not keep its peak memory for the life of the server.
-                mx.clear_cache()
-            # Pools grown past their start give back their free tail once per idle spell, a
-            # while after the last request (calls such as stats() do not count).
-            now = time.monotonic()
-            if not block:
-                self._shrink_at = None
-            elif self._shrink_at is None:
-                self._shrink_at = now + self.config.kv_shrink_idle_s
-            grown = self.blocks.num_blocks > self._start_blocks
-            due = block and grown and self._shrink_at != math.inf
-            wait = max(0.0, self._shrink_at - now) if due else None
+            wait = self._idle.due_in(block, block and not self._inflight,
+                                     self.blocks.num_blocks > self._start_blocks, time.monotonic())
             try:
                 while True:
                     item = self._inbox.get(block=block, timeout=wait)
@@ -373,10 +361,8 @@ class PagedEngine(EngineBase, StepPhases):
                             self._guarded(seq, self._finish, seq, "cancelled")
                         return
                     self._handle(item)
-            except queue.Empty:
-                if due and time.monotonic() >= self._shrink_at:
-                    self._shrink()
-                    self._shrink_at = math.inf  # tried: not again until requests come and go
+            except queue.Empty:  # a chore is due (the next turn runs it)
+                pass
             try:
                 self.step()
             except Exception as e:  # not pinned on one request: fail what is in flight, go on
