@@ -325,3 +325,50 @@ def test_runs_of_block_ids_are_found_whole_and_in_order():
         if rng.random() < 0.2:
             rng.shuffle(ids)
         assert _runs(ids) == walk(ids)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_read_into_checks_each_half_wherever_the_destinations_cut_it(tmp_path, monkeypatch, parallel):
+    """The checksum covers the payload's halves apart (each checked by the thread that reads
+    it): destinations cut anywhere, some bytes dropped, on one thread or two, read back the
+    same bytes; one flipped byte anywhere in the payload is caught."""
+    import random
+
+    from mlxlocal.cache.disk import format as fmt
+
+    monkeypatch.setattr(fmt, "PARALLEL_BYTES", 64 if parallel else 1 << 30)
+    monkeypatch.setattr(fmt, "READ_PIECE", 48)
+    rng = random.Random(1)
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    arrays = {f"a{i}": np.arange(rng.randrange(1, 200), dtype=np.float32) + i for i in range(4)}
+    s.put_run([key(0)], arrays)
+    assert s.flush()
+    path = only_file(s)
+    good = open(path, "rb").read()
+    for trial in range(30):
+        out = {name: np.zeros_like(a) for name, a in arrays.items()}
+        keep = {}
+
+        def place(keys, table, out=out, keep=keep):
+            sinks = {}
+            for name, a in out.items():
+                raw, views, at = memoryview(a).cast("B"), [], 0
+                while at < len(raw):
+                    n = rng.randrange(1, len(raw) - at + 1)
+                    drop = rng.random() < 0.3
+                    views.append(n if drop else raw[at:at + n])
+                    keep.setdefault(name, []).append((at, n, drop))
+                    at += n
+                sinks[name] = views
+            return sinks
+        keep.clear()
+        assert s.read_into(key(0), place) == [norm_key(key(0))], trial
+        for name, parts in keep.items():
+            got, want = memoryview(out[name]).cast("B"), memoryview(arrays[name]).cast("B")
+            assert all(got[a:a + n] == want[a:a + n] for a, n, drop in parts if not drop)
+        flipped = bytearray(good)
+        flipped[rng.randrange(len(good) - sum(a.nbytes for a in arrays.values()), len(good))] ^= 4
+        open(path, "wb").write(bytes(flipped))
+        assert s.read_into(key(0), place) is None and not os.path.exists(path)
+        open(path, "wb").write(good)
+    s.close()

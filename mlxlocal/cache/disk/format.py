@@ -20,7 +20,9 @@ import numpy as np
 import xxhash
 
 MAGIC = b"MLXKVBLK"
-VERSION = 3  # 3: a run of blocks per file; 2: xxh3-128 checksums; 1: blake2b
+# 4: the payload's halves checked apart (two threads); 3: a run of blocks per file; 2: xxh3-128
+# checksums; 1: blake2b
+VERSION = 4
 PREFIX = struct.Struct("<8sIIQ16s")  # magic, version, header len, payload len, checksum
 MAX_HEADER = 1 << 20
 
@@ -147,9 +149,19 @@ PARALLEL_BYTES = 4 << 20
 HELPER_SCRATCH = 4 << 20  # most bytes the helper reads only to check them (into scratch)
 
 
-def _checksum(data) -> bytes:
-    """Corruption, not tampering, is what it guards against: xxh3 verifies at memory speed."""
-    return xxhash.xxh3_128(data).digest()
+def _checksum(header, payload) -> bytes:
+    """xxh3-128 over the header and the two halves' own xxh3-128s: each half is checked by
+    the thread that reads it. Corruption, not tampering, is what it guards against: xxh3
+    verifies at memory speed."""
+    half = len(payload) // 2
+    return _combine(header, xxhash.xxh3_128(payload[:half]).digest(),
+                    xxhash.xxh3_128(payload[half:]).digest())
+
+
+def _combine(header, first: bytes, second: bytes) -> bytes:
+    h = xxhash.xxh3_128(header)
+    h.update(first + second)
+    return h.digest()
 
 
 def encode(fp_digest: str, keys: list[str], arrays: dict) -> bytes:
@@ -169,10 +181,14 @@ def encode_parts(fp_digest: str, keys: list[str], arrays: dict) -> list:
         off += len(data)
     header = json.dumps({"fp": fp_digest, "keys": list(keys), "arrays": table},
                         separators=(",", ":")).encode()
-    h = xxhash.xxh3_128(header)
-    for c in chunks:
-        h.update(c)
-    return [PREFIX.pack(MAGIC, VERSION, len(header), off, h.digest()), header, *chunks]
+    halves, at = [xxhash.xxh3_128(), xxhash.xxh3_128()], 0
+    for c in chunks:  # split where the payload's half falls
+        cut = min(len(c), max(0, off // 2 - at))
+        halves[0].update(memoryview(c)[:cut])
+        halves[1].update(memoryview(c)[cut:])
+        at += len(c)
+    digest = _combine(header, halves[0].digest(), halves[1].digest())
+    return [PREFIX.pack(MAGIC, VERSION, len(header), off, digest), header, *chunks]
 
 
 def _prefix(head: bytes, size: int) -> tuple[int, int, bytes]:
@@ -195,7 +211,7 @@ def decode(blob, fp_digest: str, key: str) -> tuple[dict[str, np.ndarray], dict,
     verify; `key` must be the first (a file is named by its first block's key)."""
     hlen, plen, digest = _prefix(bytes(blob[:PREFIX.size]), len(blob))
     body = memoryview(blob)[PREFIX.size:]
-    if _checksum(body) != digest:
+    if _checksum(body[:hlen], body[hlen:]) != digest:
         raise CorruptBlock("checksum mismatch")
     try:
         header = json.loads(bytes(body[:hlen]))
@@ -244,25 +260,34 @@ def read_into(f, size: int, fp_digest: str, key: str, place, path: str | None = 
         if sum(v if isinstance(v, int) else len(v) for v in views) != n:
             raise ValueError(f"place() gave {name!r} the wrong number of bytes")
         pieces += [p for v in views for p in _pieces(v)]
-    first, second = _halves(pieces, plen) if path is not None else (pieces, [])
-    helper = _read_later(path, os.fstat(f.fileno()).st_ino, f.tell() + _nbytes(first), second)
-    h = xxhash.xxh3_128(raw)
+    first, second = _halves(pieces, plen)
+    helper = _read_later(path, os.fstat(f.fileno()).st_ino, f.tell() + _nbytes(first), second) \
+        if path is not None and _helped(second, plen) else None
     try:
         scratch = memoryview(bytearray(min(READ_PIECE, plen) or 1))
-        for piece in first:
-            piece = scratch[:piece] if isinstance(piece, int) else piece
-            if f.readinto(piece) != len(piece):
-                raise CorruptBlock("truncated")
-            h.update(piece)
+        halves = [_read_checked(f, first, scratch)]
+        if helper is None:
+            halves.append(_read_checked(f, second, scratch))
     finally:
-        read = helper.result() if helper is not None else True  # joined: it writes our buffers
-    if not read:
-        raise CorruptBlock("truncated, or replaced while read")
-    for piece in second:
-        h.update(piece)
-    if h.digest() != digest:
+        read = helper.result() if helper is not None else None  # joined: it writes our buffers
+    if helper is not None:
+        if read is None:
+            raise CorruptBlock("truncated, or replaced while read")
+        halves.append(read)
+    if _combine(raw, *halves) != digest:
         raise CorruptBlock("checksum mismatch")
     return keys
+
+
+def _read_checked(f, pieces: list, scratch: memoryview) -> bytes:
+    """Read pieces (a count: into scratch, dropped) from f's position on; their xxh3-128."""
+    h = xxhash.xxh3_128()
+    for piece in pieces:
+        piece = scratch[:piece] if isinstance(piece, int) else piece
+        if f.readinto(piece) != len(piece):
+            raise CorruptBlock("truncated")
+        h.update(piece)
+    return h.digest()
 
 
 def _header(raw: bytes, plen: int, fp_digest: str, key: str) -> tuple[list[str], list[tuple]]:
@@ -301,37 +326,45 @@ def _nbytes(pieces: list) -> int:
 
 
 def _halves(pieces: list, total: int) -> tuple[list, list]:
-    """The pieces read here and those a helper reads, from half the payload on (all here below
-    PARALLEL_BYTES, or where that half drops more than HELPER_SCRATCH bytes: the helper reads
-    those into scratch of its own)."""
-    if total < PARALLEL_BYTES:
-        return pieces, []
-    i, passed = 0, 0
-    while passed < total // 2:
-        passed += pieces[i] if isinstance(pieces[i], int) else len(pieces[i])
-        i += 1
-    rest = pieces[i:]
-    if not rest or sum(p for p in rest if isinstance(p, int)) > HELPER_SCRATCH:
-        return pieces, []
-    return pieces[:i], [memoryview(bytearray(p)) if isinstance(p, int) else p for p in rest]
+    """The pieces cut where the payload's second half starts (the checksum's halves)."""
+    half, passed = total // 2, 0
+    for i, p in enumerate(pieces):
+        n = p if isinstance(p, int) else len(p)
+        if passed + n > half:
+            cut = half - passed
+            if not cut:
+                return pieces[:i], pieces[i:]
+            a, b = (cut, n - cut) if isinstance(p, int) else (p[:cut], p[cut:])
+            return pieces[:i] + [a], [b] + pieces[i + 1:]
+        passed += n
+    return pieces, []
+
+
+def _helped(second: list, total: int) -> bool:
+    """The second half read by the helper, from PARALLEL_BYTES on, unless it drops more than
+    HELPER_SCRATCH bytes (the helper reads those into scratch of its own)."""
+    return bool(second) and total >= PARALLEL_BYTES and \
+        sum(p for p in second if isinstance(p, int)) <= HELPER_SCRATCH
 
 
 _HELPER = ThreadPoolExecutor(1, thread_name_prefix="mlxlocal-kv-read")  # its thread: at first use
 
 
-def _read_later(path: str | None, ino: int, offset: int, pieces: list) -> Future | None:
-    """Read `pieces` from `offset` of the file at `path` on the helper thread (a handle of its
-    own: no shared position); its result is False where it came short or the path now names
-    another file."""
-    if not pieces or path is None:
-        return None
+def _read_later(path: str, ino: int, offset: int, pieces: list) -> Future:
+    """Read and check `pieces` from `offset` of the file at `path` on the helper thread (a
+    handle of its own: no shared position); its result is their xxh3-128, or None where it
+    came short or the path now names another file."""
+    pieces = [memoryview(bytearray(p)) if isinstance(p, int) else p for p in pieces]
 
-    def read() -> bool:
+    def read() -> bytes | None:  # their xxh3-128, or None
         with open(path, "rb", buffering=0) as g:
             if os.fstat(g.fileno()).st_ino != ino:
-                return False
+                return None
             g.seek(offset)
-            return all(g.readinto(p) == len(p) for p in pieces)
+            try:
+                return _read_checked(g, pieces, memoryview(b""))
+            except CorruptBlock:
+                return None
     return _HELPER.submit(read)
 
 
