@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -130,6 +131,16 @@ def test_cancel_stops_generation(engine):
 def test_bad_sampling_params_rejected(engine, bad):
     with pytest.raises(ValueError):
         list(engine.generate([1, 2], SamplingParams(**bad)))
+
+
+@pytest.mark.parametrize("prompt,names", [
+    ([1, -1], "got -1"), ([1, 10**6], "got 1000000"), ([1, 2.0], "integers"), ([1, None], "integers"),
+    ([1, 2**70], "integers")])
+def test_prompt_ids_outside_the_vocabulary_or_not_integers_rejected(engine, prompt, names):
+    with pytest.raises(ValueError, match=re.escape(names)):
+        engine.submit(prompt, SamplingParams(max_tokens=1))
+    assert [c.token for c in engine.generate([1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+            if c.token is not None] != []  # nothing queued by the refusals: it still serves
 
 
 def test_chat_template_renders_tools(engine):

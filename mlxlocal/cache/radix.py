@@ -171,7 +171,8 @@ class RadixCache:
             held += blocks[i:end]
             # Up to a block the tree holds elsewhere, if any (never, from the engine): a
             # block is in one place in the tree.
-            stop = next((x for x in range(i, end) if blocks[x] in self.by_block), end)
+            stop = end if self.by_block.keys().isdisjoint(blocks[i:end]) else next(
+                x for x in range(i, end) if blocks[x] in self.by_block)
             if stop > i:
                 node = self._grow(node, tokens, blocks, tags, i, stop, now)
             with_leaf = with_leaf and stop == end
@@ -218,8 +219,7 @@ class RadixCache:
         rest.children = node.children
         for child in rest.children.values():
             child.parent = rest
-        for block in rest.blocks:
-            self.by_block[block] = rest
+        self.by_block.update(dict.fromkeys(rest.blocks, rest))
         node.tokens, node.blocks, node.tags = node.tokens[:j * bs], node.blocks[:j], node.tags[:j]
         node.children = {rest.key: rest}
         return rest
@@ -240,8 +240,7 @@ class RadixCache:
             node.children[child.key] = child
             node = child
         node.last_used = now
-        for block in blocks[start:end]:
-            self.by_block[block] = node
+        self.by_block.update(dict.fromkeys(blocks[start:end], node))
         return node
 
     def detach(self, blocks: list[int]) -> list[int]:
