@@ -212,6 +212,26 @@ def test_foreign_fingerprint_and_wrong_key(tmp_path):
     s.close()
 
 
+def test_block_files_of_an_older_format_removed_on_open(tmp_path):
+    """v4 keys blocks by their prefix's hash: a v3 file is named by no key any more, so a
+    store opened by this version drops it instead of leaving it to the LRU."""
+    from mlxlocal.cache.disk import format as fmt
+
+    s = DiskStore(tmp_path, 1 << 20, fp())
+    s.put(key(0), block(0))
+    s.put(key(1), block(1))
+    assert s.flush()
+    s.close()
+    files = sorted(e.path for e in os.scandir(s.dir) if e.name.endswith(".kv"))
+    old = bytearray(open(files[0], "rb").read())
+    old[len(fmt.MAGIC):len(fmt.MAGIC) + 4] = (fmt.VERSION - 1).to_bytes(4, "little")
+    open(files[0], "wb").write(bytes(old))
+    again = DiskStore(tmp_path, 1 << 20, fp())
+    assert not os.path.exists(files[0]) and os.path.exists(files[1])
+    assert again.stats()["files"] == 1
+    again.close()
+
+
 def test_leftover_temp_removed_on_open(tmp_path):
     s = DiskStore(tmp_path, 1 << 20, fp())
     s.close()

@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict
 
 from mlxlocal.cache.disk.format import (
+    MAGIC,
+    VERSION,
     CorruptBlock,
     Fingerprint,
     decode,
@@ -29,7 +31,7 @@ from mlxlocal.cache.disk.format import (
     read_into,
 )
 
-Key = bytes | tuple  # chain hash, or (chain hash, edit-history tag)
+Key = bytes | tuple  # block key (keys.py), or (block key, edit-history tag)
 _SUFFIX = ".kv"
 MANIFEST = "manifest.json"
 _TMP = ".tmp-"
@@ -132,6 +134,7 @@ class DiskStore:
         self._closing = False
         with self._locked():
             self._clean_tmp()
+            self._drop_old_formats()
             self._held = self._sizes(self._scan())
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
                                         daemon=True)
@@ -179,6 +182,17 @@ class DiskStore:
             with contextlib.suppress(OSError):
                 old = time.time() - e.stat().st_mtime > _STALE_TMP_S
                 if old or not _pid_alive(pid) or pid < 0:
+                    os.unlink(e.path)
+
+    def _drop_old_formats(self) -> None:
+        """Block files of an older format version: no key of this one names them (v4 keys
+        blocks by their prefix's hash), so they would only wait for the LRU."""
+        for e in os.scandir(self.dir):
+            if not e.name.endswith(_SUFFIX):
+                continue
+            with contextlib.suppress(OSError), open(e.path, "rb") as f:
+                head = f.read(len(MAGIC) + 4)
+                if head[:len(MAGIC)] == MAGIC and head[len(MAGIC):] != VERSION.to_bytes(4, "little"):
                     os.unlink(e.path)
 
     def _scan(self) -> list[tuple[int, int, str]]:
