@@ -437,10 +437,12 @@ def test_logit_bias_on_the_engine(any_engine):
     (PROMPT, dict(temperature=math.nan), "temperature"),
 ])
 def test_engine_rejects_at_submit_and_keeps_running(engine, prompt, kw, message):
+    before = engine.tokens_in
     with pytest.raises(ValueError, match=message):
         engine.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True, **kw))
-    # Rejected before queueing: no engine thread was started, nothing is waiting.
-    assert engine._thread is None and engine._queued == 0
+    # Rejected before queueing: nothing reached the engine thread (stats() is a round trip
+    # through it, after anything posted before), nothing is waiting.
+    assert engine.stats()["waiting"] == 0 and engine.tokens_in == before and engine._queued == 0
     assert len(greedy(engine, PROMPT, n=3, top_k=384, logit_bias={383: 1.0})) == 3
     with pytest.raises(ValueError, match=message):
         engine.submit(prompt, SamplingParams(max_tokens=3, ignore_eos=True, **kw))
