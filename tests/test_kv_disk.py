@@ -325,10 +325,10 @@ def test_fingerprint_from_model_dir(tmp_path):
 
 
 def test_runs_of_block_ids_are_found_whole_and_in_order():
-    """tier._runs (numpy finds the breaks) against a walk of the ids one by one."""
+    """blocks.id_runs (numpy finds the breaks) against a walk of the ids one by one."""
     import random
 
-    from mlxlocal.cache.disk.tier import _runs
+    from mlxlocal.cache.blocks import id_runs as _runs
 
     def walk(ids):
         out, start = [], 0

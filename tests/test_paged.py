@@ -42,7 +42,6 @@ def tokens_of(handle) -> list[int]:
 @contextlib.contextmanager
 def paused(eng: PagedEngine):
     """Hold the engine thread so everything submitted meanwhile starts in the same step."""
-    eng._ensure_thread()
     gate, started = threading.Event(), threading.Event()
 
     def hold():

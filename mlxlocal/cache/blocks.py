@@ -8,7 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
+
 from mlxlocal.cache.radix import RadixCache
+
+
+def id_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in ids, first id, length) of each run of consecutive block ids; where they break
+    found by numpy (a 16k-token table or restore: 1,024 ids, most often a run or two)."""
+    if not ids:
+        return []
+    cuts = (np.flatnonzero(np.diff(np.asarray(ids, np.int64)) != 1) + 1).tolist()
+    bounds = [0, *cuts, len(ids)]
+    return [(a, ids[a], b - a) for a, b in zip(bounds, bounds[1:])]
 
 
 class OutOfBlocks(Exception):

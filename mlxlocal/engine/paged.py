@@ -118,7 +118,7 @@ class PagedEngine(EngineBase, StepPhases):
         self.profile: StepProfile | None = None  # set: step() times its phases (bench profile)
         # Started and warmed now, not at the first request: the thread, its MLX streams and
         # compiled functions (1.1 ms here) are not that request's wait.
-        self._ensure_thread()
+        self._start_thread()
         self.call(lambda: warm_thread(self.runner, self.pools, self.blocks))
 
     # --- front-end API (any thread) ----------------------------------------------
@@ -221,8 +221,6 @@ class PagedEngine(EngineBase, StepPhases):
 
     def call(self, fn, timeout: float = 60.0):
         """Run fn on the engine thread (where all cache state lives) and return its result."""
-        if self._thread is None and self.dead_reason is None:
-            return fn()
         reply: queue.Queue = queue.Queue()
         self._post(("call", fn, reply))
         deadline = time.monotonic() + timeout
@@ -282,27 +280,20 @@ class PagedEngine(EngineBase, StepPhases):
         return EngineDeadError(f"the engine for {self.info.name} has stopped: {self.dead_reason}")
 
     def _post(self, item: tuple) -> None:
-        """Queue work for the engine thread, starting it; refused once the engine stopped."""
+        """Queue work for the engine thread; refused once the engine stopped."""
         with self._start_lock:
             if self.dead_reason is not None:
                 raise self._dead_error()
-            self._start_thread()
             self._inbox.put(item)
 
     # --- engine thread ---------------------------------------------------------------
-    def _ensure_thread(self) -> None:
-        with self._start_lock:
-            if self.dead_reason is None:
-                self._start_thread()
-
-    def _start_thread(self) -> None:  # under _start_lock
-        if self._thread is None:
-            # What is alive by now (modules, the model's objects) is never scanned again by
-            # a full collection: one scanned them all, 45 ms here, on the engine thread in
-            # the middle of a 16k-token prompt's restore.
-            gc.freeze()
-            self._thread = threading.Thread(target=self._run, name="mlxlocal-engine", daemon=True)
-            self._thread.start()
+    def _start_thread(self) -> None:  # at construction
+        # What is alive by now (modules, the model's objects) is never scanned again by a
+        # full collection: one scanned them all, 45 ms here, on the engine thread in the
+        # middle of a 16k-token prompt's restore.
+        gc.freeze()
+        self._thread = threading.Thread(target=self._run, name="mlxlocal-engine", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         # MLX streams belong to threads: all engine work runs on this thread's own stream,

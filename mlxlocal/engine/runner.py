@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
-import numpy as np
 
 from mlxlocal.cache import KVPools, KVShape, PagedLayerView, StepBatch
+from mlxlocal.cache.blocks import id_runs
 from mlxlocal.cache.mlx_lm_views import CacheLayout, NotPageable
 from mlxlocal.cache.states import StateSnapshots
 from mlxlocal.engine.sequence import Sequence
@@ -67,12 +67,8 @@ def _table_runs(table: list[int]) -> list[tuple[int, int]] | None:
     not by a Python loop over its ids (a 16k-token prompt after a prefix hit: 1,025)."""
     if len(table) < 64:
         return _segments(table, [])
-    ids = np.asarray(table, np.int64)
-    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-    if len(cuts) >= MAX_SEGMENTS:
-        return None
-    bounds = [0, *cuts.tolist(), len(table)]
-    return [(table[a], b - a) for a, b in zip(bounds, bounds[1:])]
+    runs = id_runs(table)
+    return None if len(runs) > MAX_SEGMENTS else [(first, n) for _, first, n in runs]
 
 
 def _segments(ids: list[int], segments: list[tuple[int, int]]) -> list[tuple[int, int]] | None:

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxlocal.cache import quantized
-from mlxlocal.cache.blocks import BlockManager, OutOfBlocks
+from mlxlocal.cache.blocks import BlockManager, OutOfBlocks, id_runs
 from mlxlocal.cache.disk.format import Fingerprint, np_dtype
 from mlxlocal.cache.disk.keys import PrefixKeys, chain_hashes
 from mlxlocal.cache.disk.prefetch import Prefetch, Prefetcher
@@ -175,7 +175,7 @@ class DiskTier:
         column = {x: c for c, x in enumerate(at)}  # todo index -> its window block's column
         per_file = max(1, RUN_BYTES // max(1, sum(h[:, 0].nbytes for h in host)))
         queued = 0
-        for j, _, n in _runs(todo):  # consecutive blocks of the chain: a file each, RUN_BYTES at most
+        for j, _, n in id_runs(todo):  # consecutive blocks of the chain: a file each, RUN_BYTES at most
             for a in range(j, j + n, per_file):
                 b = min(a + per_file, j + n)
                 run = [keys[todo[x]] for x in range(a, b)]
@@ -459,7 +459,7 @@ class DiskTier:
         """read_into's buffers for a file of n blocks whose blocks lo.. go into pool `ids`
         (the others read for the checksum and dropped)."""
         sinks: dict = {}
-        runs = _runs(ids)
+        runs = id_runs(ids)
         for view, name in zip(views, self.names):
             per_block = view[0, 0].nbytes
             segments: list = []
@@ -572,13 +572,3 @@ class _Keys:
 
     def __getitem__(self, i: int):
         return self.key(self.chains[i], self.tags, i)
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(index in ids, first id, length) of each run of consecutive ids (where they break found
-    by numpy: a restore of 16k tokens allocates 1,024, most often one run)."""
-    if not ids:
-        return []
-    cuts = (np.flatnonzero(np.diff(np.asarray(ids, np.int64)) != 1) + 1).tolist()
-    bounds = [0, *cuts, len(ids)]
-    return [(a, ids[a], b - a) for a, b in zip(bounds, bounds[1:])]
