@@ -397,3 +397,7 @@ def test_restart_scenario_restores_from_disk_and_reports_both_bandwidths(tiny_mo
     assert run["read_gbps"] == pytest.approx(run["read_bytes"] / run["read_s"] / 1e9)
     assert res["read_over_plain_read"] == pytest.approx(ours["read_gbps"] / ours["plain_gbps"])
     assert res["mlx_lm"]["file_bytes"] > 0 and res["mlx_lm_restore_over_ours"] > 0
+    # mlx-lm's restore both after a restart (fresh memory) and into its reused buffers.
+    mlx = res["mlx_lm"]
+    assert mlx["reused_s"] > 0 and res["mlx_lm_reused_over_ours"] == pytest.approx(
+        mlx["reused_s"] / ours["disk_s"])

@@ -257,3 +257,53 @@ def test_split_attention_runs_from_any_thread():
     same(fused.sdpa_keys_transposed(q, k, k, 0.25, "causal"), want)
     assert isinstance(got[0], mx.array), got[0]
     same(got[0], want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [5, 16, 1000, 4100])
+def test_decode_attention_powers_of_two_equals_the_matmul_composition(dtype, n):
+    """partial_powers_of_two (the CPU composition) gives partial_matmul's (weighted values,
+    max in natural units, sum of exponentials) on strided pool views: slices of either kind
+    merge into one softmax."""
+    from mlxlocal.metal.attention import partial_matmul, partial_powers_of_two
+
+    hkv, g, d, bs = 2, 3, 32, 16
+    pool = [mx.random.normal((hkv, 300, bs, d), key=mx.random.key(i)).astype(dtype) for i in (1, 2)]
+    blocks = -(-n // bs)
+    k, v = (p[:, 7:7 + blocks].reshape(hkv, blocks * bs, d)[:, :n] for p in pool)
+    qg = (mx.random.normal((hkv, g, d), key=mx.random.key(3)) * 0.3).astype(dtype)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    for a, b in zip(partial_powers_of_two(qg, k, v), partial_matmul(qg, k, v)):
+        assert a.dtype == b.dtype == mx.float32 and a.shape == b.shape
+        assert mx.allclose(a, b, rtol=tol, atol=tol).item(), float(mx.abs(a - b).max())
+
+
+@pytest.mark.parametrize("runs", [[(3, 40)], [(3, 300)], [(3, 200), (250, 1), (260, 120)]])
+def test_decode_attention_over_pool_slices_equals_mx_fast(mode, runs):
+    """segment_attention under either composition (forced) equals mx.fast's attention over the
+    same keys gathered: one slice, a long run split over two CPU streams, scattered runs."""
+    from mlxlocal.metal.attention import key_slices, segment_attention
+
+    hkv, hq, d, bs = 2, 4, 32, 16
+    kp, vp = (mx.random.normal((hkv, 600, bs, d), key=mx.random.key(i)) for i in (4, 5))
+    q = mx.random.normal((1, hq, 1, d), key=mx.random.key(6))
+    n = sum(b for _, b in runs) * bs - 9  # the last block partly filled
+    rows = lambda p: mx.concatenate([p[:, f:f + b] for f, b in runs], 1).reshape(hkv, -1, d)[:, :n]  # noqa: E731
+    want = mx.fast.scaled_dot_product_attention(q, rows(kp)[None], rows(vp)[None], scale=0.2)
+    for forced in ("ours", "mlx"):
+        mode(forced)
+        got = segment_attention(q, kp, vp, key_slices(runs, n, bs), 0.2)
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), forced
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="Metal: the paged kernel or mx.fast runs")
+def test_the_engine_plan_decides_decode_attention_at_both_size_classes(mode, tiny_model):
+    from mlxlocal.engine import EngineConfig, kernel_plan
+
+    mode("auto")
+    plan = kernel_plan(load(str(tiny_model)), EngineConfig(max_num_seqs=4))
+    got = [c for c in plan if c["op"] == "decode_attention"]
+    assert sorted(c["key"]["S"] for c in got) == [fused.DECODE_SMALL_KEYS, 4 * fused.DECODE_SMALL_KEYS]
+    assert all(c["path"] in (fused.COMPOSED, fused.BUILTIN) and c["ours_us"] > 0
+               and c["mlx_us"] > 0 for c in got)
+    assert all(c["key"]["Hq"] == 4 and c["key"]["L"] == 1 for c in got)  # the tiny qwen3's heads

@@ -55,6 +55,9 @@ def test_block_keys_cover_the_prefix_and_come_lazily_in_any_order():
     for _ in range(20):
         keys, order = PrefixKeys(tokens, 16), rng.sample(range(40), rng.randrange(1, 41))
         assert [keys[i] for i in order] == [want[i] for i in order] and keys.all() == want
+    # From the int64s submit checked the prompt as (the engine's path): the same keys.
+    assert PrefixKeys(np.asarray(tokens, np.int64), 16).all() == want
+    assert PrefixKeys(np.asarray(tokens, np.int32), 16)[39] == want[39]
     changed = list(tokens)
     changed[16 * 7 + 3] += 1  # block 7
     assert chain_hashes(changed, 16)[:7] == want[:7]

@@ -478,6 +478,30 @@ def test_async_stream(make_engine):
     assert wait_for(lambda: orphan.seq.status.value == "finished")
     assert orphan.seq.num_generated < 480
     assert tokens_of(eng.submit(prompts[2], greedy_params(6))) == expected[2]
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_a_first_token_wakes_its_loop_before_the_next_forward(make_engine):
+    """A server stream's first token is handed to its event loop before the next step's
+    forward is submitted (MLX's CPU backend blocks that submit until most of it ran), not
+    at that step's end."""
+    eng = make_engine()
+    owed: list[int] = []  # event loops owed a wake-up when each forward is built
+    forward = eng._forward
+
+    def spy(seqs, n):
+        with eng.outbox._lock:
+            owed.append(len(eng.outbox._due))
+        return forward(seqs, n)
+
+    eng._forward = spy
+
+    async def main():
+        h = eng.submit(prompt_of(9), greedy_params(4), loop=asyncio.get_running_loop())
+        return [c.token async for c in h.astream() if c.token is not None]
+
+    assert len(asyncio.run(main())) == 4
+    assert len(owed) >= 4 and not any(owed), owed
     assert_no_leak(eng)
 
 

@@ -155,11 +155,12 @@ class RadixCache:
         # only: a partial leaf is never in it), so a sequence caching its prompt again after
         # a match or a restore compares no tokens.
         known, node, j = self._held_chain(tokens, blocks, tags)
-        for block in blocks[known:]:  # a block that grew since it was cached partially: re-placed below
-            leaf = self.by_block.get(block)
-            if leaf is not None and leaf.partial:
-                del leaf.parent.children[leaf.key]
-                del self.by_block[block]
+        if not self.by_block.keys().isdisjoint(blocks[known:]):
+            for block in blocks[known:]:  # grew since it was cached partially: re-placed below
+                leaf = self.by_block.get(block)
+                if leaf is not None and leaf.partial:
+                    del leaf.parent.children[leaf.key]
+                    del self.by_block[block]
         n_chunks = len(tokens) // bs
         end = min(n_chunks, len(blocks))
         held = list(blocks[:known])
@@ -188,12 +189,16 @@ class RadixCache:
         tokens, and where it ends: (k, node, blocks of the node in it). A
         sequence that matched or cached its prefix holds them. Checked up the parents by
         block ids, no token compared but the last chunk's."""
-        bs, none = self.block_size, (0, self.root, 0)
+        bs, none, by_block = self.block_size, (0, self.root, 0), self.by_block
         k = min(len(tokens) // bs, len(blocks or ()))
-        while k and blocks[k - 1] not in self.by_block:  # its newest blocks are not in yet
-            k -= 1
-        if not k:
+        if not k or blocks[0] not in by_block:
             return none
+        if blocks[k - 1] not in by_block:  # its newest blocks are not in yet: the last that is,
+            lo, hi = 1, k - 1  # by bisection (they lead; the chain is checked below anyway)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if blocks[mid - 1] in by_block else (lo, mid - 1)
+            k = lo
         last = node = self.by_block[blocks[k - 1]]
         if node.partial:
             return none

@@ -130,6 +130,13 @@ class EngineBase:
     def validate(self, prompt: list[int], params: SamplingParams, length: int | None = None) -> None:
         """Raise before anything is queued: bad parameters, empty or over-long prompt
         (`length`: the tokens it keeps in context, when cache edits drop some)."""
+        self.checked_ids(prompt, params, length)
+
+    def checked_ids(self, prompt: list[int], params: SamplingParams,
+                    length: int | None = None) -> np.ndarray | None:
+        """validate(), and the prompt as the int64s its ids were checked as (None where the
+        vocabulary is not known): the paged engine's disk tier hashes their bytes."""
+        ids = None
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -152,3 +159,4 @@ class EngineBase:
         if length >= self.context_length:
             # At least one position must stay free for the first generated token.
             raise ContextLengthError(length, self.context_length)
+        return ids

@@ -4,7 +4,8 @@ Metal compiled, and under auto measured) when the engine is built, not on the fi
 Each projection (N, K, dtype, quantization) at decode rows 1..the most the engine forwards
 (max_num_seqs, times 1 + draft tokens when speculating), paged attention for each
 attention layer's (Hq, Hkv, D, block size, dtype, kv bits), and a native model's norms and
-ropes (compiled or mx.fast, metal/fused.py) at those rows in powers of two.
+ropes (compiled or mx.fast, metal/fused.py) at those rows in powers of two, and without Metal
+its decode attention's composition (metal/fused.py) at each size class.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def warm_up(runner, cfg: EngineConfig, draft_runner=None) -> list[dict]:
     for r in [runner] + ([draft_runner] if draft_runner is not None else []):
         plan += fused.warm_up(*fused_sites(r.model), rows, r.dtype)
         plan += layout.layouts.plan(m[name] for m, name in projection_weights(r.model))
+        if isinstance(r, NativeRunner) and (cfg.kv_bits is None or r is draft_runner):
+            heads = {(hq, shape.k_heads, d)
+                     for (hq, d), shape in zip(attention_heads(r.model), r.shapes)}
+            plan += fused.warm_up_decode_attention(sorted(heads), r.dtype)
     return plan
 
 

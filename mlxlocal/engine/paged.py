@@ -136,7 +136,7 @@ class PagedEngine(EngineBase, StepPhases):
     ) -> RequestHandle:
         params = params or SamplingParams()
         kept, peak = self._check_edits(prompt, edits) if edits else (len(prompt), len(prompt))
-        self.validate(prompt, params, length=kept)
+        ids = self.checked_ids(prompt, params, length=kept)
         constraint = self.constraint(params)
         need = -(-(peak + 1) // self.config.block_size)
         if need > self.blocks.max_blocks:
@@ -157,7 +157,7 @@ class PagedEngine(EngineBase, StepPhases):
                        min(params.max_tokens, self.context_length - kept)),
             handle=RequestHandle(cancel, loop, dead=lambda: self.dead_reason,
                                  progress=lambda: (min(seq.num_computed, n), n), outbox=self.outbox),
-            session=session,
+            session=session, prompt_ids=ids,
         )
         if edits:
             seq.edit = cache_edits.EditState.start(prompt, edits)
@@ -432,9 +432,11 @@ class PagedEngine(EngineBase, StepPhases):
                 self.spec is not None and self.spec.wants_known_tokens(self.scheduler.running))):
             # A first token goes out before the next forward is submitted, not after (MLX's
             # CPU backend blocks a submit until most of it has run: a 16k-token RAM hit's
-            # TTFT 27 -> 21 ms); drafting needs the last tokens' values.
+            # TTFT 27 -> 21 ms); drafting needs the last tokens' values. The event loops
+            # waiting on them are woken now too, not at the step's end.
             self._take(self._inflight)
             self._inflight = []
+            self.outbox.flush()
         plan = self.scheduler.plan()
         for seq in plan.starved:  # alone and still no free block: the KV pool is full
             self._guarded(seq, self._finish, seq, "length", cause="kv_cache")
@@ -502,13 +504,11 @@ class PagedEngine(EngineBase, StepPhases):
 
     def _accept(self, seq: Sequence, token: int | mx.array, lp: list[mx.array] | None = None) -> None:
         token = token if isinstance(token, int) else int(token.item())
-        if not seq.out.t_first:
+        first = not seq.out.t_first
+        if first:
             if seq.edit is not None:
                 seq.stats.dropped_tokens, seq.stats.repositioned_tokens = seq.edit.dropped, seq.edit.repositioned
             seq.out.first_token(seq.prefilled)
-            # The prompt is now computed: share its full blocks with later requests, and
-            # (no session pins it) its partial last block as a leaf they may copy from.
-            self.reuse.cache_prefix(seq)
         logprob = top = None
         if lp:
             logprob = lp[0].item()
@@ -521,6 +521,10 @@ class PagedEngine(EngineBase, StepPhases):
             seq.tokens.append(token)
             self.tokens_out += 1
             seq.emit(chunk)
+        if first:  # the prompt is computed: its full blocks shared with later requests, and
+            # (no session pins it) its partial last block as a leaf they may copy from; after
+            # the token went out (time to first token does not wait on it)
+            self.reuse.cache_prefix(seq)
         if finish is not None:
             self._finish(seq, finish)
         elif chunk is not None and seq.think is not None:

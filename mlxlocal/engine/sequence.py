@@ -54,6 +54,8 @@ class Sequence:
     think: Any = None  # engine.think.ThinkBudget: the request's thinking budget, if any
     written: int = 0  # tokens the engine wrote after the prompt unsampled (think): not output
     prefetch: Any = None  # cache.disk.prefetch.Prefetch: its disk blocks read ahead, if they are
+    # The prompt as the int64s submit checked (numpy), or None: the disk tier hashes their bytes.
+    prompt_ids: Any = None
 
     def __post_init__(self):
         if not self.tokens:

@@ -26,6 +26,7 @@ from mlxlocal.metal import dispatch
 from mlxlocal.metal.kernel import metal_available
 
 FUSED, BUILTIN = "ours (compiled)", "mlx built-in"
+COMPOSED = "ours (composed)"  # decode attention's FUSED: plain ops, not one compiled kernel
 REPEATS = 5  # alternating timings per side; the median decides
 
 
@@ -233,6 +234,8 @@ class Choices:
                 continue
             op, d, dt, *rest = k
             shape = {"M": rest[0]} if len(rest) == 1 else dict(zip(("Hq", "Hkv", "L", "S"), rest))
+            if op == "decode_attention" and path == FUSED:
+                path = COMPOSED
             out.append({"op": op, "key": {**shape, "D": d, "dtype": dt}, "path": path,
                         "how": "measured", "ours_us": round(f, 3), "mlx_us": round(b, 3)})
         return out
@@ -344,6 +347,52 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
     else:
         use = m == "ours"
     return (sdpa_keys_transposed if use else sdpa_reference)(q, k, v, scale, mask)
+
+
+# Decode attention's choice per size class: up to this many keys, timed at it; above, at 4x.
+DECODE_SMALL_KEYS = 1024
+
+
+def decode_attention(qg: mx.array, k: mx.array) -> bool:
+    """Whether a decode query's attention over plain K/V (qg [Hkv, G, D] scaled, k [Hkv, n,
+    D]) takes attention.partial_powers_of_two rather than partial_matmul (mx.fast's
+    definition): forced by the kernel mode, else measured once per size class."""
+    from mlxlocal.metal.attention import partial_matmul, partial_powers_of_two
+
+    m = dispatch.mode()
+    if m != "auto":
+        return m == "ours"
+    key = _decode_key(qg, k)
+    hit = choices.made.get(key)
+    if hit is None:
+        Hkv, G, D = qg.shape
+        n = key[-1]
+        tq, tk, tv = _sample((Hkv, G, D), qg.dtype), _sample((Hkv, n, D), k.dtype), \
+            _sample((Hkv, n, D), k.dtype)
+        return choices.fused(key, lambda: partial_powers_of_two(tq, tk, tv),
+                             lambda: partial_matmul(tq, tk, tv))
+    return hit[0] == FUSED
+
+
+def _decode_key(qg: mx.array, k: mx.array) -> tuple:
+    Hkv, G, D = qg.shape
+    n = DECODE_SMALL_KEYS if k.shape[1] <= DECODE_SMALL_KEYS else 4 * DECODE_SMALL_KEYS
+    return ("decode_attention", D, str(k.dtype).rsplit(".", 1)[-1], Hkv * G, Hkv, 1, n)
+
+
+def warm_up_decode_attention(heads: list[tuple[int, int, int]], dtype: mx.Dtype) -> list[dict]:
+    """decode_attention decided for each (Hq, Hkv, D) at both size classes before serving
+    (a long context's first request would otherwise wait on the timing); the plan of these
+    choices. Nothing on Metal, where the paged kernel or mx.fast's attention runs."""
+    if metal_available():
+        return []
+    keys = set()
+    for hq, hkv, d in heads:
+        for n in (DECODE_SMALL_KEYS, 4 * DECODE_SMALL_KEYS):
+            qg, k = mx.zeros((hkv, hq // hkv, d), dtype), mx.zeros((hkv, n, d), dtype)
+            decode_attention(qg, k)
+            keys.add(_decode_key(qg, k))
+    return choices.plan(keys) if dispatch.mode() == "auto" else []
 
 
 def rope(args: RopeArgs, x: mx.array, offset: int | mx.array) -> mx.array:

@@ -29,6 +29,7 @@ from mlxlocal.cache.disk.format import (
     encode_parts,
     file_keys,
     read_into,
+    start_helper,
 )
 
 Key = bytes | tuple  # block key (keys.py), or (block key, edit-history tag)
@@ -112,6 +113,7 @@ class DiskStore:
                  queue_size: int = 4096, fsync: bool = False, queue_bytes: int = 256 << 20,
                  about: dict | None = None):
         self.fp = fingerprint.digest
+        start_helper()
         self.dir = os.path.join(os.fspath(root), self.fp)
         os.makedirs(self.dir, exist_ok=True)
         # What `mlxlocal cache ls` shows of a store: the fingerprint, and (about) the model.

@@ -293,13 +293,14 @@ class DiskTier:
 
     # --- read-back ----------------------------------------------------------------------
     def restore(self, tokens: list[int], tags: list | None = None,
-                chains: list[bytes] | None = None, in_ram: list[int] | None = None
-                ) -> tuple[int, list[int]]:
+                chains: list[bytes] | None = None, in_ram: list[int] | None = None,
+                ids: np.ndarray | None = None) -> tuple[int, list[int]]:
         """Read the full blocks of `tokens` past what the prefix cache holds back from disk,
         into the radix tree (cached, unreferenced); returns the tokens restored, and the full
         blocks the cache now holds for them (a hint: the caller's match goes on below them).
         `chains`: their chain hashes, where a prefetch already worked them out; `in_ram`: the
-        caller's match of them in RAM, if it has one."""
+        caller's match of them in RAM, if it has one; `ids`: the tokens as int64s, if the
+        caller has them (their bytes are what the keys hash)."""
         radix, bs = self.blocks.radix, self.block_size
         n_full = len(tokens) // bs
         if radix is None or n_full == 0:
@@ -312,7 +313,8 @@ class DiskTier:
         self.blocks.share(held)  # meanwhile, so that nothing this reads evicts them
         try:
             if chains is None or len(chains) != n_full or tags is not None:
-                chains = PrefixKeys(tokens[: n_full * bs], bs, tags)  # the keys it looks at
+                ok = ids is not None and len(ids) == len(tokens)
+                chains = PrefixKeys(ids if ok else tokens, bs, tags)  # the keys it looks at
             try:
                 new = self._read_back(_Keys(chains, tags, self._key), m)
             except Exception:  # the tier only saves time: the request is served by prefill
