@@ -288,7 +288,9 @@ def test_decode_attention_over_pool_slices_equals_mx_fast(mode, runs):
     kp, vp = (mx.random.normal((hkv, 600, bs, d), key=mx.random.key(i)) for i in (4, 5))
     q = mx.random.normal((1, hq, 1, d), key=mx.random.key(6))
     n = sum(b for _, b in runs) * bs - 9  # the last block partly filled
-    rows = lambda p: mx.concatenate([p[:, f:f + b] for f, b in runs], 1).reshape(hkv, -1, d)[:, :n]  # noqa: E731
+    def rows(p):
+        return mx.concatenate([p[:, f:f + b] for f, b in runs], 1).reshape(hkv, -1, d)[:, :n]
+
     want = mx.fast.scaled_dot_product_attention(q, rows(kp)[None], rows(vp)[None], scale=0.2)
     for forced in ("ours", "mlx"):
         mode(forced)
@@ -303,7 +305,8 @@ def test_the_engine_plan_decides_decode_attention_at_both_size_classes(mode, tin
     mode("auto")
     plan = kernel_plan(load(str(tiny_model)), EngineConfig(max_num_seqs=4))
     got = [c for c in plan if c["op"] == "decode_attention"]
-    assert sorted(c["key"]["S"] for c in got) == [fused.DECODE_SMALL_KEYS, 4 * fused.DECODE_SMALL_KEYS]
+    small = fused.DECODE_SMALL_KEYS
+    assert sorted(c["key"]["S"] for c in got) == [small, 4 * small]
     assert all(c["path"] in (fused.COMPOSED, fused.BUILTIN) and c["ours_us"] > 0
                and c["mlx_us"] > 0 for c in got)
     assert all(c["key"]["Hq"] == 4 and c["key"]["L"] == 1 for c in got)  # the tiny qwen3's heads

@@ -209,7 +209,8 @@ def print_restart(s: dict, con) -> None:
     t.add_row("cold (prefill)", ms(o["cold_s"]), *([ms(mlx["cold_s"])] if mlx else []))
     t.add_row("after a restart (from disk)", ms(o["disk_s"]), *([ms(mlx["disk_s"])] if mlx else []))
     if mlx:
-        t.add_row("from disk, in one process (mlx-lm: its buffers reused)", "-", ms(mlx["reused_s"]))
+        t.add_row("from disk, in one process (mlx-lm: its buffers reused)", "-",
+                  ms(mlx["reused_s"]))
     t.add_row("from RAM", ms(o["ram_s"]), *(["-"] if mlx else []))
     t.add_row("cold ÷ from disk", f"x{s['cold_over_disk']:.1f}",
               *([f"x{mlx['cold_s'] / mlx['disk_s']:.1f}"] if mlx else []))
@@ -225,7 +226,8 @@ def print_restart(s: dict, con) -> None:
                   f"{o['restore_s'] * 1000:,.1f} ms = {o['restore_gbps']:.2f} GB/s "
                   f"(x{s['restore_over_plain_read']:.2f})")
     if mlx:
-        con.print(f"from disk after a restart, mlx-lm ÷ ours: x{s['mlx_lm_restore_over_ours']:.2f}; "
+        con.print("from disk after a restart, mlx-lm ÷ ours: "
+                  f"x{s['mlx_lm_restore_over_ours']:.2f}; "
                   f"against mlx-lm's load into reused buffers: x{s['mlx_lm_reused_over_ours']:.2f} "
                   f"(its prompt cache file {mlx['file_bytes'] / 1e6:,.1f} MB)")
 

@@ -27,8 +27,9 @@ class PrefixKeys:
     def __init__(self, tokens: list[int] | np.ndarray, block_size: int, tags: list | None = None):
         self.n, size = len(tokens) // block_size, len(tokens) // block_size * block_size
         self._step = block_size * 8
-        self._data = (tokens[:size].astype(np.int64, copy=False).tobytes()
-                      if isinstance(tokens, np.ndarray) else np.fromiter(tokens, np.int64, size).tobytes())
+        ids = tokens[:size].astype(np.int64, copy=False) if isinstance(tokens, np.ndarray) \
+            else np.fromiter(tokens, np.int64, size)
+        self._data = ids.tobytes()
         self._keys: dict[int, bytes] = {}
         self._h, self._fed = _hasher(_PLAIN), 0  # the running hash: blocks fed so far
         self._tags = tags if tags is not None and any(t is not None for t in tags[:self.n]) else None
