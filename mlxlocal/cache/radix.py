@@ -155,7 +155,8 @@ class RadixCache:
         # only: a partial leaf is never in it), so a sequence caching its prompt again after
         # a match or a restore compares no tokens.
         known, node, j = self._held_chain(tokens, blocks, tags)
-        if not self.by_block.keys().isdisjoint(blocks[known:]):
+        fresh = self.by_block.keys().isdisjoint(blocks[known:])  # none of them in the tree
+        if not fresh:
             for block in blocks[known:]:  # grew since it was cached partially: re-placed below
                 leaf = self.by_block.get(block)
                 if leaf is not None and leaf.partial:
@@ -172,8 +173,8 @@ class RadixCache:
             held += blocks[i:end]
             # Up to a block the tree holds elsewhere, if any (never, from the engine): a
             # block is in one place in the tree.
-            stop = end if self.by_block.keys().isdisjoint(blocks[i:end]) else next(
-                x for x in range(i, end) if blocks[x] in self.by_block)
+            stop = end if fresh else next(
+                (x for x in range(i, end) if blocks[x] in self.by_block), end)
             if stop > i:
                 node = self._grow(node, tokens, blocks, tags, i, stop, now)
             with_leaf = with_leaf and stop == end

@@ -133,8 +133,7 @@ class Scheduler:
                 in_ram = seq.block_table[: seq.num_computed // self.block_size]  # full blocks
                 if self.restore is not None and len(in_ram) < len(probe) // self.block_size:
                     chains = seq.prefetch.chains if seq.prefetch is not None else None
-                    ids = seq.prompt_ids if probe is seq.tokens else None
-                    restored, in_ram = self.restore(probe, None, chains, in_ram, ids)
+                    restored, in_ram = self.restore(probe, None, chains, in_ram, seq.prompt_ids)
                     if restored:  # matched again, on from the blocks the cache now holds
                         self.blocks.release(seq.block_table)
                         seq.block_table, seq.num_computed = self.blocks.match_tokens(

@@ -26,7 +26,8 @@ from mlxlocal.metal import dispatch
 from mlxlocal.metal.kernel import metal_available
 
 FUSED, BUILTIN = "ours (compiled)", "mlx built-in"
-COMPOSED = "ours (composed)"  # decode attention's FUSED: plain ops, not one compiled kernel
+COMPOSED = "ours (composed)"  # plain ops, not one compiled kernel
+OURS_SHOWN = {"decode_attention": COMPOSED}  # how the plan names an op's FUSED side
 REPEATS = 5  # alternating timings per side; the median decides
 
 
@@ -234,8 +235,8 @@ class Choices:
                 continue
             op, d, dt, *rest = k
             shape = {"M": rest[0]} if len(rest) == 1 else dict(zip(("Hq", "Hkv", "L", "S"), rest))
-            if op == "decode_attention" and path == FUSED:
-                path = COMPOSED
+            if path == FUSED:
+                path = OURS_SHOWN.get(op, FUSED)
             out.append({"op": op, "key": {**shape, "D": d, "dtype": dt}, "path": path,
                         "how": "measured", "ours_us": round(f, 3), "mlx_us": round(b, 3)})
         return out
@@ -356,22 +357,30 @@ DECODE_SMALL_KEYS = 1024
 def decode_attention(qg: mx.array, k: mx.array) -> bool:
     """Whether a decode query's attention over plain K/V (qg [Hkv, G, D] scaled, k [Hkv, n,
     D]) takes attention.partial_powers_of_two rather than partial_matmul (mx.fast's
-    definition): forced by the kernel mode, else measured once per size class."""
+    definition): forced by the kernel mode, else measured once per size class. Called per
+    slice and layer of every decode step: the answer is looked up, not worked out again."""
+    known = ("decode_attention", qg.shape, k.dtype, k.shape[1] > DECODE_SMALL_KEYS,
+             dispatch.mode())
+    use = _known.get(known)
+    if use is None:
+        use = _known[known] = _decode_choice(qg, k, known[-1])
+    return use
+
+
+def _decode_choice(qg: mx.array, k: mx.array, m: str) -> bool:
     from mlxlocal.metal.attention import partial_matmul, partial_powers_of_two
 
-    m = dispatch.mode()
     if m != "auto":
         return m == "ours"
     key = _decode_key(qg, k)
-    hit = choices.made.get(key)
-    if hit is None:
+    if key not in choices.made:
         Hkv, G, D = qg.shape
         n = key[-1]
         tq, tk, tv = _sample((Hkv, G, D), qg.dtype), _sample((Hkv, n, D), k.dtype), \
             _sample((Hkv, n, D), k.dtype)
         return choices.fused(key, lambda: partial_powers_of_two(tq, tk, tv),
                              lambda: partial_matmul(tq, tk, tv))
-    return hit[0] == FUSED
+    return choices.made[key][0] == FUSED
 
 
 def _decode_key(qg: mx.array, k: mx.array) -> tuple:

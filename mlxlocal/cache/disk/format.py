@@ -266,8 +266,8 @@ def read_into(f, size: int, fp_digest: str, key: str, place, path: str | None = 
     helper = _read_later(path, os.fstat(f.fileno()).st_ino, f.tell() + _nbytes(first), second) \
         if path is not None and _helped(second, plen) else None
     try:
-        if helper is not None:  # this thread's reads release and retake the GIL faster than
-            helper[1].wait(HELPER_START_S)  # a waiting thread wakes: it would start at the end
+        if helper is not None:  # both halves under way together: started after this one's
+            helper[1].wait(HELPER_START_S)  # reads, the helper often ran after them (traced)
         scratch = memoryview(bytearray(min(READ_PIECE, plen) or 1))
         halves = [_read_checked(f, first, scratch)]
         if helper is None:

@@ -299,8 +299,9 @@ class DiskTier:
         into the radix tree (cached, unreferenced); returns the tokens restored, and the full
         blocks the cache now holds for them (a hint: the caller's match goes on below them).
         `chains`: their chain hashes, where a prefetch already worked them out; `in_ram`: the
-        caller's match of them in RAM, if it has one; `ids`: the tokens as int64s, if the
-        caller has them (their bytes are what the keys hash)."""
+        caller's match of them in RAM, if it has one; `ids`: the request's prompt as int64s
+        (their bytes are what the keys hash), used where `tokens` is that prompt (as long: a
+        request's tokens only grow from it, and a probe short of them is a prefix)."""
         radix, bs = self.blocks.radix, self.block_size
         n_full = len(tokens) // bs
         if radix is None or n_full == 0:
@@ -313,8 +314,8 @@ class DiskTier:
         self.blocks.share(held)  # meanwhile, so that nothing this reads evicts them
         try:
             if chains is None or len(chains) != n_full or tags is not None:
-                ok = ids is not None and len(ids) == len(tokens)
-                chains = PrefixKeys(ids if ok else tokens, bs, tags)  # the keys it looks at
+                same = ids is not None and len(ids) == len(tokens)
+                chains = PrefixKeys(ids if same else tokens, bs, tags)  # the keys it looks at
             try:
                 new = self._read_back(_Keys(chains, tags, self._key), m)
             except Exception:  # the tier only saves time: the request is served by prefill
